@@ -1,0 +1,172 @@
+"""Collectives, run asynchronously, in one deterministic order on every rank.
+
+gloo and NCCL match collectives by the order in which they are issued on a
+process group. A protocol that talks more than once (size exchange, then the
+payload) must therefore never issue its second round from a future callback:
+callbacks run on other threads, and two ranks could then interleave bucket 2's
+first round with bucket 1's second round differently (this is how torch's own
+``powerSGD_hook`` hangs on gloo with several buckets).
+
+Here a protocol is a generator. Each ``yield Round(works, last)`` hands over the
+collectives it has just launched. The :class:`Communicator` issues every round
+from the thread that calls :meth:`Communicator.submit` / :meth:`flush`, in
+submission order:
+
+* ``submit(p)`` first drives every earlier protocol up to its last round
+  (waiting on their earlier rounds, which have usually finished by then), then
+  starts ``p``;
+* ``flush()`` does the same for all pending protocols; front ends call it after
+  the last bucket of a step;
+* only the *last* round completes through a future callback, which decodes but
+  never communicates.
+
+So on every rank the collectives go out in the same order, and each protocol's
+result arrives as a ``torch.futures.Future`` with no ``.wait()`` in a callback.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Generator
+
+import torch
+import torch.distributed as dist
+
+from .stats import Stats
+
+
+@dataclass
+class Round:
+    works: list
+    last: bool = False
+
+
+Protocol = Generator[Round, None, Any]
+
+
+class _Pending:
+    __slots__ = ("gen", "round", "future")
+
+    def __init__(self, gen: Protocol, future: torch.futures.Future) -> None:
+        self.gen = gen
+        self.future = future
+        self.round: Round | None = None
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+class Communicator:
+    """Runs collectives on one process group and counts what it hands them."""
+
+    def __init__(self, process_group=None, stats: Stats | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.stats = stats if stats is not None else Stats()
+        self._pending: list[_Pending] = []
+
+    # -- single collectives (async; each returns a Work) ------------------------------
+    def _timed(self, work, nbytes: int):
+        t0 = time.perf_counter()
+        self.stats.add(bytes_sent=nbytes, collectives=1)
+        stats = self.stats
+
+        def done(fut):
+            stats.add(comm_seconds=time.perf_counter() - t0)
+            return None
+
+        work.get_future().then(done)
+        return work
+
+    def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):
+        w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        return self._timed(w, t.numel() * t.element_size())
+
+    def allgather(self, out: torch.Tensor, inp: torch.Tensor):
+        """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
+        w = _all_gather_single(out, inp, self.group)
+        return self._timed(w, inp.numel() * inp.element_size())
+
+    # -- protocols ---------------------------------------------------------------------
+    def submit(self, protocol: Protocol) -> torch.futures.Future:
+        """Start a protocol after driving all earlier ones to their last round."""
+        self.flush()
+        job = _Pending(protocol, torch.futures.Future())
+        self._advance(job)
+        if job.round is not None and not job.round.last:
+            self._pending.append(job)
+        return job.future
+
+    def flush(self) -> None:
+        """Issue every pending protocol's remaining rounds (blocking on their earlier rounds)."""
+        pending, self._pending = self._pending, []
+        for job in pending:
+            while job.round is not None and not job.round.last:
+                for w in job.round.works:
+                    w.wait()
+                self._advance(job)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _advance(self, job: _Pending) -> None:
+        try:
+            job.round = next(job.gen)
+        except StopIteration as stop:  # finished without a last round (nothing to send)
+            job.round = None
+            job.future.set_result(stop.value)
+            return
+        except BaseException as exc:
+            job.round = None
+            job.future.set_exception(exc)
+            raise
+        if job.round.last:
+            self._finish_when_done(job)
+
+    @staticmethod
+    def _finish_when_done(job: _Pending) -> None:
+        futs = [w.get_future() for w in job.round.works]
+
+        def finish(all_done):
+            try:
+                for f in all_done.value():
+                    f.value()  # re-raise a failed collective
+                next(job.gen)
+            except StopIteration as stop:
+                job.future.set_result(stop.value)
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                job.future.set_exception(exc)
+                return
+            job.future.set_exception(RuntimeError("protocol yielded after its last round"))
+
+        if futs:
+            torch.futures.collect_all(futs).then(finish)
+        else:
+            done = torch.futures.Future()
+            done.set_result([])
+            finish(done)
+
+
+def allgather_bytes(comm: Communicator, msg: torch.Tensor) -> Generator[Round, None, torch.Tensor]:
+    """Protocol: all-gather variable-length uint8 messages.
+
+    Round 1 agrees on the longest message (allreduce MAX of one int64: gloo
+    rejects uneven all-gathers); round 2 all-gathers every message padded to it.
+    Returns a ``(world_size, max_len)`` uint8 tensor. The padding is counted in
+    the bytes sent, because it is sent.
+    """
+    size = torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)
+    yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX)])
+    m = int(size.item())
+    if msg.numel() < m:
+        msg = torch.cat([msg, msg.new_zeros(m - msg.numel())])
+    out = msg.new_empty(comm.world_size * m)
+    yield Round([comm.allgather(out, msg)], last=True)
+    return out.view(comm.world_size, m)

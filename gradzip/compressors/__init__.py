@@ -1,0 +1,6 @@
+from .base import Compressor, TensorContext
+from .cast import BF16, FP16, Identity
+from .sparse import RandomK, TopK
+from .threshold import Threshold
+
+__all__ = ["Compressor", "TensorContext", "Identity", "FP16", "BF16", "Threshold", "TopK", "RandomK"]

@@ -1,0 +1,184 @@
+"""Top-k and random-k sparsification."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..wire import (
+    FMT_DENSE,
+    FMT_EMPTY,
+    FMT_SPARSE32,
+    FMT_SPARSE64,
+    Payload,
+    as_bytes,
+    from_bytes,
+)
+from .base import Compressor, TensorContext, check_choice, check_positive, check_ratio, tensor_seed
+
+_INT32_LIMIT = 2**31
+
+
+def _k_of(ratio: float, n: int) -> int:
+    return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
+
+
+class TopK(Compressor):
+    """Send the ``k = ceil(ratio * n)`` elements of largest magnitude, with their indices.
+
+    ``mode="exact"`` uses ``torch.topk``. ``mode="sampled"`` is DGC's estimate
+    (Lin et al. 2018): the threshold is the top-``ratio`` quantile of ``|x|`` on a
+    random sample of ``sample`` elements, aimed 25% below the k-th value; elements
+    above it are selected and trimmed to the exact top k among them. It sends at
+    most k elements (fewer only when the sample overestimates the threshold) and
+    costs one pass over the tensor plus top-k over the sample and the survivors.
+    ``mode="auto"`` is exact below ``sampled_above`` elements and sampled from there.
+
+    Wire: ``FMT_SPARSE32`` (int32 indices then values in the gradient's dtype,
+    or in the input's when a compensated value would overflow the gradient's),
+    ``FMT_SPARSE64`` for tensors of 2**31 elements or more, or ``FMT_DENSE`` (the
+    input as is) when the sparse form would not be smaller.
+    """
+
+    summable = False
+    biased = True
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        *,
+        mode: str = "exact",
+        sample: int = 65536,
+        sampled_above: int = 1 << 20,
+        seed: int = 0,
+    ) -> None:
+        self.ratio = check_ratio("ratio", ratio)
+        check_choice("mode", mode, ("exact", "sampled", "auto"))
+        check_positive("sample", sample, integer=True)
+        check_positive("sampled_above", sampled_above, integer=True)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.mode = mode
+        self.sample = int(sample)
+        self.sampled_above = int(sampled_above)
+        self.seed = seed
+
+    def config(self) -> dict:
+        return {
+            "name": "TopK",
+            "ratio": self.ratio,
+            "mode": self.mode,
+            "sample": self.sample,
+            "sampled_above": self.sampled_above,
+            "seed": self.seed,
+        }
+
+    def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
+        """Indices (int64, ascending) of the elements to send."""
+        n = v.numel()
+        a = v.abs()
+        sampled = self.mode == "sampled" or (self.mode == "auto" and n >= self.sampled_above)
+        if not sampled or n <= self.sample:
+            return torch.topk(a, k, sorted=False).indices.sort().values
+        g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
+        probe = torch.randint(n, (self.sample,), generator=g).to(v.device)
+        # Aim 25% above k, then trim the survivors to exactly k: the estimate's
+        # spread then rarely leaves fewer than k (DGC's hierarchical selection).
+        ks = min(self.sample, max(1, math.ceil(1.25 * k * self.sample / n)))
+        thr = torch.topk(a[probe], ks, sorted=False).values.min()
+        idx = (a >= thr).nonzero().reshape(-1)
+        if idx.numel() > k:
+            idx = idx[torch.topk(a[idx], k, sorted=False).indices]
+        return idx.sort().values
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        ctx = self._ctx(x, ctx)
+        vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
+        v = x.reshape(-1)
+        n = v.numel()
+        if n == 0:
+            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+        k = _k_of(self.ratio, n)
+        itemsize = torch.empty(0, dtype=vdtype).element_size()
+        wide = n >= _INT32_LIMIT
+        sparse_bytes = k * ((8 if wide else 4) + itemsize)
+        if sparse_bytes >= n * itemsize:
+            return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
+        idx = self.select(v, k, ctx)
+        ibytes = as_bytes(idx if wide else idx.to(torch.int32))
+        vals = v[idx]
+        sent = vals.to(vdtype)
+        if vdtype != v.dtype and bool((sent.isinf() & vals.isfinite()).any()):
+            # A compensated value outgrew the gradient's dtype: send this frame in the input's.
+            vdtype, sent = v.dtype, vals
+        body = torch.cat([ibytes, as_bytes(sent)])
+        fmt = FMT_SPARSE64 if wide else FMT_SPARSE32
+        return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        out = self._zeros(payload)
+        self.accumulate(payload, out.view(-1))
+        return out.to(payload.dtype)
+
+    def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
+        if payload.fmt == FMT_EMPTY:
+            return
+        if payload.fmt == FMT_DENSE:
+            out.add_(from_bytes(payload.body, payload.vdtype).to(out.dtype))
+            return
+        if payload.fmt not in (FMT_SPARSE32, FMT_SPARSE64):
+            raise ValueError(f"TopK cannot decode frame format {payload.fmt}")
+        isize = 8 if payload.fmt == FMT_SPARSE64 else 4
+        vsize = torch.empty(0, dtype=payload.vdtype).element_size()
+        nb = payload.body.numel()
+        if nb % (isize + vsize):
+            raise ValueError(f"corrupt top-k frame: {nb} bytes is not a multiple of {isize + vsize}")
+        k = nb // (isize + vsize)
+        idx = from_bytes(payload.body[: k * isize], torch.int64 if isize == 8 else torch.int32).to(torch.int64)
+        vals = from_bytes(payload.body[k * isize :], payload.vdtype)
+        if k and int(idx.max()) >= out.numel():
+            raise ValueError(f"corrupt top-k frame: index {int(idx.max())} >= numel {out.numel()}")
+        out.index_add_(0, idx, vals.to(out.dtype))
+
+
+class RandomK(Compressor):
+    """Send ``k = ceil(ratio * n)`` elements at indices drawn from a seed all ranks share.
+
+    The indices depend only on ``(seed, step, tensor name)``, so every rank picks
+    the same ones and only the k values travel: the payload is summable and goes
+    through allreduce. Values travel in the input's dtype (float32 when error
+    feedback has promoted a half-precision gradient), the same on every rank. Values are not rescaled by n/k; with error feedback (the
+    default) the unsent mass waits in the residual.
+    """
+
+    summable = True
+    biased = True
+
+    def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
+        self.ratio = check_ratio("ratio", ratio)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = seed
+
+    def config(self) -> dict:
+        return {"name": "RandomK", "ratio": self.ratio, "seed": self.seed}
+
+    def indices(self, n: int, ctx: TensorContext, device) -> torch.Tensor:
+        k = _k_of(self.ratio, n)
+        if k == n:
+            return torch.arange(n, device=device)
+        g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
+        return torch.randperm(n, generator=g)[:k].sort().values.to(device)
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        ctx = self._ctx(x, ctx)
+        v = x.reshape(-1)
+        idx = self.indices(v.numel(), ctx, x.device)
+        return Payload(body=v[idx], shape=x.shape, dtype=x.dtype, vdtype=x.dtype, local=idx)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        out = torch.zeros(payload.shape, dtype=payload.dtype, device=payload.body.device)
+        out.view(-1)[payload.local] = payload.body.to(out.dtype)
+        return out

@@ -1,0 +1,171 @@
+"""The engine every front end shares: compress with error feedback, communicate, decode.
+
+A front end (DDP hook, DistributedOptimizer, local SGD) hands the engine a list
+of named tensors and gets back a future of their average over the ranks, as
+one flat tensor. The engine owns the per-tensor state: residuals, compressor
+state and the step counter, and its ``state_dict()`` is what survives a restart.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from .comm import Communicator, Round, allgather_bytes
+from .compressors.base import Compressor, TensorContext
+from .feedback import ErrorFeedback
+from .stats import Stats
+from .wire import Payload, accum_dtype, pack_frames, unpack_frames
+
+STATE_VERSION = 1
+
+
+class Engine:
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        process_group=None,
+        start_iter: int = 0,
+        error_feedback: bool | None = None,
+    ) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a gradzip Compressor, got {type(compressor).__name__}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an integer in [0, inf), got {start_iter!r}")
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
+        self.compressor = compressor
+        self.start_iter = start_iter
+        self.error_feedback = compressor.biased if error_feedback is None else error_feedback
+        self.memory = ErrorFeedback() if self.error_feedback else None
+        self.stats_ = Stats()
+        self.comm = Communicator(process_group, self.stats_)
+        self.tensor_state: dict[str, dict] = {}
+        self.step = 0
+
+    # -- the step ----------------------------------------------------------------------
+    def reduce(
+        self, names: Sequence[str], tensors: Sequence[torch.Tensor], out_dtype: torch.dtype | None = None
+    ) -> torch.futures.Future:
+        """Start averaging ``tensors`` over the ranks; a future of one flat tensor.
+
+        The flat result holds the tensors' averages back to back, in ``out_dtype``
+        (default: the first tensor's dtype).
+        """
+        if len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+        for name, t in zip(names, tensors):
+            if not t.is_floating_point():
+                raise TypeError(f"gradient {name!r} must be floating point, got {t.dtype}")
+        out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
+        if self.step < self.start_iter:
+            return self.comm.submit(self._plain(tensors, out_dtype))
+        return self.comm.submit(self._compressed(list(names), list(tensors), out_dtype))
+
+    def flush(self) -> None:
+        """Issue all outstanding collectives (call after the last bucket of a step)."""
+        self.comm.flush()
+
+    def end_step(self) -> None:
+        self.step += 1
+        self.stats_.add(steps=1)
+
+    # -- protocols ---------------------------------------------------------------------
+    def _plain(self, tensors, out_dtype):
+        """Before start_iter: what plain DDP does (divide, then allreduce-sum)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+        flat.div_(self.comm.world_size)
+        self.stats_.add(bytes_raw=flat.numel() * flat.element_size(), bytes_payload=flat.numel() * flat.element_size())
+        yield Round([self.comm.allreduce(flat)], last=True)
+        return flat.to(out_dtype)
+
+    def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
+        return TensorContext(name=name, step=self.step, dtype=dtype, store=self.tensor_state.setdefault(name, {}))
+
+    def _compressed(self, names, tensors, out_dtype):
+        comp, world = self.compressor, self.comm.world_size
+        t0 = time.perf_counter()
+        payloads: list[Payload] = []
+        raw = 0
+        for name, g in zip(names, tensors):
+            raw += g.numel() * g.element_size()
+            x = self.memory.compensate(name, g) if self.memory is not None else g
+            p = comp.compress(x, self._context(name, g.dtype))
+            if self.memory is not None:
+                self.memory.update(name, x, comp.decompress(p))
+            payloads.append(p)
+        numels = [t.numel() for t in tensors]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        device = tensors[0].device if tensors else torch.device("cpu")
+
+        if comp.summable:
+            flat = torch.cat([p.body.reshape(-1) for p in payloads]) if payloads else torch.empty(0, device=device)
+            flat.div_(world)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
+            msg_bytes = flat.numel() * flat.element_size()
+            self.stats_.add(bytes_raw=raw, bytes_payload=msg_bytes, codec_seconds=time.perf_counter() - t0)
+            yield Round([self.comm.allreduce(flat)], last=True)
+            t1 = time.perf_counter()
+            out = torch.empty(offsets[-1], dtype=out_dtype, device=device)
+            pos = 0
+            for i, p in enumerate(payloads):
+                k = p.body.numel()
+                summed = Payload(body=flat[pos : pos + k], shape=p.shape, dtype=p.dtype, vdtype=p.vdtype, local=p.local)
+                out[offsets[i] : offsets[i + 1]] = comp.decompress(summed).reshape(-1)
+                pos += k
+            self.stats_.add(codec_seconds=time.perf_counter() - t1)
+            return out
+
+        msg = pack_frames(payloads, device=device)
+        self.stats_.add(bytes_raw=raw, bytes_payload=msg.numel(), codec_seconds=time.perf_counter() - t0)
+        gathered = yield from allgather_bytes(self.comm, msg)
+        t1 = time.perf_counter()
+        shapes = [p.shape for p in payloads]
+        dtypes = [p.dtype for p in payloads]
+        acc = torch.zeros(offsets[-1], dtype=accum_dtype(out_dtype), device=device)
+        for r in range(world):  # fixed rank order: every rank computes the same floats
+            for i, fp in enumerate(unpack_frames(gathered[r], shapes, dtypes)):
+                comp.accumulate(fp, acc[offsets[i] : offsets[i + 1]])
+        acc.div_(world)
+        self.stats_.add(codec_seconds=time.perf_counter() - t1)
+        return acc.to(out_dtype)
+
+    # -- state -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.stats_.as_dict()
+
+    def state_dict(self) -> dict:
+        """Tensors and plain Python values only: ``torch.load(weights_only=True)`` reads it."""
+        return {
+            "version": STATE_VERSION,
+            "compressor": self.compressor.config(),
+            "error_feedback": self.error_feedback,
+            "step": self.step,
+            "residuals": self.memory.state_dict() if self.memory is not None else {},
+            "tensor_state": {k: dict(v) for k, v in self.tensor_state.items()},
+            "stats": self.stats_.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(f"state version {sd.get('version')!r} is not supported (expected {STATE_VERSION})")
+        saved, mine = sd["compressor"], self.compressor.config()
+        for key in sorted(set(saved) | set(mine)):
+            if saved.get(key) != mine.get(key):
+                raise ValueError(
+                    f"compressor config differs from the checkpoint in {key!r}: "
+                    f"saved {saved.get(key)!r}, now {mine.get(key)!r}"
+                )
+        if bool(sd["error_feedback"]) != self.error_feedback:
+            raise ValueError(
+                f"error_feedback differs from the checkpoint: saved {sd['error_feedback']}, now {self.error_feedback}"
+            )
+        self.step = int(sd["step"])
+        if self.memory is not None:
+            self.memory.load_state_dict(sd["residuals"])
+        self.tensor_state = {k: dict(v) for k, v in sd["tensor_state"].items()}
+        self.stats_.load_state_dict(sd["stats"])
+

@@ -1,0 +1,94 @@
+"""DDP communication hook: one line to compress DDP's gradient traffic.
+
+    state = register_hook(ddp_model, gradzip.Threshold(tau=1e-3))
+
+The hook is a thin adapter: it names each gradient in the bucket after its
+parameter, hands them to the :class:`gradzip.engine.Engine`, and returns the
+engine's future. Residuals are keyed by parameter name, so DDP's bucket rebuild
+after the first iteration does not touch them.
+"""
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gradzip.compressors.base import Compressor
+from gradzip.engine import Engine
+
+
+class HookState:
+    """What :func:`register_hook` returns: stats, and state to checkpoint."""
+
+    def __init__(self, engine: Engine, names: "dict[int, str]") -> None:
+        self.engine = engine
+        self._names = names
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.engine.compressor
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    def stats(self) -> dict:
+        """Bytes and times counted at the collectives; see :mod:`gradzip.stats`."""
+        return self.engine.stats()
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.engine.load_state_dict(sd)
+
+    def names_of(self, params) -> list[str]:
+        try:
+            return [self._names[id(p)] for p in params]
+        except KeyError:
+            raise RuntimeError("DDP handed the hook a parameter that the wrapped module does not own") from None
+
+
+def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    grads = bucket.gradients()
+    names = state.names_of(bucket.parameters())
+    buf = bucket.buffer()
+    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype)
+    if bucket.is_last():
+        state.engine.flush()
+        state.engine.end_step()
+    shape = buf.shape
+
+    def to_bucket(f):
+        return f.value().view(shape)
+
+    return fut.then(to_bucket)
+
+
+def register_hook(
+    ddp_model: DistributedDataParallel,
+    compressor: Compressor,
+    *,
+    process_group=None,
+    start_iter: int = 0,
+    error_feedback: bool | None = None,
+) -> HookState:
+    """Register gradzip as ``ddp_model``'s communication hook.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model, before its first backward.
+        compressor: any gradzip compressor.
+        process_group: defaults to DDP's own process group.
+        start_iter: steps before this one use a plain allreduce (no compression).
+        error_feedback: keep unsent mass in per-parameter residuals. ``None``
+            turns it on for biased compressors (``compressor.biased``).
+
+    Returns the :class:`HookState`: ``stats()``, ``state_dict()``, ``load_state_dict()``.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if process_group is None:
+        process_group = getattr(ddp_model, "process_group", None)
+    engine = Engine(compressor, process_group=process_group, start_iter=start_iter, error_feedback=error_feedback)
+    names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+    state = HookState(engine, names)
+    ddp_model.register_comm_hook(state, _gradzip_hook)
+    return state

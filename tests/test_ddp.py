@@ -1,0 +1,321 @@
+"""Multi-process tests: DDP + gradzip hook on 2 and 4 gloo ranks (127.0.0.1)."""
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip as gz
+from gradzip import bench
+from gradzip.compressors.base import TensorContext
+from gradzip.hooks import register_hook
+from gradzip.wire import HEADER_BYTES
+
+from .mp_utils import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def make_model(seed=0, width=48):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 5),
+    )
+
+
+def batch(step, rank, n=16):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 20, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def train_steps(ddp, opt, steps, rank, first=0):
+    for s in range(first, first + steps):
+        x, y = batch(s, rank)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# --------------------------------------------------------------------------------------
+def _identity_vs_plain(rank, world, cap_mb):
+    out = {}
+    for mode in ("plain", "hook"):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=cap_mb)
+        state = register_hook(ddp, gz.Identity()) if mode == "hook" else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        train_steps(ddp, opt, 6, rank)
+        out[mode] = params(model)
+        if state is not None:
+            out["stats"] = state.stats()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_identity_hook_is_bit_identical_to_plain_ddp(world):
+    res = run_ranks(_identity_vs_plain, world, 0.005)
+    for r in res:
+        for a, b in zip(r["plain"], r["hook"]):
+            assert torch.equal(a, b)
+        st = r["stats"]
+        assert st["bytes_sent"] == st["bytes_raw"] and st["ratio"] == 1.0 and st["steps"] == 6
+    nparams = sum(p.numel() for p in make_model().parameters())
+    assert res[0]["stats"]["bytes_raw"] == 6 * 4 * nparams
+
+
+# --------------------------------------------------------------------------------------
+def test_threshold_topk_randomk_converge_within_2pp_of_plain_ddp():
+    methods = {
+        "Identity": gz.Identity(),
+        "Threshold": gz.Threshold(tau=1e-3, policy="adaptive", band=(1e-3, 1e-2)),
+        "TopK": gz.TopK(ratio=0.01),
+        "RandomK": gz.RandomK(ratio=0.1),
+    }
+    rows = bench.run(methods, bench.BenchConfig(workers=2, epochs=20))
+    base = rows[0]["accuracy"]
+    assert base > 0.95, rows
+    for r in rows[1:]:
+        assert r["accuracy"] >= base - 0.02, r
+        assert r["ratio"] >= 9.0, r
+
+
+# --------------------------------------------------------------------------------------
+CKPT_COMPRESSORS = [
+    gz.Threshold(tau=1e-3, policy="adaptive", band=(1e-2, 5e-2), shake_every=3),
+    gz.TopK(ratio=0.05, mode="sampled", sample=64),
+    gz.RandomK(ratio=0.2, seed=5),
+]
+
+
+def _checkpoint(rank, world, comp, k):
+    def build(seed):
+        model = make_model(seed)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        state = register_hook(ddp, comp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        return model, ddp, state, opt
+
+    model, ddp, state, opt = build(0)
+    train_steps(ddp, opt, 2 * k, rank)
+    unbroken = params(model)
+
+    model, ddp, state, opt = build(0)
+    train_steps(ddp, opt, k, rank)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gradzip": state.state_dict()}, buf)
+    saved_step = state.step
+    del model, ddp, state, opt
+
+    model, ddp, state, opt = build(123)  # different init: only the checkpoint can make it match
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["gradzip"])
+    assert state.step == saved_step == k
+    train_steps(ddp, opt, k, rank, first=k)
+    return {"unbroken": unbroken, "resumed": params(model), "residuals": len(ckpt["gradzip"]["residuals"])}
+
+
+@pytest.mark.parametrize("comp", CKPT_COMPRESSORS, ids=lambda c: type(c).__name__)
+def test_checkpoint_resume_matches_unbroken_run(comp):
+    res = run_ranks(_checkpoint, 2, comp, 5)
+    nparams = len(list(make_model().parameters()))
+    for r in res:
+        assert r["residuals"] == nparams
+        for a, b in zip(r["unbroken"], r["resumed"]):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+def rebuild_compressor():
+    return gz.Threshold(tau=2e-3, policy="adaptive", band=(0.02, 0.1), decay=0.7)
+
+
+def _rebuild(rank, world, steps):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = register_hook(ddp, rebuild_compressor())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    collectives = []
+    for s in range(steps):
+        train_steps(ddp, opt, 1, rank, first=s)
+        collectives.append(state.stats()["collectives"])
+    return {"params": params(model), "collectives": collectives, "residuals": sorted(state.engine.memory.residuals)}
+
+
+def reference_run(steps, world, comp):
+    """The algorithm re-enacted in one process: each rank's gradients with its own residuals."""
+    ref = make_model()
+    names = [n for n, _ in ref.named_parameters()]
+    mems = [gz.feedback.ErrorFeedback() for _ in range(world)]
+    stores = [{n: {} for n in names} for _ in range(world)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(steps):
+        grads = []
+        for r in range(world):
+            ref.zero_grad(set_to_none=True)
+            x, y = batch(s, r)
+            F.cross_entropy(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, (n, p) in enumerate(ref.named_parameters()):
+            acc = torch.zeros(p.numel())
+            for r in range(world):  # rank order, as the engine decodes
+                c = mems[r].compensate(n, grads[r][i])
+                pay = comp.compress(c, TensorContext(name=n, step=s, dtype=p.dtype, store=stores[r][n]))
+                mems[r].update(n, c, comp.decompress(pay))
+                comp.accumulate(pay, acc)
+            p.grad = acc.div_(world).view_as(p)
+        opt.step()
+    return params(ref), names
+
+
+def test_residuals_survive_ddp_bucket_rebuild():
+    steps = 6
+    res = run_ranks(_rebuild, 2, steps)
+    expected, names = reference_run(steps, 2, rebuild_compressor())
+    # DDP rebuilt its buckets after iteration 0: one bucket (2 collectives) then several.
+    c = res[0]["collectives"]
+    assert c[0] == 2 and c[1] - c[0] > 2 and c[2] - c[1] == c[1] - c[0]
+    for r in res:
+        assert r["residuals"] == sorted(names)
+        for a, b in zip(r["params"], expected):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+def _stress(rank, world, comp, steps):
+    """Tiny buckets, two-round protocols, ranks with different payload sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(12)])
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    state = register_hook(ddp, comp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s * 31 + rank)
+        x = torch.randn(8 * (rank + 1), 24, generator=g)  # rank-dependent sizes and payloads
+        opt.zero_grad()
+        (ddp(x) ** 2).mean().backward()
+        opt.step()
+    return {"params": params(model), "stats": state.stats()}
+
+
+@pytest.mark.parametrize(
+    "comp", [gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)), gz.TopK(0.05)], ids=["threshold", "topk"]
+)
+def test_many_buckets_on_four_ranks_neither_hang_nor_diverge(comp):
+    steps = 30
+    res = run_ranks(_stress, 4, comp, steps, timeout=180)
+    assert res[0]["stats"]["collectives"] > 2 * steps * 6  # many buckets, two rounds each
+    for r in res[1:]:  # replicas stay identical
+        for a, b in zip(res[0]["params"], r["params"]):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+def _silent(rank, world):
+    model = make_model()
+    before = params(model)
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = register_hook(ddp, gz.Threshold(tau=1e6))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    train_steps(ddp, opt, 5, rank)
+    return {"same": all(torch.equal(a, b) for a, b in zip(before, params(model))), "stats": state.stats()}
+
+
+def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
+    res = run_ranks(_silent, 2, timeout=120)
+    ntensors = len(list(make_model().parameters()))
+    for r in res:
+        st = r["stats"]
+        assert r["same"]
+        # Per step: each bucket sends an 8-byte size and one 16-byte header per tensor.
+        nbuckets = st["collectives"] // 2
+        assert st["bytes_sent"] == nbuckets * 8 + st["steps"] * ntensors * HEADER_BYTES
+
+
+# --------------------------------------------------------------------------------------
+def _topk_bytes(rank, world):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket after the rebuild too
+    state = register_hook(ddp, gz.TopK(ratio=0.02))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    train_steps(ddp, opt, 4, rank)
+    return state.stats()
+
+
+def test_measured_bytes_match_the_topk_formula():
+    st = run_ranks(_topk_bytes, 2)[0]
+    numels = [p.numel() for p in make_model().parameters()]
+    per_tensor = [HEADER_BYTES + 8 * math.ceil(0.02 * n) for n in numels]  # int32 index + fp32 value
+    per_step = 8 + sum(per_tensor)  # size exchange + frames (all ranks send the same length)
+    assert st["bytes_sent"] == 4 * per_step
+    assert st["bytes_raw"] == 4 * 4 * sum(numels)
+    assert st["ratio"] == pytest.approx(sum(numels) * 4 / per_step)
+    assert st["ratio"] > 20
+
+
+# --------------------------------------------------------------------------------------
+def _per_rank_tau(rank, world, dtype):
+    eng = gz.Engine(gz.Threshold(tau=0.5, policy="adaptive"))
+    xs = {n: [torch.randn(shape, generator=torch.Generator().manual_seed(17 * r + i)).to(dtype) for r in range(world)]
+          for i, (n, shape) in enumerate([("a", (40, 3)), ("b", (7,)), ("c", (1,))])}
+    eng.tensor_state = {n: {"tau": 0.25 * (rank + 1)} for n in xs}  # ranks disagree on tau
+    fut = eng.reduce(list(xs), [xs[n][rank] for n in xs])
+    eng.flush()
+    got = fut.wait()
+    # Expected: every rank's own encode, with its own tau, averaged in float32.
+    comp = gz.Threshold(tau=0.5, policy="adaptive")
+    parts = []
+    for n, per_rank in xs.items():
+        acc = torch.zeros(per_rank[0].numel())
+        for r in range(world):
+            ctx = TensorContext(name=n, dtype=dtype, store={"tau": 0.25 * (r + 1)})
+            comp.accumulate(comp.compress(per_rank[r].float(), ctx), acc)
+        parts.append(acc / world)
+    return {"got": got, "expected": torch.cat(parts).to(dtype)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_each_payload_carries_its_own_tau(dtype):
+    for r in run_ranks(_per_rank_tau, 2, dtype):
+        assert r["got"].dtype == dtype
+        assert torch.equal(r["got"], r["expected"])
+
+
+# --------------------------------------------------------------------------------------
+def _start_iter(rank, world):
+    out = {}
+    for mode in ("plain", "hook"):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        state = register_hook(ddp, gz.TopK(0.01), start_iter=3) if mode == "hook" else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        snaps = []
+        for s in range(5):
+            train_steps(ddp, opt, 1, rank, first=s)
+            snaps.append(params(model))
+            if state is not None and s == 2:
+                out["stats_at_3"] = state.stats()
+        out[mode] = snaps
+    return out
+
+
+def test_start_iter_is_plain_allreduce_before_it():
+    r = run_ranks(_start_iter, 2)[0]
+    for s in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"][s], r["hook"][s]))
+    assert not all(torch.equal(a, b) for a, b in zip(r["plain"][4], r["hook"][4]))
+    st = r["stats_at_3"]
+    assert st["bytes_sent"] == st["bytes_raw"]

@@ -1,0 +1,76 @@
+import math
+
+import pytest
+import torch
+
+from gradzip import wire
+from gradzip.kernels import decode_signed_indices, encode_signed_indices, pack_2bit, unpack_2bit
+
+SIZES = [1, 2, 3, 4, 5, 7, 31, 33, 1009, 1823 * 781]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_2bit_roundtrip_is_bit_exact(n):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
+    packed = pack_2bit(codes)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 4)
+    assert torch.equal(unpack_2bit(packed, n), codes)
+
+
+def test_2bit_layout_is_little_endian_within_a_byte():
+    codes = torch.tensor([1, 2, 3, 0, 2], dtype=torch.uint8)
+    assert pack_2bit(codes).tolist() == [1 | (2 << 2) | (3 << 4), 2]
+
+
+def test_unpack_2bit_rejects_short_input():
+    with pytest.raises(ValueError, match="fewer than n"):
+        unpack_2bit(torch.zeros(2, dtype=torch.uint8), 9)
+
+
+def test_signed_indices_roundtrip_extremes():
+    idx = torch.tensor([0, 1, 2**31 - 1, 12345, 2**31 - 1, 0], dtype=torch.int64)
+    neg = torch.tensor([False, True, True, False, False, True])
+    words = encode_signed_indices(idx, neg)
+    assert words.dtype == torch.int32
+    i2, n2 = decode_signed_indices(words)
+    assert torch.equal(i2, idx) and torch.equal(n2, neg)
+    # Bit 31 carries the sign, the rest is the index.
+    assert words[1].item() == -(2**31) + 1
+
+
+def test_frames_roundtrip_and_alignment():
+    bodies = [torch.arange(5, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), torch.randn(3).view(torch.uint8)]
+    ps = [
+        wire.Payload(body=bodies[0], shape=torch.Size([20]), dtype=torch.float32, fmt=wire.FMT_BITMAP2, scale=0.5),
+        wire.Payload(body=bodies[1], shape=torch.Size([7]), dtype=torch.float16, fmt=wire.FMT_EMPTY),
+        wire.Payload(
+            body=bodies[2], shape=torch.Size([3]), dtype=torch.float32, fmt=wire.FMT_DENSE, vdtype=torch.float32
+        ),
+    ]
+    msg = wire.pack_frames(ps)
+    assert msg.numel() == 3 * 16 + 8 + 0 + 16
+    assert msg.numel() == sum(wire.frame_nbytes(b.numel()) for b in bodies)
+    # Trailing padding (from a padded all-gather) is ignored.
+    padded = torch.cat([msg, torch.full((13,), 255, dtype=torch.uint8)])
+    out = wire.unpack_frames(padded, [p.shape for p in ps], [p.dtype for p in ps])
+    for a, b in zip(ps, out):
+        assert (a.fmt, a.scale, a.shape, a.dtype) == (b.fmt, b.scale, b.shape, b.dtype)
+        assert torch.equal(a.body, b.body)
+    assert torch.equal(wire.from_bytes(out[2].body, torch.float32), bodies[2].view(torch.float32))
+
+
+def test_unpack_frames_rejects_truncated_messages():
+    p = wire.Payload(body=torch.ones(40, dtype=torch.uint8), shape=torch.Size([160]), dtype=torch.float32, fmt=3)
+    msg = wire.pack_frames([p])
+    with pytest.raises(ValueError, match="corrupt"):
+        wire.unpack_frames(msg[:30], [p.shape], [p.dtype])
+    with pytest.raises(ValueError, match="corrupt"):
+        wire.unpack_frames(msg[:10], [p.shape], [p.dtype])
+
+
+def test_dtype_codes():
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        assert wire.code_dtype(wire.dtype_code(dt)) == dt
+    with pytest.raises(TypeError):
+        wire.dtype_code(torch.int32)
