@@ -7,16 +7,15 @@ state and the step counter, and its ``state_dict()`` is what survives a restart.
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
-from .comm import Communicator, Round, allgather_bytes
+from .comm import Communicator, Round
 from .compressors.base import Compressor, TensorContext
+from .exchange import Call
 from .feedback import ErrorFeedback
 from .stats import Stats
-from .wire import Payload, accum_dtype, pack_frames, unpack_frames
 
 STATE_VERSION = 1
 
@@ -85,53 +84,16 @@ class Engine:
         return TensorContext(name=name, step=self.step, dtype=dtype, store=self.tensor_state.setdefault(name, {}))
 
     def _compressed(self, names, tensors, out_dtype):
-        comp, world = self.compressor, self.comm.world_size
-        t0 = time.perf_counter()
-        payloads: list[Payload] = []
-        raw = 0
-        for name, g in zip(names, tensors):
-            raw += g.numel() * g.element_size()
-            x = self.memory.compensate(name, g) if self.memory is not None else g
-            p = comp.compress(x, self._context(name, g.dtype))
-            if self.memory is not None:
-                self.memory.update(name, x, comp.decompress(p))
-            payloads.append(p)
-        numels = [t.numel() for t in tensors]
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
-        device = tensors[0].device if tensors else torch.device("cpu")
-
-        if comp.summable:
-            flat = torch.cat([p.body.reshape(-1) for p in payloads]) if payloads else torch.empty(0, device=device)
-            flat.div_(world)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
-            msg_bytes = flat.numel() * flat.element_size()
-            self.stats_.add(bytes_raw=raw, bytes_payload=msg_bytes, codec_seconds=time.perf_counter() - t0)
-            yield Round([self.comm.allreduce(flat)], last=True)
-            t1 = time.perf_counter()
-            out = torch.empty(offsets[-1], dtype=out_dtype, device=device)
-            pos = 0
-            for i, p in enumerate(payloads):
-                k = p.body.numel()
-                summed = Payload(body=flat[pos : pos + k], shape=p.shape, dtype=p.dtype, vdtype=p.vdtype, local=p.local)
-                out[offsets[i] : offsets[i + 1]] = comp.decompress(summed).reshape(-1)
-                pos += k
-            self.stats_.add(codec_seconds=time.perf_counter() - t1)
-            return out
-
-        msg = pack_frames(payloads, device=device)
-        self.stats_.add(bytes_raw=raw, bytes_payload=msg.numel(), codec_seconds=time.perf_counter() - t0)
-        gathered = yield from allgather_bytes(self.comm, msg)
-        t1 = time.perf_counter()
-        shapes = [p.shape for p in payloads]
-        dtypes = [p.dtype for p in payloads]
-        acc = torch.zeros(offsets[-1], dtype=accum_dtype(out_dtype), device=device)
-        for r in range(world):  # fixed rank order: every rank computes the same floats
-            for i, fp in enumerate(unpack_frames(gathered[r], shapes, dtypes)):
-                comp.accumulate(fp, acc[offsets[i] : offsets[i + 1]])
-        acc.div_(world)
-        self.stats_.add(codec_seconds=time.perf_counter() - t1)
-        return acc.to(out_dtype)
+        self.stats_.add(bytes_raw=sum(t.numel() * t.element_size() for t in tensors))
+        call = Call(
+            comm=self.comm,
+            names=names,
+            tensors=tensors,
+            contexts=[self._context(n, t.dtype) for n, t in zip(names, tensors)],
+            memory=self.memory,
+            out_dtype=out_dtype,
+        )
+        return (yield from self.compressor.exchange(call))
 
     # -- state -------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -50,6 +50,18 @@ class Compressor:
         """``out += decompress(payload)`` for a flat ``out``; override to skip the dense copy."""
         out.add_(self.decompress(payload).reshape(-1))
 
+    def exchange(self, call):
+        """The protocol that carries this compressor's payloads (see :mod:`gradzip.exchange`).
+
+        Summable compressors use one allreduce; the others frame their payloads and
+        all-gather them. Multi-round methods override this.
+        """
+        from ..exchange import framed_exchange, summable_exchange
+
+        if self.summable:
+            return (yield from summable_exchange(self, call))
+        return (yield from framed_exchange(self, call))
+
     def config(self) -> dict:
         """Plain-value description of the configuration (saved with state, compared on load)."""
         return {"name": type(self).__name__}
