@@ -81,7 +81,14 @@ class Engine:
         return flat.to(out_dtype)
 
     def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
-        return TensorContext(name=name, step=self.step, dtype=dtype, store=self.tensor_state.setdefault(name, {}))
+        return TensorContext(
+            name=name,
+            step=self.step,
+            dtype=dtype,
+            store=self.tensor_state.setdefault(name, {}),
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+        )
 
     def _compressed(self, names, tensors, out_dtype):
         self.stats_.add(bytes_raw=sum(t.numel() * t.element_size() for t in tensors))

@@ -19,13 +19,17 @@ class TensorContext:
     ``store`` is this tensor's own state (adaptive thresholds, counters). It is
     owned by the front end, saved in its ``state_dict()``, and holds only
     tensors and plain Python values. ``dtype`` is the gradient's dtype (the
-    input may have been promoted to float32 by error feedback).
+    input may have been promoted to float32 by error feedback). ``rank`` and
+    ``world_size`` let stochastic compressors draw independent randomness per
+    rank (shared-randomness ones must not use ``rank``).
     """
 
     name: str = ""
     step: int = 0
     dtype: torch.dtype = torch.float32
     store: dict = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
 
 
 class Compressor:
