@@ -71,9 +71,9 @@ class Communicator:
         self._pending: list[_Pending] = []
 
     # -- single collectives (async; each returns a Work) ------------------------------
-    def _timed(self, work, nbytes: int):
+    def _timed(self, work, nbytes: int, control: bool):
         t0 = time.perf_counter()
-        self.stats.add(bytes_sent=nbytes, collectives=1)
+        self.stats.add(bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0)
         stats = self.stats
 
         def done(fut):
@@ -83,14 +83,15 @@ class Communicator:
         work.get_future().then(done)
         return work
 
-    def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM):
+    def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, *, control: bool = False):
+        """Allreduce in place. ``control=True`` books the bytes as protocol overhead too."""
         w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
-        return self._timed(w, t.numel() * t.element_size())
+        return self._timed(w, t.numel() * t.element_size(), control)
 
-    def allgather(self, out: torch.Tensor, inp: torch.Tensor):
+    def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
         w = _all_gather_single(out, inp, self.group)
-        return self._timed(w, inp.numel() * inp.element_size())
+        return self._timed(w, inp.numel() * inp.element_size(), control)
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol) -> torch.futures.Future:
@@ -154,19 +155,22 @@ class Communicator:
             finish(done)
 
 
-def allgather_bytes(comm: Communicator, msg: torch.Tensor) -> Generator[Round, None, torch.Tensor]:
+def allgather_bytes(
+    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False
+) -> Generator[Round, None, torch.Tensor]:
     """Protocol: all-gather variable-length uint8 messages.
 
     Round 1 agrees on the longest message (allreduce MAX of one int64: gloo
     rejects uneven all-gathers); round 2 all-gathers every message padded to it.
     Returns a ``(world_size, max_len)`` uint8 tensor. The padding is counted in
-    the bytes sent, because it is sent.
+    the bytes sent, because it is sent. Pass ``last=False`` when more rounds follow.
+    The size exchange is booked as control bytes; so is the payload if ``control``.
     """
     size = torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)
-    yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX)])
+    yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX, control=True)])
     m = int(size.item())
     if msg.numel() < m:
         msg = torch.cat([msg, msg.new_zeros(m - msg.numel())])
     out = msg.new_empty(comm.world_size * m)
-    yield Round([comm.allgather(out, msg)], last=True)
+    yield Round([comm.allgather(out, msg, control=control)], last=last)
     return out.view(comm.world_size, m)

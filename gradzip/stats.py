@@ -8,6 +8,9 @@ Bytes are counted by :mod:`gradzip.comm` from the tensors it hands to
 * ``bytes_raw``: bytes of the gradients those collectives replaced, i.e. what a
   plain allreduce of the same tensors would have been handed.
 * ``ratio = bytes_raw / bytes_sent``.
+* ``bytes_control``: the part of ``bytes_sent`` that is protocol, not payload:
+  size exchanges, non-finite flags, the first step's configuration check.
+* ``bytes_payload``: message bytes before padding.
 
 Times are wall-clock seconds: ``codec_seconds`` in compress/decompress and error
 feedback, ``comm_seconds`` summed over collectives from launch to completion
@@ -17,7 +20,16 @@ from __future__ import annotations
 
 import threading
 
-_FIELDS = ("steps", "bytes_raw", "bytes_sent", "bytes_payload", "collectives", "codec_seconds", "comm_seconds")
+_FIELDS = (
+    "steps",
+    "bytes_raw",
+    "bytes_sent",
+    "bytes_control",
+    "bytes_payload",
+    "collectives",
+    "codec_seconds",
+    "comm_seconds",
+)
 
 
 class Stats:
@@ -29,6 +41,7 @@ class Stats:
         self.steps = 0
         self.bytes_raw = 0
         self.bytes_sent = 0
+        self.bytes_control = 0
         self.bytes_payload = 0
         self.collectives = 0
         self.codec_seconds = 0.0

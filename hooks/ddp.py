@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.compressors.base import Compressor
-from gradzip.engine import Engine
+from gradzip.engine import Engine, layout_of
 
 
 class HookState:
@@ -70,6 +70,7 @@ def register_hook(
     process_group=None,
     start_iter: int = 0,
     error_feedback: bool | None = None,
+    on_nonfinite: str = "skip",
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -80,6 +81,13 @@ def register_hook(
         start_iter: steps before this one use a plain allreduce (no compression).
         error_feedback: keep unsent mass in per-parameter residuals. ``None``
             turns it on for biased compressors (``compressor.biased``).
+        on_nonfinite: ``"skip"`` (a step where any rank's gradient holds a NaN/Inf
+            yields an all-NaN average, so GradScaler skips it, and leaves residuals
+            untouched) or ``"raise"`` (``FloatingPointError`` on every rank).
+
+    On the first step the ranks compare their configuration (compressor config,
+    options, parameter names/shapes/dtypes) and raise ``ValueError`` naming the
+    field that differs.
 
     Returns the :class:`HookState`: ``stats()``, ``state_dict()``, ``load_state_dict()``.
     """
@@ -87,8 +95,16 @@ def register_hook(
         raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
-    engine = Engine(compressor, process_group=process_group, start_iter=start_iter, error_feedback=error_feedback)
-    names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+    trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+    engine = Engine(
+        compressor,
+        process_group=process_group,
+        start_iter=start_iter,
+        error_feedback=error_feedback,
+        on_nonfinite=on_nonfinite,
+        layout=layout_of(trained),
+    )
+    names = {id(p): n for n, p in trained}
     state = HookState(engine, names)
     ddp_model.register_comm_hook(state, _gradzip_hook)
     return state

@@ -1,5 +1,6 @@
 """Multi-process tests: DDP + gradzip hook on 2 and 4 gloo ranks (127.0.0.1)."""
 import io
+import json
 import math
 
 import pytest
@@ -70,7 +71,7 @@ def test_identity_hook_is_bit_identical_to_plain_ddp(world):
         for a, b in zip(r["plain"], r["hook"]):
             assert torch.equal(a, b)
         st = r["stats"]
-        assert st["bytes_sent"] == st["bytes_raw"] and st["ratio"] == 1.0 and st["steps"] == 6
+        assert st["bytes_sent"] - st["bytes_control"] == st["bytes_raw"] and st["steps"] == 6
     nparams = sum(p.numel() for p in make_model().parameters())
     assert res[0]["stats"]["bytes_raw"] == 6 * 4 * nparams
 
@@ -185,9 +186,10 @@ def test_residuals_survive_ddp_bucket_rebuild():
     steps = 6
     res = run_ranks(_rebuild, 2, steps)
     expected, names = reference_run(steps, 2, rebuild_compressor())
-    # DDP rebuilt its buckets after iteration 0: one bucket (2 collectives) then several.
+    # DDP rebuilt its buckets after iteration 0: one bucket (config check: 2 collectives,
+    # then size + flag + payload: 3) in the first step, several buckets from then on.
     c = res[0]["collectives"]
-    assert c[0] == 2 and c[1] - c[0] > 2 and c[2] - c[1] == c[1] - c[0]
+    assert c[0] == 2 + 3 and c[1] - c[0] > 3 and c[2] - c[1] == c[1] - c[0]
     for r in res:
         assert r["residuals"] == sorted(names)
         for a, b in zip(r["params"], expected):
@@ -231,7 +233,8 @@ def _silent(rank, world):
     state = register_hook(ddp, gz.Threshold(tau=1e6))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     train_steps(ddp, opt, 5, rank)
-    return {"same": all(torch.equal(a, b) for a, b in zip(before, params(model))), "stats": state.stats()}
+    check = len(json.dumps(state.engine.describe(), sort_keys=True).encode())
+    return {"same": all(torch.equal(a, b) for a, b in zip(before, params(model))), "stats": state.stats(), "check": check}
 
 
 def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
@@ -240,9 +243,11 @@ def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
     for r in res:
         st = r["stats"]
         assert r["same"]
-        # Per step: each bucket sends an 8-byte size and one 16-byte header per tensor.
-        nbuckets = st["collectives"] // 2
-        assert st["bytes_sent"] == nbuckets * 8 + st["steps"] * ntensors * HEADER_BYTES
+        # Per step: each bucket sends an 8-byte size, a 4-byte non-finite flag and one
+        # 16-byte header per tensor (plus the first step's configuration check).
+        nbuckets = (st["collectives"] - 2) // 3
+        assert st["bytes_sent"] - st["bytes_control"] == st["steps"] * ntensors * HEADER_BYTES
+        assert st["bytes_control"] == (8 + r["check"]) + nbuckets * (8 + 4)
 
 
 # --------------------------------------------------------------------------------------
@@ -259,11 +264,11 @@ def test_measured_bytes_match_the_topk_formula():
     st = run_ranks(_topk_bytes, 2)[0]
     numels = [p.numel() for p in make_model().parameters()]
     per_tensor = [HEADER_BYTES + 8 * math.ceil(0.02 * n) for n in numels]  # int32 index + fp32 value
-    per_step = 8 + sum(per_tensor)  # size exchange + frames (all ranks send the same length)
-    assert st["bytes_sent"] == 4 * per_step
+    per_step = sum(per_tensor)  # frames (all ranks send the same length)
+    assert st["bytes_sent"] - st["bytes_control"] == 4 * per_step
     assert st["bytes_raw"] == 4 * 4 * sum(numels)
-    assert st["ratio"] == pytest.approx(sum(numels) * 4 / per_step)
-    assert st["ratio"] > 20
+    assert st["ratio"] == pytest.approx(st["bytes_raw"] / st["bytes_sent"])
+    assert st["bytes_raw"] / (4 * per_step) > 20 and st["ratio"] > 15  # control: config check, sizes, flags
 
 
 # --------------------------------------------------------------------------------------
@@ -318,4 +323,4 @@ def test_start_iter_is_plain_allreduce_before_it():
         assert all(torch.equal(a, b) for a, b in zip(r["plain"][s], r["hook"][s]))
     assert not all(torch.equal(a, b) for a, b in zip(r["plain"][4], r["hook"][4]))
     st = r["stats_at_3"]
-    assert st["bytes_sent"] == st["bytes_raw"]
+    assert st["bytes_sent"] - st["bytes_control"] == st["bytes_raw"]

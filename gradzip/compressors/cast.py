@@ -21,6 +21,34 @@ class Identity(Compressor):
         return payload.body.to(payload.dtype).reshape(payload.shape)
 
 
+_MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to a narrower float dtype without turning finite values into infinities.
+
+    A finite ``v`` beyond the target's range is sent as the largest value that is
+    representable in ``dtype``, not above ``|v|``, and a multiple of ``ulp(v)`` (in
+    ``v``'s own dtype), with ``v``'s sign. So ``v - sent`` is exact and error feedback
+    keeps the excess; values so large that no such value exists are sent as 0.
+    Infinities and NaNs pass through unchanged.
+    """
+    fmax = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max <= fmax:
+        return x.to(dtype)
+    a = x.abs()
+    big = (a > fmax) & torch.isfinite(x)
+    if not bool(big.any()):
+        return x.to(dtype)
+    _, e = torch.frexp(x[big].to(torch.float64))
+    # ulp(v) = 2**(e - 1 - mantissa bits), with v = m * 2**e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 1 - _MANTISSA_BITS[x.dtype])
+    sat = torch.floor(fmax / ulp) * ulp * torch.sign(x[big].to(torch.float64))
+    y = x.clone()
+    y[big] = sat.to(x.dtype)
+    return y.to(dtype)
+
+
 class _Cast(Compressor):
     summable = True
     # Round-to-nearest is not systematically biased; error feedback stays opt-in,
@@ -31,7 +59,7 @@ class _Cast(Compressor):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
         return Payload(
-            body=x.reshape(-1).to(self.wire_dtype), shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype
+            body=saturating_cast(x.reshape(-1), self.wire_dtype), shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype
         )
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -39,7 +67,12 @@ class _Cast(Compressor):
 
 
 class FP16(_Cast):
-    """IEEE half on the wire (2 bytes/element). Values beyond ±65504 become ±inf."""
+    """IEEE half on the wire (2 bytes/element).
+
+    Finite values beyond ±65504 saturate (see :func:`saturating_cast`) instead of
+    becoming ±inf, so error feedback keeps the excess and the residual is never
+    poisoned; without error feedback they are clipped.
+    """
 
     wire_dtype = torch.float16
 
