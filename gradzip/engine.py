@@ -12,7 +12,8 @@ Safety nets, all decided identically on every rank:
   and a hash of the parameter layout when the front end gave one). A mismatch
   raises ``ValueError`` naming the differing field, on every rank.
 * **Non-finite gradients.** Every call adds a one-element allreduce(MAX) of
-  "this rank saw a NaN/Inf" to its first round. If any rank saw one, the call's
+  "this rank saw a NaN/Inf" to its first round. If any rank saw one (or the
+  average itself overflows the gradient's dtype), the call's
   result is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as
   it would without compression) or every rank raises ``FloatingPointError``
   (``"raise"``). Either way, when the step ends, the residuals and compressor
@@ -137,6 +138,10 @@ class Engine:
                 )
                 inner = self.compressor.exchange(call)
             out, bad = yield from self._with_nonfinite_flag(inner, call, tensors)
+            # Finite inputs can still average to more than the output dtype holds (an
+            # overflowing float16 gradient). Every rank holds the same ``out``, so every
+            # rank decides alike without talking.
+            bad = bad or not bool(torch.isfinite(out).all())
             if bad:
                 with self._lock:
                     self._nonfinite = True
@@ -208,7 +213,8 @@ class Engine:
         msg = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
         gathered = yield from allgather_bytes(self.comm, msg, last=False, control=True)
         descs = [json.loads(bytes(row.cpu().numpy()).rstrip(b"\0")) for row in gathered]
-        for key in sorted(set().union(*descs)):
+        keys = sorted(set().union(*descs), key=lambda k: (k != "compressor.name", k))  # the class first
+        for key in keys:
             values = [d.get(key, "<missing>") for d in descs]
             if any(v != values[0] for v in values):
                 shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))

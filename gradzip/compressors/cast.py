@@ -36,7 +36,8 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fmax = torch.finfo(dtype).max
     if torch.finfo(x.dtype).max <= fmax:
         return x.to(dtype)
-    a = x.abs()
+    # Compare in a dtype that holds fmax exactly (65504 rounds to 65536 in bfloat16).
+    a = x.abs().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     big = (a > fmax) & torch.isfinite(x)
     if not bool(big.any()):
         return x.to(dtype)
@@ -63,7 +64,8 @@ class _Cast(Compressor):
         )
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.body.to(payload.dtype).reshape(payload.shape)
+        # Saturating: float16 gradients sent as bfloat16 may round up past 65504.
+        return saturating_cast(payload.body.to(torch.float32), payload.dtype).reshape(payload.shape)
 
 
 class FP16(_Cast):
