@@ -1,58 +1,38 @@
-"""Compression ratio against accuracy on sklearn's digits (what `make demo` prints).
+"""Compression ratio against accuracy on real data (what `make demo` runs).
 
-    python benchmarks/accuracy.py [--workers 2] [--epochs 20]
+    python benchmarks/accuracy.py [--dataset mnist|digits] [--workers 2] [--epochs N]
 
-Writes benchmarks/results/accuracy_digits_<host kind>.json with the machine, versions and date.
+Writes benchmarks/results/accuracy_<dataset>_<N>ranks_cpu.{json,csv,png} with the machine,
+versions and date (the same files `gradzip bench --out` writes).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import sys
-
-import torch
+import shutil
+import tempfile
 
 from gradzip import bench
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "device": "cpu",
-        "date": datetime.date.today().isoformat(),
-    }
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--dataset", default="mnist", choices=["mnist", "digits"])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args()
-    cfg = bench.BenchConfig(workers=a.workers, epochs=a.epochs)
+    cfg = bench.BenchConfig(dataset=a.dataset, workers=a.workers, epochs=a.epochs)
     rows = bench.run(bench.default_methods(), cfg)
     print(bench.format_table(rows))
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"accuracy_digits_{a.workers}ranks_cpu.json")
-    methods = {k: repr(v) for k, v in bench.default_methods().items()}
-    with open(path, "w") as f:
-        json.dump({"machine": machine(), "config": bench.asdict(cfg), "methods": methods, "rows": rows}, f, indent=2)
-    print(f"wrote {path}")
+    stem = f"accuracy_{a.dataset}_{a.workers}ranks_cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = bench.write_outputs(rows, cfg, tmp)
+        os.makedirs(a.out, exist_ok=True)
+        for kind, ext in (("json", "json"), ("csv", "csv"), ("plot", "png")):
+            dst = os.path.join(a.out, f"{stem}.{ext}")
+            shutil.copyfile(paths[kind], dst)
+            print(f"wrote {dst}")
 
 
 if __name__ == "__main__":

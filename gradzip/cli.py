@@ -2,56 +2,75 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 
 def _bench(args) -> int:
     from . import bench
 
-    cfg = bench.BenchConfig(dataset=args.dataset, workers=args.workers, epochs=args.epochs, seed=args.seed)
+    cfg = bench.BenchConfig(dataset=args.dataset, workers=args.workers, epochs=args.epochs, seed=args.seed,
+                            device=args.device)
+    if args.quick:
+        cfg.epochs = cfg.epochs or {"mnist": 1, "digits": 5}[args.dataset]
+    known = {**bench.default_methods(), **bench.extra_methods()}
     methods = bench.default_methods()
     if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",")]
-        unknown = [m for m in wanted if m not in methods]
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in known]
         if unknown:
-            print(f"unknown methods {unknown}; choose from {list(methods)}", file=sys.stderr)
+            print(f"unknown methods {unknown}; choose from {list(known)}", file=sys.stderr)
             return 2
-        if wanted[0] != "Identity":
-            wanted.insert(0, "Identity")
-        methods = {m: methods[m] for m in dict.fromkeys(wanted)}
+        if "Identity" not in wanted:
+            wanted.insert(0, "Identity")  # the baseline for Δ accuracy
+        wanted.sort(key=lambda m: m != "Identity")
+        methods = {m: known[m] for m in dict.fromkeys(wanted)}
     print(
-        f"gradzip bench: {cfg.dataset}, {cfg.workers} gloo ranks, {cfg.epochs} epochs, "
-        f"batch {cfg.batch_size}/rank, {len(methods)} methods",
+        f"gradzip bench: {cfg.dataset}, {cfg.workers} {'nccl' if cfg.device == 'cuda' else 'gloo'} ranks, "
+        f"{cfg.resolved_epochs()} epochs, batch {cfg.batch_size}/rank, {len(methods)} methods: {', '.join(methods)}",
         flush=True,
     )
+    n_train = {"mnist": 4000, "digits": 1437}[cfg.dataset]
+    total = bench.steps_per_method(cfg, n_train) * len(methods)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="step", desc="training", dynamic_ncols=True, disable=args.no_progress)
+    except ImportError:  # the [bench] extra is not installed: no bar
+        bar = None
+
+    def tick(method, step):
+        if bar is not None:
+            bar.set_description(method)
+            bar.update(1)
 
     def progress(row):
-        print(f"  done: {row['method']:<10} acc {100 * row['accuracy']:.2f}%  ratio {row['ratio']:.1f}x", flush=True)
+        msg = f"  {row['method']:<10} acc {100 * row['accuracy']:.2f}%  ratio {row['ratio']:.1f}x"
+        (bar.write if bar is not None else print)(msg)
 
-    rows = bench.run(methods, cfg, progress=progress)
+    rows = bench.run(methods, cfg, progress=progress, tick=tick)
+    if bar is not None:
+        bar.close()
     print()
     print(bench.format_table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "results.json")
-        with open(path, "w") as f:
-            json.dump({"config": bench.asdict(cfg), "rows": rows}, f, indent=2, default=str)
-        print(f"\nwrote {path}")
+        paths = bench.write_outputs(rows, cfg, args.out)
+        print(f"\nwrote {paths['json']}, {paths['csv']}, {paths['plot']}")
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gradzip", description="gradient compression toolkit")
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="compression ratio against accuracy on a small real dataset")
-    b.add_argument("--dataset", default="digits", choices=["digits"])
+    b = sub.add_parser("bench", help="compression ratio against accuracy on real data (MNIST by default)")
+    b.add_argument("--dataset", default="mnist", choices=["mnist", "digits"])
     b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--epochs", type=int, default=20)
+    b.add_argument("--epochs", type=int, default=None, help="default: 4 for mnist, 20 for digits")
+    b.add_argument("--quick", action="store_true", help="a short run: 1 epoch of MNIST (5 of digits)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--methods", default="", help="comma-separated subset of the default methods")
-    b.add_argument("--out", default="bench_out", help="folder for results.json ('' to skip)")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    b.add_argument("--methods", default="", help="comma-separated methods (default: the default set)")
+    b.add_argument("--out", default="bench_out", help="folder for results.json/csv and pareto.png ('' to skip)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -71,9 +71,14 @@ class Communicator:
         self._pending: list[_Pending] = []
 
     # -- single collectives (async; each returns a Work) ------------------------------
-    def _timed(self, work, nbytes: int, control: bool):
+    def _timed(self, work, nbytes: int, control: bool, gather: bool = False):
         t0 = time.perf_counter()
-        self.stats.add(bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0)
+        self.stats.add(
+            bytes_sent=nbytes,
+            collectives=1,
+            bytes_control=nbytes if control else 0,
+            bytes_allgather=nbytes if gather else 0,
+        )
         stats = self.stats
 
         def done(fut):
@@ -91,7 +96,7 @@ class Communicator:
     def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
         w = _all_gather_single(out, inp, self.group)
-        return self._timed(w, inp.numel() * inp.element_size(), control)
+        return self._timed(w, inp.numel() * inp.element_size(), control, gather=True)
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol) -> torch.futures.Future:

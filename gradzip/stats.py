@@ -10,6 +10,8 @@ Bytes are counted by :mod:`gradzip.comm` from the tensors it hands to
 * ``ratio = bytes_raw / bytes_sent``.
 * ``bytes_control``: the part of ``bytes_sent`` that is protocol, not payload:
   size exchanges, non-finite flags, the first step's configuration check.
+* ``bytes_allgather``: the part of ``bytes_sent`` handed to all-gathers (the rest
+  went to allreduces); a cost model needs both, since they scale differently.
 * ``bytes_payload``: message bytes before padding.
 
 Times are wall-clock seconds: ``codec_seconds`` in compress/decompress and error
@@ -25,6 +27,7 @@ _FIELDS = (
     "bytes_raw",
     "bytes_sent",
     "bytes_control",
+    "bytes_allgather",
     "bytes_payload",
     "collectives",
     "codec_seconds",
@@ -42,6 +45,7 @@ class Stats:
         self.bytes_raw = 0
         self.bytes_sent = 0
         self.bytes_control = 0
+        self.bytes_allgather = 0
         self.bytes_payload = 0
         self.collectives = 0
         self.codec_seconds = 0.0

@@ -84,7 +84,7 @@ def test_threshold_topk_randomk_converge_within_2pp_of_plain_ddp():
         "TopK": gz.TopK(ratio=0.01),
         "RandomK": gz.RandomK(ratio=0.1),
     }
-    rows = bench.run(methods, bench.BenchConfig(workers=2, epochs=20))
+    rows = bench.run(methods, bench.BenchConfig(dataset="digits", workers=2, epochs=20))
     base = rows[0]["accuracy"]
     assert base > 0.95, rows
     for r in rows[1:]:

@@ -1,0 +1,277 @@
+"""Step time per method on emulated links, against a cost model.
+
+    sudo python benchmarks/step_time.py [--ranks 4] [--rates 100mbit,1gbit,none]
+
+N ranks run in network namespaces (benchmarks/netns.py) whose links are shaped
+with tc tbf; each trains a communication-bound MLP (>= 20M parameters) through
+the gradzip DDP hook for every method, and reports the median step time. The
+cost model predicts
+
+    step = compute + codec + allreduce_bytes * 2(N-1)/N / B + allgather_bytes * (N-1) / B
+
+from quantities measured in the same run: compute (forward + backward of the
+same model with no communication, timed on every rank at the same time),
+codec seconds and the bytes each rank handed to allreduce and to all-gather
+(``stats()``). B is the nominal link rate; for the unshaped run B is the
+bandwidth measured by a timed 64 MB allreduce between the namespaces.
+Writes benchmarks/results/step_time.json and step_time.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+RATES = {"100mbit": 100e6, "1gbit": 1e9, "none": None}
+
+
+def methods() -> dict:
+    import gradzip as gz
+    from gradzip.bench import _optional
+
+    m = {
+        "allreduce": None,  # plain DDP, no hook
+        "FP16": gz.FP16(),
+        "TopK-1%": gz.TopK(ratio=0.01),
+        "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
+    }
+    for name, mod, cls, kw in (
+        ("SignSGD", "gradzip.compressors.quant", "SignSGD", {}),
+        ("PowerSGD-4", "gradzip.compressors.powersgd", "PowerSGD", {"rank": 4}),
+    ):
+        c = _optional(mod, cls)
+        if c is not None:
+            m[name] = c(**kw)
+    return m
+
+
+def build_model(width: int, depth: int):
+    import torch
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(1024, width), torch.nn.ReLU()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(width, 1024))
+    return torch.nn.Sequential(*layers)
+
+
+# -- one rank ----------------------------------------------------------------------------
+def worker(a) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from gradzip.hooks import register_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=a.pg_timeout))
+    comp = methods()[a.method]
+    model = build_model(a.width, a.depth)
+    nparams = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(a.rank)
+    x, y = torch.randn(a.batch, 1024, generator=g), torch.randn(a.batch, 1024, generator=g)
+
+    def local_step(m):
+        m.zero_grad(set_to_none=True)
+        F.mse_loss(m(x), y).backward()
+
+    for _ in range(2):  # compute alone, every rank at once (the same CPU contention as in a step)
+        local_step(model)
+    dist.barrier()
+    t = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        local_step(model)
+        t.append(time.perf_counter() - t0)
+    compute = statistics.median(t)
+
+    bw = None
+    if a.calibrate:
+        buf = torch.ones(16 * 2**20)  # 64 MB
+        dist.all_reduce(buf)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        dt = time.perf_counter() - t0
+        bw = buf.numel() * 4 * 8 * 2 * (a.world - 1) / a.world / dt  # bits/s through the ring formula
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = register_hook(ddp, comp) if comp is not None else None
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    times, snap = [], None
+    for s in range(a.warmup + a.steps):
+        if s == a.warmup and state is not None:
+            snap = state.stats()
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    times = times[a.warmup :]
+    out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute, "step_s": statistics.median(times),
+           "step_all_s": times, "calibrated_bps": bw}
+    if state is not None:
+        end = state.stats()
+        k = end["steps"] - snap["steps"]
+        for key in ("bytes_sent", "bytes_allgather", "codec_seconds"):
+            out[key + "_per_step"] = (end[key] - snap[key]) / k
+    else:
+        out.update(bytes_sent_per_step=nparams * 4, bytes_allgather_per_step=0, codec_seconds_per_step=0.0)
+    if a.rank == 0:
+        with open(a.result, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+# -- the driver --------------------------------------------------------------------------
+def model_time(r: dict, world: int, bps: float | None) -> dict:
+    gather = r["bytes_allgather_per_step"]
+    reduce_ = r["bytes_sent_per_step"] - gather
+    wire = 0.0
+    if bps:
+        wire = (reduce_ * 2 * (world - 1) / world + gather * (world - 1)) * 8 / bps
+    return {"compute": r["compute_s"], "codec": r["codec_seconds_per_step"], "wire": wire,
+            "total": r["compute_s"] + r["codec_seconds_per_step"] + wire}
+
+
+def run_method(net, world, method, a, rate_name, calibrate) -> dict:
+    port = 29000 + int(time.time() * 1000) % 20000
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--world", str(world),
+            "--master", net.address(0), "--port", str(port), "--result", result, "--width", str(a.width),
+            "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+            "--pg-timeout", str(a.pg_timeout)] + (["--calibrate"] if calibrate else [])
+    procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(world)]
+    deadline = time.time() + a.method_timeout
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{method} at {rate_name}: ranks did not finish in {a.method_timeout}s")
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{method} at {rate_name} failed:\n" + "\n".join(l[-2000:] for l in logs))
+    with open(result) as f:
+        out = json.load(f)
+    os.unlink(result)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--master", default="", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    p.add_argument("--method", default="", help=argparse.SUPPRESS)
+    p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--rates", default="100mbit,1gbit,none")
+    p.add_argument("--methods", default="", help="comma-separated subset")
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=1, help="hidden width x width layers (default: ~25M parameters)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pg-timeout", type=float, default=300.0)
+    p.add_argument("--method-timeout", type=float, default=900.0)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return 0
+
+    import netns as net
+
+    why = net.check()
+    if why:
+        print(f"step_time.py: {why}", file=sys.stderr)
+        return 2
+    names = list(methods())
+    if a.methods:
+        names = [m for m in a.methods.split(",") if m]
+    rates = a.rates.split(",")
+    for r in rates:
+        if r not in RATES:
+            print(f"unknown rate {r!r}; choose from {list(RATES)}", file=sys.stderr)
+            return 2
+    rows = []
+    net.up(a.ranks)
+    try:
+        for rate in rates:
+            net.set_rate(a.ranks, None if rate == "none" else rate)
+            bps = RATES[rate]
+            for i, m in enumerate(names):
+                r = run_method(net, a.ranks, m, a, rate, calibrate=(bps is None and i == 0))
+                if bps is None:
+                    bps = r["calibrated_bps"]
+                pred = model_time(r, a.ranks, bps)
+                row = {"rate": rate, "bps": bps, **r, "model": pred, "model_error": pred["total"] / r["step_s"] - 1}
+                rows.append(row)
+                print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
+                      f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f})  "
+                      f"err {100 * row['model_error']:+6.1f}%  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB",
+                      flush=True)
+    finally:
+        net.down()
+    from gradzip.bench import machine
+
+    for rate in rates:
+        base = next((r["step_s"] for r in rows if r["rate"] == rate and r["method"] == "allreduce"), None)
+        for r in rows:
+            if r["rate"] == rate and base:
+                r["speedup_vs_allreduce"] = base / r["step_s"]
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    doc = {"machine": machine(), "ranks": a.ranks, "width": a.width, "depth": a.depth, "batch": a.batch,
+           "steps": a.steps, "warmup": a.warmup, "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    plot(doc, a.out.replace(".json", ".png"))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(r["rate"] for r in doc["rows"]))
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        rows = [r for r in doc["rows"] if r["rate"] == rate]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["step_s"] for r in rows], width=0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], [r["model"]["total"] for r in rows], width=0.4, label="model")
+        ax.set_xticks(list(xs), [r["method"] for r in rows], rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_title(f"{doc['ranks']} ranks, link {rate}")
+        ax.set_ylabel("step time (s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
