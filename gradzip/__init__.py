@@ -8,8 +8,11 @@
 
 Importing gradzip never imports triton or cupy.
 """
+from . import schedules
 from .compressors import BF16, FP16, Compressor, Identity, RandomK, TensorContext, Threshold, TopK
 from .engine import Engine
+from .local_sgd import LocalSGD
+from .optim import DistributedOptimizer
 from .stats import Stats
 from .wire import Payload
 
@@ -27,4 +30,7 @@ __all__ = [
     "RandomK",
     "Engine",
     "Stats",
+    "DistributedOptimizer",
+    "LocalSGD",
+    "schedules",
 ]

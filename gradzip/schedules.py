@@ -1,0 +1,162 @@
+"""When local SGD synchronizes: schedules are functions ``step -> bool``.
+
+``step`` counts the local optimizer steps taken so far, from 1: the schedule
+is asked right after the ``step``-th local update whether to synchronize now.
+A schedule must give the same answer on every rank (the answer decides whether
+a collective is issued), so it depends on ``step`` alone. Any callable
+``step -> bool`` works; these are the usual ones:
+
+* :class:`Constant` ``(period)``: every ``period`` steps (``H`` in the papers).
+* :class:`PostLocal` ``(warmup_steps, period)``: every step during the first
+  ``warmup_steps`` steps (synchronous SGD), then every ``period`` steps, as in
+  post-local SGD (Lin et al. 2020, "Don't use large mini-batches, use local SGD").
+* :class:`Increasing` ``(period, factor, every, max_period)``: the interval
+  grows by ``factor`` every ``every`` steps, up to ``max_period``.
+
+``sync_steps(schedule, n)`` lists the steps in ``1..n`` at which a schedule
+synchronizes.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Callable
+
+__all__ = ["Schedule", "Constant", "PostLocal", "Increasing", "as_schedule", "sync_steps"]
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer in [{low}, inf), got {value!r}")
+    return value
+
+
+class Schedule:
+    """Base class: ``schedule(step) -> bool`` for ``step >= 1``."""
+
+    def __call__(self, step: int) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        return {"name": type(self).__name__}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+class Constant(Schedule):
+    """Synchronize at steps ``period, 2*period, ...``. ``Constant(1)`` is every step."""
+
+    def __init__(self, period: int) -> None:
+        self.period = _check_int("period", period, 1)
+
+    def __call__(self, step: int) -> bool:
+        return step >= 1 and step % self.period == 0
+
+    def config(self) -> dict:
+        return {"name": "Constant", "period": self.period}
+
+
+class PostLocal(Schedule):
+    """Every step up to and including ``warmup_steps``, then every ``period`` steps after it.
+
+    Synchronizes at ``1, 2, ..., warmup_steps`` and then at
+    ``warmup_steps + period, warmup_steps + 2*period, ...``.
+    """
+
+    def __init__(self, warmup_steps: int, period: int) -> None:
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.period = _check_int("period", period, 1)
+
+    def __call__(self, step: int) -> bool:
+        if step < 1:
+            return False
+        if step <= self.warmup_steps:
+            return True
+        return (step - self.warmup_steps) % self.period == 0
+
+    def config(self) -> dict:
+        return {"name": "PostLocal", "warmup_steps": self.warmup_steps, "period": self.period}
+
+
+class Increasing(Schedule):
+    """An interval that grows with training.
+
+    The interval that starts at a sync point ``s`` (``s = 0`` at the start) is
+
+        ``H(s) = min(max_period, floor(period * factor ** (s // every)))``
+
+    so the sync points are ``s_0 = 0`` and ``s_{i+1} = s_i + H(s_i)``. With
+    ``Increasing(2, 2, 10, 8)``: 2, 4, 6, 8, 10, then 14, 18, 22, then 30, 38, ...
+    """
+
+    def __init__(self, period: int, factor: float, every: int, max_period: int) -> None:
+        self.period = _check_int("period", period, 1)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+            raise ValueError(f"factor must be a finite number in [1, inf), got {factor!r}")
+        self.factor = float(factor)
+        self.every = _check_int("every", every, 1)
+        self.max_period = _check_int("max_period", max_period, period)
+        # Segments (start, h, end): sync points start+h, start+2h, ..., end (inclusive).
+        self._starts: list[int] = []
+        self._segments: list[tuple[int, int, int]] = []
+        self._tail: tuple[int, int] | None = None  # (start, h): from there on, every h steps forever
+
+    def period_at(self, s: int) -> int:
+        """The interval that starts at sync point ``s``."""
+        level = s // self.every
+        h = self.period * self.factor**level if level < 2048 else math.inf
+        return int(min(self.max_period, math.floor(h)))
+
+    def _extend_to(self, step: int) -> None:
+        s = self._segments[-1][2] if self._segments else 0
+        while self._tail is None and s < step:
+            h = self.period_at(s)
+            if h >= self.max_period or self.factor == 1.0:
+                self._tail = (s, h)
+                break
+            # Constant h until the first sync point that lands in the next level.
+            boundary = (s // self.every + 1) * self.every
+            end = s + max(1, -(-(boundary - s) // h)) * h
+            self._starts.append(s)
+            self._segments.append((s, h, end))
+            s = end
+
+    def __call__(self, step: int) -> bool:
+        if step < 1:
+            return False
+        self._extend_to(step)
+        if self._tail is not None and step > self._tail[0]:
+            start, h = self._tail
+            return (step - start) % h == 0
+        i = bisect.bisect_left(self._starts, step) - 1  # the segment with start < step
+        start, h, end = self._segments[i]
+        return step <= end and (step - start) % h == 0
+
+    def config(self) -> dict:
+        return {
+            "name": "Increasing",
+            "period": self.period,
+            "factor": self.factor,
+            "every": self.every,
+            "max_period": self.max_period,
+        }
+
+
+def as_schedule(name: str, value) -> Callable[[int], bool]:
+    """An int becomes :class:`Constant`; a callable is used as is; anything else is a ``ValueError``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer in [1, inf) or a callable step -> bool, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{name} must be an integer in [1, inf) or a callable step -> bool, got {value!r}")
+        return Constant(value)
+    if callable(value):
+        return value
+    raise ValueError(f"{name} must be an integer in [1, inf) or a callable step -> bool, got {value!r}")
+
+
+def sync_steps(schedule: Callable[[int], bool], n: int) -> list[int]:
+    """The steps in ``1..n`` at which ``schedule`` synchronizes."""
+    return [t for t in range(1, n + 1) if schedule(t)]
