@@ -9,7 +9,21 @@
 Importing gradzip never imports triton or cupy.
 """
 from . import schedules
-from .compressors import BF16, FP16, Compressor, Identity, RandomK, TensorContext, Threshold, TopK
+from .compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    Compressor,
+    Filter,
+    Identity,
+    Int8,
+    RandomK,
+    SignSGD,
+    TensorContext,
+    TernGrad,
+    Threshold,
+    TopK,
+)
 from .engine import Engine
 from .local_sgd import LocalSGD
 from .optim import DistributedOptimizer
@@ -28,6 +42,11 @@ __all__ = [
     "Threshold",
     "TopK",
     "RandomK",
+    "SignSGD",
+    "QSGD",
+    "TernGrad",
+    "Int8",
+    "Filter",
     "Engine",
     "Stats",
     "DistributedOptimizer",

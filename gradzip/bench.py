@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .compressors import BF16, FP16, Compressor, Identity, RandomK, Threshold, TopK
+from .compressors import BF16, FP16, QSGD, Compressor, Filter, Identity, Int8, RandomK, SignSGD, TernGrad, Threshold, TopK
 
 
 @dataclass
@@ -44,11 +44,15 @@ class Method:
     name: str
     compressor: Compressor | None = None  # None: plain DDP, no hook
     local_sgd: dict | None = None  # LocalSGD keyword arguments instead of DDP
+    error_feedback: bool | None = None  # None: on for biased compressors
 
     def describe(self) -> str:
         if self.local_sgd is not None:
             return f"LocalSGD({', '.join(f'{k}={v!r}' for k, v in self.local_sgd.items())})"
-        return repr(self.compressor) if self.compressor is not None else "plain DDP"
+        if self.compressor is None:
+            return "plain DDP"
+        ef = "" if self.error_feedback is None else f" (error_feedback={self.error_feedback})"
+        return repr(self.compressor) + ef
 
 
 def _optional(module: str, name: str):
@@ -69,12 +73,11 @@ def default_methods() -> dict[str, Method]:
         "TopK": Method("TopK", TopK(ratio=0.01)),
         "RandomK": Method("RandomK", RandomK(ratio=0.1)),
     }
-    sign = _optional("gradzip.compressors.quant", "SignSGD")
-    if sign is not None:
-        m["SignSGD"] = Method("SignSGD", sign())
-    qsgd = _optional("gradzip.compressors.quant", "QSGD")
-    if qsgd is not None:
-        m["QSGD"] = Method("QSGD", qsgd())
+    m["SignSGD"] = Method("SignSGD", SignSGD())
+    m["QSGD"] = Method("QSGD", QSGD())
+    m["TernGrad"] = Method("TernGrad", TernGrad())
+    m["Int8"] = Method("Int8", Int8())
+    m["Filter(TopK)"] = Method("Filter(TopK)", Filter(TopK(ratio=0.01)))
     psgd = _optional("gradzip.compressors.powersgd", "PowerSGD")
     if psgd is not None:
         m["PowerSGD"] = Method("PowerSGD", psgd(rank=2))
@@ -85,7 +88,12 @@ def default_methods() -> dict[str, Method]:
 
 def extra_methods() -> dict[str, Method]:
     """Selectable with --methods, not in the default set."""
-    return {"BF16": Method("BF16", BF16())}
+    return {
+        "BF16": Method("BF16", BF16()),
+        "Int8(AR)": Method("Int8(AR)", Int8(allreduce=True)),
+        "QSGD+EF": Method("QSGD+EF", QSGD(), error_feedback=True),
+        "TernGrad+EF": Method("TernGrad+EF", TernGrad(), error_feedback=True),
+    }
 
 
 @dataclass
@@ -220,7 +228,9 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
     else:
         kw = {"device_ids": [rank]} if device.type == "cuda" else {}
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, **kw)
-        state = register_hook(net, method.compressor) if method.compressor is not None else None
+        state = None
+        if method.compressor is not None:
+            state = register_hook(net, method.compressor, error_feedback=method.error_feedback)
         opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         stats_of = state.stats if state is not None else None
     shard_x, shard_y = xtr[rank::world], ytr[rank::world]

@@ -1,0 +1,466 @@
+"""Quantizers: scaled sign (SignSGD), QSGD, TernGrad and block-wise int8.
+
+Every quantizer splits the flattened tensor into blocks of ``block`` elements
+(``block=None``: the whole tensor is one block; the last block may be short)
+and sends one float32 scale per block plus a few bits per element. Codes are
+computed in float32 (float64 for float64 tensors), so fp16/bf16 gradients lose
+nothing to half-precision arithmetic.
+
+Frames (``gradzip.wire`` framing; header ``vdtype`` = float32, the dtype of the
+scales). Every body is ``nb`` little-endian float32 scales, ``nb = ceil(n / B)``,
+then the packed codes of :mod:`gradzip.kernels.bitpack`:
+
+=========  ====  ===========================================================
+format     code  codes after the scales; value of element i in block b
+=========  ====  ===========================================================
+SIGN1      16    1 bit, 32 to an int32 word; bit 1 -> ``-S_b``, 0 -> ``+S_b``
+QSGD       17    ``2s+1`` codes ``c`` in 2, 4 or 8 bits; ``(c - s) * (N_b / s)``;
+                 the header's f32 scale holds ``s``
+TERN2      18    2 bits; 0 -> 0, 1 -> ``+S_b``, 2 -> ``-S_b`` (3 is corrupt)
+INT8       19    one int8 ``q`` per element; ``q * S_b``
+=========  ====  ===========================================================
+
+Bytes per tensor of ``n`` elements: ``4 * nb + packed`` in the body, plus the
+16-byte header and padding to 8 bytes (see ``gradzip.wire``).
+
+Bias and error feedback (the engine turns error feedback on for ``biased``):
+
+* :class:`SignSGD`, :class:`Int8`: biased, error feedback on by default.
+* :class:`QSGD`, :class:`TernGrad` (without ``clip``): unbiased stochastic
+  rounding, off by default; both work with it on. ``TernGrad(clip=c)`` is
+  unbiased for the *clipped* tensor only, so it reports ``biased`` and error
+  feedback keeps what clipping removed.
+
+Exactness of the residual: error feedback stores ``r = c - d`` (``c`` the
+compensated input, ``d`` the decoded value) in float32. For :class:`Int8` this
+subtraction is always exact (round to nearest keeps ``d = 0`` or
+``d / c`` in ``[1/2, 2]``, Sterbenz), so ``r + d == c`` exactly. The others
+may send a value far larger than ``c`` (a sign of size ``S_b`` for a tiny
+``c``), and then ``c - d`` can need more than 24 bits: ``r`` is ``c - d``
+correctly rounded, off by at most half an ulp of ``r`` (exact wherever
+``d = 0`` or ``d / c`` lies in ``[1/2, 2]``).
+
+Randomness (QSGD, TernGrad): one uniform draw per element from a generator
+seeded with ``tensor_seed(seed, step, name)`` mixed with the rank, so ranks
+draw independently and a run is reproducible. An element rounds up iff
+``u < frac`` (its fractional level), with probability ``frac`` up to the 2**-24
+grid of float32 draws (2**-53 for float64 tensors): unbiased.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Round
+from ..kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
+from ..wire import FMT_INT8, FMT_QSGD, FMT_SIGN1, FMT_TERN2, Payload, accum_dtype, as_bytes, from_bytes
+from .base import Compressor, TensorContext, tensor_seed
+
+__all__ = [
+    "FMT_SIGN1",
+    "FMT_QSGD",
+    "FMT_TERN2",
+    "FMT_INT8",
+    "SignSGD",
+    "QSGD",
+    "TernGrad",
+    "Int8",
+    "qsgd_bits",
+    "int8_lanes",
+]
+
+_MASK64 = (1 << 64) - 1
+_F32_TINY = math.ldexp(1.0, -149)  # smallest float32 subnormal
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _check_block(block) -> int | None:
+    if block is None:
+        return None
+    if isinstance(block, bool) or not isinstance(block, int) or not (1 <= block < 2**31):
+        raise ValueError(f"block must be None or an integer in [1, 2**31), got {block!r}")
+    return block
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return seed
+
+
+def _layout(n: int, block: int | None) -> tuple[int, int]:
+    """(number of blocks, block length) for ``n`` elements."""
+    if n == 0:
+        return 0, 1
+    b = n if block is None else min(block, n)
+    return (n + b - 1) // b, b
+
+
+def _pad(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """``v`` zero-padded to ``nb * b`` elements, viewed as (nb, b)."""
+    n = v.numel()
+    if n == nb * b:
+        return v.reshape(nb, b)
+    return torch.cat([v, v.new_zeros(nb * b - n)]).reshape(nb, b)
+
+
+def _per_element(per_block: torch.Tensor, nb: int, b: int, n: int) -> torch.Tensor:
+    return per_block.reshape(nb, 1).expand(nb, b).reshape(-1)[:n]
+
+
+def _counts(n: int, nb: int, b: int, dtype, device) -> torch.Tensor:
+    c = torch.full((nb,), float(b), dtype=dtype, device=device)
+    if nb:
+        c[-1] = n - (nb - 1) * b
+    return c
+
+
+def _generator(seed: int, ctx: TensorContext, device) -> torch.Generator:
+    """Seeded from (seed, step, name), mixed with the rank (splitmix64 finalizer)."""
+    x = (tensor_seed(seed, ctx.step, ctx.name) + (int(ctx.rank) + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return torch.Generator(device=device).manual_seed(x & ((1 << 63) - 1))
+
+
+def _uniform(n: int, ctx: TensorContext, seed: int, dtype, device) -> torch.Tensor:
+    return torch.rand(n, generator=_generator(seed, ctx, device), dtype=dtype, device=device)
+
+
+def _frame(x: torch.Tensor, fmt: int, scales: torch.Tensor, codes: torch.Tensor, scale: float = 0.0) -> Payload:
+    body = torch.cat([as_bytes(scales.to(torch.float32)), as_bytes(codes)])
+    return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=torch.float32, scale=scale)
+
+
+def _split(payload: Payload, fmt: int, name: str, nb: int, code_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 scales, code bytes) of a frame, after checking its format and length."""
+    if payload.fmt != fmt:
+        raise ValueError(f"{name} cannot decode frame format {payload.fmt} (expected {fmt})")
+    want = 4 * nb + code_bytes
+    if payload.body.numel() != want:
+        raise ValueError(f"corrupt {name} frame: {payload.body.numel()} bytes, expected {want}")
+    return from_bytes(payload.body[: 4 * nb], torch.float32), payload.body[4 * nb :]
+
+
+class _Quantizer(Compressor):
+    summable = False
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        acc = accum_dtype(payload.dtype)
+        return self._decode(payload, acc).to(payload.dtype).reshape(payload.shape)
+
+    def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
+        out.add_(self._decode(payload, out.dtype))
+
+    def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# -- SignSGD ------------------------------------------------------------------------------
+class SignSGD(_Quantizer):
+    """Scaled sign with error feedback (EF-SignSGD, Karimireddy et al. 2019).
+
+    Block ``b`` is sent as ``S_b * sign(x)`` with ``S_b = mean(|x|)`` over the
+    block (its own length for the short last block); zero counts as ``+``. Wire:
+    ``FMT_SIGN1``, ``4 * ceil(n / B) + 4 * ceil(n / 32)`` bytes of body.
+    """
+
+    biased = True
+
+    def __init__(self, *, block: int | None = None) -> None:
+        self.block = _check_block(block)
+
+    def config(self) -> dict:
+        return {"name": "SignSGD", "block": self.block}
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        v = x.reshape(-1).to(accum_dtype(x.dtype))
+        n = v.numel()
+        nb, b = _layout(n, self.block)
+        # Summed in float64: the mean of values near float32's maximum must not overflow.
+        total = _pad(v.abs(), nb, b).sum(dim=1, dtype=torch.float64)
+        scales = (total / _counts(n, nb, b, torch.float64, v.device)).to(v.dtype)
+        return _frame(x, FMT_SIGN1, scales, as_bytes(pack_bits(v < 0)))
+
+    def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
+        n = payload.numel
+        nb, b = _layout(n, self.block)
+        scales, code = _split(payload, FMT_SIGN1, "SignSGD", nb, packed_nbytes(n, 1))
+        neg = unpack_bits(from_bytes(code, torch.int32), n)
+        s = _per_element(scales.to(acc), nb, b, n)
+        return torch.where(neg, -s, s)
+
+
+# -- QSGD ---------------------------------------------------------------------------------
+def qsgd_bits(levels: int) -> int:
+    """Bits per element for ``levels`` s: the ``2s + 1`` codes fit in 2, 4 or 8 bits."""
+    codes = 2 * levels + 1
+    return 2 if codes <= 4 else 4 if codes <= 16 else 8
+
+
+class QSGD(_Quantizer):
+    """QSGD (Alistarh et al. 2017): unbiased stochastic rounding to ``levels`` levels.
+
+    Per block, ``N_b = ||x||_2`` (float32). Element ``x`` has level
+    ``r = |x| / N_b * s`` in ``[0, s]``; it is sent as ``l = floor(r) + [u < r - floor(r)]``
+    with ``u`` uniform in [0, 1), so ``E[l] = r``, and decodes to
+    ``sign(x) * l * (N_b / s)``. Code ``c = s + sign(x) * l`` in ``[0, 2s]``
+    takes 2 bits for s = 1, 4 bits for s <= 7, 8 bits for s <= 127.
+    Wire: ``FMT_QSGD``, ``4 * ceil(n / B) + ceil(n * bits / 8)`` bytes of body
+    (the default, s = 7 and B = 64: 4.5 bits per element, 7.1x).
+
+    Error feedback needs a contractive compressor, ``E||C(x) - x||^2 < ||x||^2``;
+    QSGD's variance bound is ``min(B / s^2, sqrt(B) / s) * ||x||^2``. The default
+    B = 64 keeps it near 1 for s = 7; with B = 512 and error feedback on, the
+    digits MLP of ``gradzip.bench`` diverged (7.8% test accuracy, against 98.1%
+    for B = 64). Choose ``block`` below about ``levels ** 2`` when turning it on.
+    """
+
+    biased = False
+
+    def __init__(self, levels: int = 7, *, block: int | None = 64, seed: int = 0) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not (1 <= levels <= 127):
+            raise ValueError(f"levels must be an integer in [1, 127], got {levels!r}")
+        self.levels = levels
+        self.bits = qsgd_bits(levels)
+        self.block = _check_block(block)
+        self.seed = _check_seed(seed)
+
+    def config(self) -> dict:
+        return {"name": "QSGD", "levels": self.levels, "block": self.block, "seed": self.seed}
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        ctx = self._ctx(x, ctx)
+        v = x.reshape(-1).to(accum_dtype(x.dtype))
+        n, s = v.numel(), self.levels
+        nb, b = _layout(n, self.block)
+        norms = torch.linalg.vector_norm(_pad(v, nb, b), dim=1).to(torch.float32)
+        if not bool(torch.isfinite(norms).all()) and bool(torch.isfinite(v).all()):
+            # A norm beyond float32's range cannot travel: such blocks are sent as zero
+            # (error feedback keeps them whole); the rest are recomputed in float64.
+            wide = torch.linalg.vector_norm(_pad(v, nb, b).to(torch.float64), dim=1)
+            norms = torch.where(wide <= torch.finfo(torch.float32).max, wide, 0.0).to(torch.float32)
+        ne = _per_element(norms.to(v.dtype), nb, b, n)
+        r = torch.where(ne > 0, v.abs() / ne * s, torch.zeros_like(v)).clamp_(0, s)
+        lo = r.floor()
+        lvl = lo + (_uniform(n, ctx, self.seed, v.dtype, v.device) < r - lo).to(v.dtype)
+        lvl.clamp_(max=s)
+        code = (s + torch.where(v < 0, -lvl, lvl)).to(torch.uint8)
+        return _frame(x, FMT_QSGD, norms, pack_nbit(code, self.bits), scale=float(s))
+
+    def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
+        n, s = payload.numel, self.levels
+        if payload.fmt == FMT_QSGD and payload.scale != s:
+            raise ValueError(f"QSGD frame has levels={payload.scale:g}, this QSGD has levels={s}")
+        nb, b = _layout(n, self.block)
+        norms, code = _split(payload, FMT_QSGD, "QSGD", nb, packed_nbytes(n, self.bits))
+        c = unpack_nbit(code, n, self.bits)
+        if n and int(c.max()) > 2 * s:
+            raise ValueError(f"corrupt QSGD frame: code {int(c.max())} > 2 * levels")
+        step = _per_element(norms.to(acc) / s, nb, b, n)
+        return (c.to(acc) - s) * step
+
+
+# -- TernGrad -----------------------------------------------------------------------------
+class TernGrad(_Quantizer):
+    """TernGrad (Wen et al. 2017): ``{-1, 0, +1} * S_b`` with stochastic rounding.
+
+    Without ``clip``: ``S_b = max|x|`` over the block and ``x`` is sent as
+    ``sign(x) * S_b`` with probability ``|x| / S_b``, else 0 (unbiased). With
+    ``clip = c``: ``S_b = min(max|x|, c * sigma_b)``, ``sigma_b = sqrt(mean(x^2))``
+    over the block (the spread about zero, which does not vanish for a
+    constant block), and the probability is ``min(|x|, S_b) / S_b``: unbiased
+    for the clipped tensor, so ``biased`` is true and error feedback defaults on.
+    Wire: ``FMT_TERN2``, ``4 * ceil(n / B) + ceil(n / 4)`` bytes of body.
+    """
+
+    def __init__(self, *, block: int | None = None, clip: float | None = None, seed: int = 0) -> None:
+        self.block = _check_block(block)
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (0 < clip < math.inf)
+        ):
+            raise ValueError(f"clip must be None or a finite number in (0, inf), got {clip!r}")
+        self.clip = None if clip is None else float(clip)
+        self.seed = _check_seed(seed)
+        self.biased = self.clip is not None
+
+    def config(self) -> dict:
+        return {"name": "TernGrad", "block": self.block, "clip": self.clip, "seed": self.seed}
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        ctx = self._ctx(x, ctx)
+        v = x.reshape(-1).to(accum_dtype(x.dtype))
+        n = v.numel()
+        nb, b = _layout(n, self.block)
+        vp = _pad(v, nb, b)
+        scale = vp.abs().amax(dim=1) if nb else v.new_zeros(0)
+        if self.clip is not None:
+            sq = (vp.to(torch.float64) ** 2).sum(dim=1)  # float64: no overflow near float32's max
+            sigma = (sq / _counts(n, nb, b, torch.float64, v.device)).sqrt()
+            scale = torch.minimum(scale, (self.clip * sigma).to(scale.dtype))
+        scale = scale.to(torch.float32)
+        se = _per_element(scale.to(v.dtype), nb, b, n)
+        p = torch.where(se > 0, v.abs() / se, torch.zeros_like(v)).clamp_(max=1)
+        hit = _uniform(n, ctx, self.seed, v.dtype, v.device) < p
+        code = torch.where(hit, torch.where(v < 0, 2, 1), 0).to(torch.uint8)
+        return _frame(x, FMT_TERN2, scale, pack_nbit(code, 2))
+
+    def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
+        n = payload.numel
+        nb, b = _layout(n, self.block)
+        scales, code = _split(payload, FMT_TERN2, "TernGrad", nb, packed_nbytes(n, 2))
+        c = unpack_nbit(code, n, 2)
+        if n and bool((c == 3).any()):
+            raise ValueError("corrupt TernGrad frame: code 3")
+        s = _per_element(scales.to(acc), nb, b, n)
+        return (c == 1).to(acc) * s - (c == 2).to(acc) * s
+
+
+# -- Int8 ---------------------------------------------------------------------------------
+def int8_lanes(world_size: int) -> tuple[int, int]:
+    """(bits per lane, lanes per int64 word) for summing offset int8 codes over ``world_size`` ranks.
+
+    Each rank adds ``q + 127`` in ``[0, 254]``; a lane of ``w`` bits holds the
+    sum without carrying into its neighbour while ``world_size * 254 < 2**w``.
+    ``63 // w`` lanes fit in a non-negative int64.
+    """
+    w = (int(world_size) * 254).bit_length()
+    return w, 63 // w
+
+
+def _int8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """float32 ``amax / 127`` per block, rounded down so that ``127 * S_b <= amax`` (no
+    overflow near float32's maximum); at least the smallest subnormal where amax > 0."""
+    a32 = amax.to(torch.float32)
+    s = (a32 / 127).clamp_(min=_F32_TINY)
+    over = s.to(torch.float64) * 127 > a32.to(torch.float64)
+    s = torch.where(over, torch.nextafter(s, torch.zeros_like(s)), s).clamp_(min=_F32_TINY)
+    return torch.where(amax > 0, s, torch.zeros_like(s))
+
+
+def _int8_codes(v: torch.Tensor, scales: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """Round to nearest (ties to even) of ``v / S_b``, in [-127, 127], as int8."""
+    n = v.numel()
+    se = _per_element(scales.to(torch.float64), nb, b, n)
+    q = torch.where(se > 0, v.to(torch.float64) / se, torch.zeros(n, dtype=torch.float64, device=v.device))
+    return q.round_().clamp_(-127, 127).to(torch.int8)
+
+
+class Int8(_Quantizer):
+    """Block-wise absmax int8: ``S_b = max|x| / 127`` (float32), ``q = round(x / S_b)``.
+
+    ``allreduce=False``: each rank frames its own scales and codes
+    (``FMT_INT8``, ``4 * ceil(n / B) + n`` bytes of body) and the standard
+    framed exchange all-gathers them.
+
+    ``allreduce=True``: a summable two-round exchange.
+
+    1. allreduce(MAX) of every block's ``max|x|`` (4 bytes per block): the ranks
+       agree on ``S_b``;
+    2. every rank quantizes with the agreed ``S_b`` and the ranks allreduce-SUM
+       the codes exactly, as integers. torch.distributed has no int16 sum
+       (gloo: "Invalid scalar type"; NCCL has no int16), so the codes travel
+       offset to ``q + 127`` in lanes of ``w = bitlength(254 * world)`` bits,
+       ``63 // w`` lanes to an int64 word; a lane's sum never carries.
+
+    Wire cost of the allreduce form, per rank: ``4 * ceil(n / B)`` bytes of
+    scales plus ``8 * ceil(n_call / (63 // w))`` bytes of words (``n_call``: all
+    elements of the call): 8/7 byte per element for 2 ranks, 4/3 for 3-4,
+    8/5 for 5-16, 2 for 17-64, 8/3 for 65-258. The result is
+    ``sum(q) * S_b / world`` in float32.
+    """
+
+    biased = True
+
+    def __init__(self, *, block: int | None = 1024, allreduce: bool = False) -> None:
+        self.block = _check_block(block)
+        if not isinstance(allreduce, bool):
+            raise ValueError(f"allreduce must be True or False, got {allreduce!r}")
+        self.allreduce = allreduce
+
+    def config(self) -> dict:
+        return {"name": "Int8", "block": self.block, "allreduce": self.allreduce}
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        self._check_input(x)
+        v = x.reshape(-1).to(accum_dtype(x.dtype))
+        nb, b = _layout(v.numel(), self.block)
+        amax = _pad(v.abs(), nb, b).amax(dim=1) if nb else v.new_zeros(0)
+        scales = _int8_scales(amax)
+        return _frame(x, FMT_INT8, scales, as_bytes(_int8_codes(v, scales, nb, b)))
+
+    def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
+        n = payload.numel
+        nb, b = _layout(n, self.block)
+        scales, code = _split(payload, FMT_INT8, "Int8", nb, n)
+        q = from_bytes(code, torch.int8)
+        if n and int(q.min()) < -127:
+            raise ValueError("corrupt Int8 frame: code -128")
+        return q.to(acc) * _per_element(scales.to(acc), nb, b, n)
+
+    def exchange(self, call):
+        if not self.allreduce:
+            return (yield from super().exchange(call))
+        return (yield from self._allreduce_exchange(call))
+
+    def _allreduce_exchange(self, call):
+        world = call.world_size
+        out = torch.zeros(call.numel, dtype=call.out_dtype, device=call.device)
+        with call.codec():
+            vs, layouts, amax = [], [], []
+            for i in range(len(call.tensors)):
+                v = call.x(i).reshape(-1)
+                v = v.to(accum_dtype(v.dtype))
+                nb, b = _layout(v.numel(), self.block)
+                vs.append(v)
+                layouts.append((nb, b))
+                if nb:
+                    amax.append(_pad(v.abs(), nb, b).amax(dim=1).to(torch.float32))
+            if not amax:  # every tensor is empty, on every rank
+                for i in range(len(call.tensors)):
+                    call.commit(i, vs[i])
+                return out
+            amax = torch.cat(amax)
+        yield Round([call.comm.allreduce(amax, op=dist.ReduceOp.MAX)])
+        with call.codec():
+            scales = _int8_scales(amax)
+            codes, pos = [], 0
+            for i, (v, (nb, b)) in enumerate(zip(vs, layouts)):
+                s = scales[pos : pos + nb]
+                pos += nb
+                q = _int8_codes(v, s, nb, b)
+                if call.memory is not None:
+                    call.commit(i, q.to(v.dtype) * _per_element(s.to(v.dtype), nb, b, v.numel()))
+                codes.append(q)
+            flat = torch.cat(codes).to(torch.int64) + 127
+            w, lanes = int8_lanes(world)
+            nw = (flat.numel() + lanes - 1) // lanes
+            padded = torch.zeros(nw * lanes, dtype=torch.int64, device=flat.device)
+            padded[: flat.numel()] = flat
+            shifts = torch.arange(lanes, dtype=torch.int64, device=flat.device) * w
+            words = (padded.view(nw, lanes) << shifts).sum(dim=1)
+            call.comm.stats.add(bytes_payload=amax.numel() * 4 + words.numel() * 8)
+        yield Round([call.comm.allreduce(words)], last=True)
+        with call.codec():
+            sums = ((words.view(nw, 1) >> shifts) & ((1 << w) - 1)).reshape(-1)[: flat.numel()] - 127 * world
+            se = torch.cat(
+                [_per_element(scales[p0 : p0 + nb], nb, b, v.numel()) for p0, v, (nb, b) in _offsets(vs, layouts)]
+            )
+            out.copy_((sums.to(torch.float32) * se).div_(world))
+        return out
+
+
+def _offsets(vs, layouts):
+    pos = 0
+    for v, (nb, b) in zip(vs, layouts):
+        yield pos, v, (nb, b)
+        pos += nb
+

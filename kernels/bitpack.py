@@ -1,0 +1,113 @@
+"""Pure-PyTorch reference bit packing (the CPU path, and the oracle for GPU kernels).
+
+Two layouts, both little-endian in the bit order, and both bit-exact round trips:
+
+* **1 bit into int32 words** (:func:`pack_bits` / :func:`unpack_bits`). Element
+  ``i`` is bit ``i % 32`` of word ``i // 32`` (bit 0 = the least significant
+  bit). ``ceil(n / 32)`` words; the unused high bits of the last word are zero.
+  A word whose bit 31 is set is a negative int32 (two's complement); the words
+  travel as their 4 little-endian bytes.
+* **n bits into bytes, n in {2, 4, 8}** (:func:`pack_nbit` / :func:`unpack_nbit`).
+  Element ``i`` is the ``n``-bit field at bit ``n * (i % (8 // n))`` of byte
+  ``i // (8 // n)``. ``ceil(n_elements * n / 8)`` bytes; unused high fields of
+  the last byte are zero. For ``n = 2`` this is the layout of
+  :func:`gradzip.kernels.reference.pack_2bit`; for ``n = 8`` it is the codes
+  themselves.
+
+Index arithmetic is int64; nothing here knows about compressors or communication.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NBITS", "pack_bits", "unpack_bits", "pack_nbit", "unpack_nbit", "packed_nbytes"]
+
+NBITS = (2, 4, 8)
+_WORD = 32
+
+
+def _check_nbits(bits: int) -> None:
+    if isinstance(bits, bool) or bits not in NBITS:
+        raise ValueError(f"bits must be one of {list(NBITS)}, got {bits!r}")
+
+
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an integer in [0, inf), got {n!r}")
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` elements occupy packed at ``bits`` (1, 2, 4 or 8) bits each.
+
+    For ``bits = 1`` this counts whole int32 words: ``4 * ceil(n / 32)``.
+    """
+    _check_n(n)
+    if bits == 1:
+        return 4 * ((n + _WORD - 1) // _WORD)
+    _check_nbits(bits)
+    per = 8 // bits
+    return (n + per - 1) // per
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack booleans (or 0/1 uint8) 32 to an int32 word; see the module docstring."""
+    if bits.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"pack_bits expects bool or uint8 bits, got {bits.dtype}")
+    flat = bits.reshape(-1)
+    if flat.dtype == torch.uint8 and flat.numel() and int(flat.max()) > 1:
+        raise ValueError("pack_bits expects bits of value 0 or 1")
+    n = flat.numel()
+    nwords = (n + _WORD - 1) // _WORD
+    padded = torch.zeros(nwords * _WORD, dtype=torch.int64, device=flat.device)
+    padded[:n] = flat.to(torch.int64)
+    shifts = torch.arange(_WORD, dtype=torch.int64, device=flat.device)
+    words = (padded.view(nwords, _WORD) << shifts).sum(dim=1)  # disjoint bits: sum == OR, < 2**32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` bits as a bool tensor."""
+    if words.dtype != torch.int32:
+        raise TypeError(f"unpack_bits expects int32 words, got {words.dtype}")
+    _check_n(n)
+    if words.numel() * _WORD < n:
+        raise ValueError(f"{words.numel()} words hold fewer than n={n} bits")
+    w = words.reshape(-1, 1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(_WORD, dtype=torch.int64, device=words.device)
+    return ((w >> shifts) & 1).reshape(-1)[:n].to(torch.bool)
+
+
+def pack_nbit(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes below ``2**bits`` into bytes, ``8 // bits`` to a byte."""
+    _check_nbits(bits)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_nbit expects uint8 codes, got {codes.dtype}")
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat.clone()
+    if flat.numel() and int(flat.max()) >= 1 << bits:
+        raise ValueError(f"pack_nbit: a code is >= 2**{bits}")
+    per = 8 // bits
+    n = flat.numel()
+    nbytes = (n + per - 1) // per
+    padded = torch.zeros(nbytes * per, dtype=torch.int32, device=flat.device)
+    padded[:n] = flat.to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=flat.device)
+    return (padded.view(nbytes, per) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_nbit(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_nbit`: the first ``n`` codes as uint8."""
+    _check_nbits(bits)
+    _check_n(n)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_nbit expects uint8, got {packed.dtype}")
+    per = 8 // bits
+    if packed.numel() * per < n:
+        raise ValueError(f"{packed.numel()} bytes hold fewer than n={n} {bits}-bit codes")
+    flat = packed.reshape(-1)
+    if bits == 8:
+        return flat[:n].clone()
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    return ((flat.reshape(-1, 1) >> shifts) & mask).reshape(-1)[:n]
