@@ -145,8 +145,9 @@ def framed_exchange(comp: "Compressor", call: Call) -> Exchange:
         shapes = [p.shape for p in payloads]
         dtypes = [p.dtype for p in payloads]
         acc = torch.zeros(call.numel, dtype=accum_dtype(call.out_dtype), device=call.device)
-        for r in range(call.world_size):  # fixed rank order: every rank computes the same floats
-            for i, fp in enumerate(unpack_frames(gathered[r], shapes, dtypes)):
-                comp.accumulate(fp, acc[call.slice(i)])
+        frames = [unpack_frames(gathered[r], shapes, dtypes) for r in range(call.world_size)]
+        for i in range(len(payloads)):
+            # Each tensor's peers in fixed rank order: every rank computes the same floats.
+            comp.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])
         acc.div_(call.world_size)
     return acc.to(call.out_dtype)

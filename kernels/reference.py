@@ -6,6 +6,9 @@ return tensors. Index arithmetic is int64 throughout.
 """
 from __future__ import annotations
 
+import math
+from typing import Callable, Sequence
+
 import torch
 
 __all__ = [
@@ -14,6 +17,14 @@ __all__ = [
     "encode_signed_indices",
     "decode_signed_indices",
     "threshold_select_reference",
+    "ThresholdResult",
+    "threshold_ef_reference",
+    "decode_add_bitmap2_reference",
+    "scatter_add_signed_reference",
+    "scatter_add_sparse_reference",
+    "abs_select_reference",
+    "sampled_topk_reference",
+    "sampled_topk_threshold",
 ]
 
 _SIGN_BIT = 1 << 31
@@ -70,3 +81,166 @@ def decode_signed_indices(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def threshold_select_reference(v: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Masks of the elements of ``v`` at or above ``+tau`` and at or below ``-tau``."""
     return v >= tau, v <= -tau
+
+
+def _accum(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- threshold + error feedback -------------------------------------------------------------
+
+
+class ThresholdResult:
+    """What one threshold pass over ``v = x (+ residual)`` produced.
+
+    ``count`` (elements with ``|v| >= tau``) and ``amax`` (``max |v|``, NaN if any
+    ``v`` is NaN) are host numbers, fetched once on first use. ``residual`` is
+    ``v - sent`` (``sent = +tau, -tau or 0``) in the accumulation dtype, or None
+    when it was not asked for. :meth:`bitmap` is the ``FMT_BITMAP2`` body
+    (``ceil(n / 4)`` bytes); :meth:`indices` the ``FMT_SIGNED_INDEX`` words in
+    ascending index order (n must be < 2**31). Backends subclass this.
+    """
+
+    backend = "reference"
+
+    def __init__(self, n: int, tau: float, residual: torch.Tensor | None) -> None:
+        self.n = n
+        self.tau = tau
+        self.residual = residual
+        self._stats: tuple[int, float] | None = None
+
+    def _fetch_stats(self) -> tuple[int, float]:
+        raise NotImplementedError
+
+    @property
+    def count(self) -> int:
+        if self._stats is None:
+            self._stats = self._fetch_stats()
+        return self._stats[0]
+
+    @property
+    def amax(self) -> float:
+        if self._stats is None:
+            self._stats = self._fetch_stats()
+        return self._stats[1]
+
+    def bitmap(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def indices(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _ReferenceThresholdResult(ThresholdResult):
+    def __init__(self, v, pos, neg, tau, residual):
+        super().__init__(v.numel(), tau, residual)
+        self._v, self._pos, self._neg = v, pos, neg
+
+    def _fetch_stats(self):
+        if self.n == 0:
+            return 0, 0.0
+        count = int((self._pos | self._neg).sum())
+        return count, float(self._v.abs().max())
+
+    def bitmap(self):
+        return pack_2bit(self._pos.to(torch.uint8) | (self._neg.to(torch.uint8) << 1))
+
+    def indices(self):
+        if self.n >= 2**31:
+            raise ValueError(f"index words hold 31 bits; n={self.n} needs the bitmap")
+        idx = (self._pos | self._neg).nonzero().reshape(-1)
+        return encode_signed_indices(idx, self._neg[idx])
+
+
+def threshold_ef_reference(
+    x: torch.Tensor, tau: float, residual: torch.Tensor | None = None, *, new_residual: bool | None = None
+) -> ThresholdResult:
+    """Fused threshold + error feedback, eagerly.
+
+    ``v = x.to(acc) + residual`` (``acc`` = float32, float64 for float64 ``x``);
+    element ``i`` is sent as ``+tau`` where ``v >= tau``, ``-tau`` where
+    ``v <= -tau``. The new residual is ``v - (pos * tau - neg * tau)``: exactly
+    what ``v - decompress(payload)`` gives. ``tau`` is compared in ``acc``.
+    """
+    acc = _accum(x.dtype)
+    v = x.reshape(-1).to(acc)
+    if residual is not None:
+        v = v + residual.reshape(-1).to(acc)
+    pos, neg = threshold_select_reference(v, tau)
+    r = None
+    if new_residual if new_residual is not None else residual is not None:
+        r = v - (pos.to(acc) * tau - neg.to(acc) * tau)
+    return _ReferenceThresholdResult(v, pos, neg, tau, r)
+
+
+# -- decode and accumulate ------------------------------------------------------------------
+
+
+def decode_add_bitmap2_reference(out: torch.Tensor, bodies: Sequence[torch.Tensor], taus: Sequence[float]) -> None:
+    """``out += decode(body_p)`` for each peer ``p`` in order (0 -> 0, 1 -> +tau, 2 -> -tau)."""
+    n = out.numel()
+    for body, tau in zip(bodies, taus):
+        codes = unpack_2bit(body, n)
+        out.add_((codes == 1).to(out.dtype) * tau - (codes == 2).to(out.dtype) * tau)
+
+
+def scatter_add_signed_reference(out: torch.Tensor, words: torch.Tensor, tau: float) -> None:
+    """``out[idx] += +-tau`` for the signed index words of one peer."""
+    idx, negative = decode_signed_indices(words)
+    vals = torch.full(idx.shape, tau, dtype=out.dtype, device=out.device)
+    vals[negative] = -tau
+    out.index_add_(0, idx, vals)
+
+
+def scatter_add_sparse_reference(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """``out[idx] += vals`` (one peer's top-k frame; indices int32 or int64)."""
+    out.index_add_(0, idx.to(torch.int64), vals.to(out.dtype))
+
+
+# -- top-k by a sampled threshold ----------------------------------------------------------
+
+
+def abs_select_reference(v: torch.Tensor, thr, expected: int | None = None) -> torch.Tensor:
+    """Ascending int64 indices of the elements with ``|v| >= thr`` (``thr`` in v's dtype).
+
+    ``expected`` (a guess at the count, for kernels that size a buffer) is unused here.
+    """
+    return (v.reshape(-1).abs() >= thr).nonzero().reshape(-1)
+
+
+def sampled_topk_threshold(v: torch.Tensor, k: int, probe: torch.Tensor) -> torch.Tensor:
+    """DGC's threshold estimate: a 0-d tensor (v's dtype) aimed 25% below the k-th largest |v|.
+
+    The top ``ceil(1.25 * k * s / n)`` of ``|v[probe]|`` (``s`` samples), so about
+    ``1.25 k`` elements of ``v`` reach it.
+    """
+    ks = _sample_k(k, probe.numel(), v.numel())
+    return torch.topk(v.reshape(-1)[probe].abs(), ks, sorted=False).values.min()
+
+
+def _sample_k(k: int, s: int, n: int) -> int:
+    return min(s, max(1, math.ceil(1.25 * k * s / n)))
+
+
+def sampled_topk_reference(
+    v: torch.Tensor,
+    k: int,
+    probe: torch.Tensor,
+    *,
+    select: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Indices (int64, ascending) of at most ``k`` large elements of ``|v|`` (DGC).
+
+    The threshold is estimated on ``v[probe]`` (:func:`sampled_topk_threshold`); the
+    elements that reach it are selected (``select(v, thr, expected)``, by default
+    :func:`abs_select_reference`) and, when more than ``k`` do, trimmed to the
+    exact top ``k`` among them.
+    """
+    v = v.reshape(-1)
+    select = select or abs_select_reference
+    n, s = v.numel(), probe.numel()
+    thr = sampled_topk_threshold(v, k, probe)
+    idx = select(v, thr, math.ceil(_sample_k(k, s, n) * n / s))
+    if idx.numel() > k:
+        idx = idx[torch.topk(v[idx].abs(), k, sorted=False).indices].sort().values
+    return idx

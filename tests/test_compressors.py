@@ -80,7 +80,7 @@ def test_error_feedback_is_exact(comp, dtype, data):
     for step in range(3):
         g = data.draw(tensors(dtype=dtype, max_abs=6e4))
         if step and g.shape != mem.residuals["w"].shape:
-            g = torch.randn(mem.residuals["w"].shape).to(dtype)
+            g = torch.randn(mem.residuals["w"].shape, generator=torch.Generator().manual_seed(step)).to(dtype)
         c = mem.compensate("w", g)
         keep = c.clone()
         p = comp.compress(c, TensorContext(name="w", step=step, dtype=g.dtype, store=store))
@@ -124,7 +124,7 @@ def test_threshold_frame_never_exceeds_the_bitmap_bound(data):
 
 
 def test_threshold_switches_to_bitmap_when_dense():
-    x = torch.randn(1000)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     assert gz.Threshold(tau=3.0).compress(x).fmt == FMT_SIGNED_INDEX
     assert gz.Threshold(tau=0.01).compress(x).fmt == FMT_BITMAP2
     assert gz.Threshold(tau=100.0).compress(x).fmt == FMT_EMPTY
@@ -220,12 +220,12 @@ def test_topk_sampled_count_close_to_k():
 
 
 def test_topk_dense_fallback_when_sparse_is_larger():
-    p = gz.TopK(ratio=0.9).compress(torch.randn(100))
+    p = gz.TopK(ratio=0.9).compress(torch.randn(100, generator=torch.Generator().manual_seed(0)))
     assert p.body.numel() == 400
 
 
 def test_topk_values_in_gradient_dtype_unless_they_overflow_it():
-    x = torch.randn(1000)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     p = gz.TopK(ratio=0.01).compress(x, TensorContext(dtype=torch.float16))
     assert p.vdtype == torch.float16 and p.body.numel() == 10 * (4 + 2)
     x[3] = 1e6  # a compensated float32 value beyond float16's range

@@ -54,6 +54,11 @@ class Compressor:
         """``out += decompress(payload)`` for a flat ``out``; override to skip the dense copy."""
         out.add_(self.decompress(payload).reshape(-1))
 
+    def accumulate_many(self, payloads, out: torch.Tensor) -> None:
+        """``accumulate`` every peer's payload of one tensor, in order; override to fuse the peers."""
+        for p in payloads:
+            self.accumulate(p, out)
+
     def exchange(self, call):
         """The protocol that carries this compressor's payloads (see :mod:`gradzip.exchange`).
 

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from .. import kernels as K
 from ..wire import (
     FMT_DENSE,
     FMT_EMPTY,
@@ -76,20 +77,15 @@ class TopK(Compressor):
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
         n = v.numel()
-        a = v.abs()
         sampled = self.mode == "sampled" or (self.mode == "auto" and n >= self.sampled_above)
         if not sampled or n <= self.sample:
-            return torch.topk(a, k, sorted=False).indices.sort().values
+            return torch.topk(v.abs(), k, sorted=False).indices.sort().values
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
         probe = torch.randint(n, (self.sample,), generator=g).to(v.device)
         # Aim 25% above k, then trim the survivors to exactly k: the estimate's
         # spread then rarely leaves fewer than k (DGC's hierarchical selection).
-        ks = min(self.sample, max(1, math.ceil(1.25 * k * self.sample / n)))
-        thr = torch.topk(a[probe], ks, sorted=False).values.min()
-        idx = (a >= thr).nonzero().reshape(-1)
-        if idx.numel() > k:
-            idx = idx[torch.topk(a[idx], k, sorted=False).indices]
-        return idx.sort().values
+        # The compaction pass is dispatched (a one-pass kernel on the GPU).
+        return K.sampled_topk(v, k, probe)
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
@@ -135,11 +131,17 @@ class TopK(Compressor):
         if nb % (isize + vsize):
             raise ValueError(f"corrupt top-k frame: {nb} bytes is not a multiple of {isize + vsize}")
         k = nb // (isize + vsize)
-        idx = from_bytes(payload.body[: k * isize], torch.int64 if isize == 8 else torch.int32).to(torch.int64)
-        vals = from_bytes(payload.body[k * isize :], payload.vdtype)
-        if k and int(idx.max()) >= out.numel():
-            raise ValueError(f"corrupt top-k frame: index {int(idx.max())} >= numel {out.numel()}")
-        out.index_add_(0, idx, vals.to(out.dtype))
+        idx = from_bytes(payload.body[: k * isize], torch.int64 if isize == 8 else torch.int32)
+        vb = payload.body[k * isize :]
+        if vb.storage_offset() % vsize:  # e.g. float64 values after an odd number of int32 indices
+            vb = vb.clone()
+        vals = from_bytes(vb, payload.vdtype)
+        if k:
+            lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+            if hi >= out.numel() or lo < 0:
+                bad = hi if hi >= out.numel() else lo
+                raise ValueError(f"corrupt top-k frame: index {bad} outside [0, {out.numel()})")
+        K.scatter_add_sparse(out, idx, vals)
 
 
 class RandomK(Compressor):

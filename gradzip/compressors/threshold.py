@@ -44,13 +44,7 @@ import math
 
 import torch
 
-from ..kernels import (
-    decode_signed_indices,
-    encode_signed_indices,
-    pack_2bit,
-    threshold_select_reference,
-    unpack_2bit,
-)
+from .. import kernels as K
 from ..wire import FMT_BITMAP2, FMT_EMPTY, FMT_SIGNED_INDEX, Payload, accum_dtype, as_bytes, from_bytes
 from .base import Compressor, TensorContext, check_choice, check_positive, check_ratio
 
@@ -137,7 +131,9 @@ class Threshold(Compressor):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
         ctx = self._ctx(x, ctx)
-        v = x.reshape(-1).to(accum_dtype(x.dtype))
+        # Float16/bfloat16 go to the kernel as they are (it widens to float32 as it
+        # loads); |v|, its max and its top-k are exact in the input's dtype.
+        v = x.reshape(-1) if x.dtype in K.KERNEL_DTYPES else x.reshape(-1).to(accum_dtype(x.dtype))
         n = v.numel()
         tau = self.current_tau(ctx)
         amax = float(v.abs().max()) if n else 0.0
@@ -150,9 +146,9 @@ class Threshold(Compressor):
             tau = tau / self.shake_factor
         tau = exact_tau(tau, amax)
 
-        pos, neg = threshold_select_reference(v, tau)
-        sel = pos | neg
-        count = int(sel.sum()) if n else 0
+        # One pass: select, count, pack the bitmap (dispatched: reference on the CPU).
+        sel = K.threshold_ef(v, tau)
+        count = sel.count
         if self.policy == "adaptive" and not shake and n:
             frac = count / n
             t = self.current_tau(ctx)
@@ -169,11 +165,8 @@ class Threshold(Compressor):
             return Payload(body=empty, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY, scale=tau)
         bitmap_bytes = (n + 3) // 4
         if n < _MAX_INDEX and 4 * count <= bitmap_bytes:
-            idx = sel.nonzero().reshape(-1)
-            words = encode_signed_indices(idx, neg[idx])
-            return Payload(body=as_bytes(words), shape=x.shape, dtype=x.dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
-        codes = pos.to(torch.uint8) | (neg.to(torch.uint8) << 1)
-        return Payload(body=pack_2bit(codes), shape=x.shape, dtype=x.dtype, fmt=FMT_BITMAP2, scale=tau)
+            return Payload(body=as_bytes(sel.indices()), shape=x.shape, dtype=x.dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
+        return Payload(body=sel.bitmap(), shape=x.shape, dtype=x.dtype, fmt=FMT_BITMAP2, scale=tau)
 
     # -- decode ------------------------------------------------------------------------
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -186,15 +179,32 @@ class Threshold(Compressor):
         if payload.fmt == FMT_EMPTY:
             return
         if payload.fmt == FMT_SIGNED_INDEX:
-            idx, negative = decode_signed_indices(from_bytes(payload.body, torch.int32))
-            if idx.numel() and int(idx.max()) >= out.numel():
-                raise ValueError(f"corrupt threshold frame: index {int(idx.max())} >= numel {out.numel()}")
-            vals = torch.full(idx.shape, tau, dtype=out.dtype, device=out.device)
-            vals[negative] = -tau
-            out.index_add_(0, idx, vals)
+            words = from_bytes(payload.body, torch.int32)
+            if words.numel():
+                top = int((words & 0x7FFFFFFF).max())
+                if top >= out.numel():
+                    raise ValueError(f"corrupt threshold frame: index {top} >= numel {out.numel()}")
+            K.scatter_add_signed(out, words, tau)
             return
         if payload.fmt == FMT_BITMAP2:
-            codes = unpack_2bit(payload.body, out.numel())
-            out.add_((codes == 1).to(out.dtype) * tau - (codes == 2).to(out.dtype) * tau)
+            K.decode_add_bitmap2(out, [payload.body], [tau])
             return
         raise ValueError(f"Threshold cannot decode frame format {payload.fmt}")
+
+    def accumulate_many(self, payloads, out: torch.Tensor) -> None:
+        """``accumulate`` each payload in order (one tensor, N peers).
+
+        Runs of bitmap frames decode in one pass over ``out`` (no N-fold
+        intermediate); the sums per element are taken in the same order, so the
+        floats are those of calling :meth:`accumulate` N times.
+        """
+        run: list[Payload] = []
+        for p in list(payloads) + [None]:
+            if p is not None and p.fmt == FMT_BITMAP2:
+                run.append(p)
+                continue
+            if run:
+                K.decode_add_bitmap2(out, [q.body for q in run], [q.scale for q in run])
+                run = []
+            if p is not None:
+                self.accumulate(p, out)

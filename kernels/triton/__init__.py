@@ -1,0 +1,83 @@
+"""Triton kernels, one op per module. Imported on first use by :mod:`gradzip.kernels`.
+
+Each module holds private ``_..._kernel`` functions, public launchers
+``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every
+kernel is compiled for ahead of time (``tests/test_kernels_triton.py`` builds
+each one for sm_90 with no GPU present).
+
+Conventions: a ``tl.constexpr`` block size, a mask on every load and store, int64
+element offsets (``program_id(0).to(tl.int64)`` first), no ``assert`` for
+validation (launchers raise :class:`gradzip.kernels.Unsupported` before launching),
+and no fp fusion where a kernel must match the reference bit for bit.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+import triton
+
+from .. import Unsupported
+
+__all__ = ["interpreting", "check", "aot_compile", "aot_specs", "MODULES"]
+
+MODULES = ("threshold", "decode", "topk")
+LAUNCH = {"enable_fp_fusion": False}
+
+
+def interpreting() -> bool:
+    """True when kernels run in the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def check(name: str, t: torch.Tensor, dtypes, device: torch.device | None = None) -> None:
+    """Raise Unsupported unless ``t`` is a contiguous tensor of one of ``dtypes`` that Triton can reach."""
+    if t.dtype not in dtypes:
+        raise Unsupported(f"{name} has dtype {t.dtype}; the Triton kernel takes {[str(d) for d in dtypes]}")
+    if not t.is_contiguous():
+        raise Unsupported(f"{name} is not contiguous")
+    if t.device.type == "cuda":
+        if interpreting():
+            raise Unsupported("TRITON_INTERPRET=1: kernels were built for the interpreter, not the GPU")
+    elif t.device.type != "cpu" or not interpreting():
+        raise Unsupported(f"{name} is on {t.device}; Triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)")
+    if device is not None and t.device != device:
+        raise Unsupported(f"{name} is on {t.device}, expected {device}")
+
+
+def aot_compile(kernel, signature: dict, constexprs: dict, *, arch: int = 90, num_warps: int = 4, divisible=()):
+    """Compile ``kernel`` for ``sm_<arch>`` without a GPU; returns triton's CompiledKernel.
+
+    Pointer arguments are marked 16-byte aligned, as the launcher marks torch's
+    allocations. Run it with TRITON_INTERPRET unset (see :mod:`.aot`): under the
+    interpreter, library functions such as ``tl.sum`` cannot be compiled.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    sig = dict(signature)
+    for k in constexprs:
+        sig[k] = "constexpr"
+    # As the launcher specializes at run time: pointers from torch's allocator are 16-byte aligned.
+    # Integer arguments named in ``divisible`` are multiples of 16, as the launcher marks them.
+    attrs = {
+        (fn.arg_names.index(k),): [["tt.divisibility", 16]]
+        for k, t in signature.items()
+        if t.startswith("*") or k in divisible
+    }
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
+    options = dict(LAUNCH, num_warps=num_warps)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def aot_specs() -> list[dict]:
+    """Every (kernel, signature, constexprs) that the modules declare in ``AOT_SPECS``."""
+    specs = []
+    for m in MODULES:
+        mod = importlib.import_module(f"{__name__}.{m}")
+        for spec in mod.AOT_SPECS:
+            specs.append(dict(spec, module=m))
+    return specs
