@@ -24,9 +24,11 @@ from .compressors import (
     Threshold,
     TopK,
 )
+from .costmodel import Link
 from .engine import Engine
 from .local_sgd import LocalSGD
 from .optim import DistributedOptimizer
+from .policy import Policy
 from .stats import Stats
 from .wire import Payload
 
@@ -52,4 +54,6 @@ __all__ = [
     "DistributedOptimizer",
     "LocalSGD",
     "schedules",
+    "Policy",
+    "Link",
 ]

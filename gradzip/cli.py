@@ -58,6 +58,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from . import plan
+
+    return plan.run(args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gradzip", description="gradient compression toolkit")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -72,6 +78,11 @@ def main(argv=None) -> int:
     b.add_argument("--out", default="bench_out", help="folder for results.json/csv and pareto.png ('' to skip)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=_bench)
+    from .plan import add_arguments as plan_arguments
+
+    pl = sub.add_parser("plan", help="predict step time and scaling efficiency per method and world size")
+    plan_arguments(pl)
+    pl.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -1,0 +1,412 @@
+"""``gradzip plan``: predict step time and scaling efficiency per method and world size.
+
+    gradzip plan --params 25e6 --compute 120ms --bandwidth 1Gbit --latency 50us
+    gradzip plan --state-dict model.pt --compute 0.3 --bandwidth 10Gbit --latency 20us \\
+        --worlds 2,4,8,16 --methods "DDP, TopK(ratio=0.001), PowerSGD(rank=4)" --plot plan.png
+
+For every method and world size ``N`` the step is ``compute + codec + wire``
+(:mod:`gradzip.costmodel`, ``docs/costmodel.md``): the bytes from dry runs of
+each method's real exchange on the model's DDP buckets, the codec seconds from
+a :class:`~gradzip.costmodel.CodecProfile` measured on this machine (or read
+with ``--profile``), the wire from the ring formulas. Scaling efficiency is
+``compute / step`` (weak scaling: the per-rank batch stays fixed, so one rank's
+step is ``compute`` alone). It prints the step time and efficiency per method,
+the fastest method per world size, and plots both curves.
+
+The prediction is for time per step only: methods also differ in how many steps
+they need to reach an accuracy (``gradzip bench`` measures that).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from .compressors.base import Compressor
+from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
+
+DEFAULT_METHODS = (
+    "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
+)
+DEFAULT_WORLDS = tuple(2**k for k in range(1, 11))  # 2 .. 1024
+BN_BUFFERS = ("running_mean", "running_var")
+
+
+# -- methods -----------------------------------------------------------------------------
+def _registry() -> dict:
+    from . import compressors  # noqa: PLC0415
+    from .policy import Policy  # noqa: PLC0415
+
+    reg = {n: getattr(compressors, n) for n in ("Identity", "FP16", "BF16", "TopK", "RandomK", "Threshold")}
+    for module, names in (
+        ("gradzip.compressors.quant", ("SignSGD", "QSGD", "TernGrad", "Int8")),
+        ("gradzip.compressors.powersgd", ("PowerSGD",)),
+        ("gradzip.compressors.filter", ("Filter",)),
+    ):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        reg.update({n: getattr(mod, n) for n in names if hasattr(mod, n)})
+    reg["Policy"] = Policy
+    return reg
+
+
+def _build(node, reg: dict, link: Link | None, profile):
+    """An AST node of a method spec to a value: a compressor call, a name, or a literal."""
+    if isinstance(node, ast.Name):
+        if node.id == "DDP":
+            return None
+        if node.id not in reg:
+            raise ValueError(f"unknown method {node.id!r}; choose from {['DDP', *sorted(reg)]}")
+        return reg[node.id]()
+    if isinstance(node, ast.Call):
+        if not isinstance(node.func, ast.Name) or node.func.id not in reg:
+            name = ast.unparse(node.func)
+            raise ValueError(f"unknown method {name!r}; choose from {['DDP', *sorted(reg)]}")
+        args = [_build(a, reg, link, profile) for a in node.args]
+        kw = {k.arg: _build(k.value, reg, link, profile) for k in node.keywords}
+        if node.func.id == "Policy" and kw.get("auto"):
+            kw.setdefault("link", link)  # the plan's link
+            kw.setdefault("profile", profile)
+        return reg[node.func.id](*args, **kw)
+    if isinstance(node, ast.Dict):
+        return {_build(k, reg, link, profile): _build(v, reg, link, profile) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_build(e, reg, link, profile) for e in node.elts]
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ValueError(f"cannot read {ast.unparse(node)!r} in a method spec (literals and compressor calls only)") from None
+
+
+def parse_methods(spec: str, *, link: Link | None = None, profile=None) -> dict[str, Compressor | None]:
+    """``"DDP, TopK(ratio=0.01), PowerSGD(rank=2)"`` to ``{label: compressor}`` (``DDP``: ``None``).
+
+    Each item is a compressor class name, optionally called with literal keyword
+    arguments (and compressors, for ``Policy``/``Filter``). Nothing is evaluated
+    beyond literals. ``Policy(..., auto=True)`` gets the plan's link and profile
+    unless given.
+    """
+    try:
+        tree = ast.parse(f"[{spec}]", mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"cannot parse methods {spec!r}: {exc.msg}") from None
+    reg = _registry()
+    out: dict[str, Compressor | None] = {}
+    for node in tree.body.elts:
+        label = ast.unparse(node)
+        if label in out:
+            raise ValueError(f"method {label!r} is listed twice")
+        out[label] = _build(node, reg, link, profile)
+    if not out:
+        raise ValueError("methods must name at least one method")
+    return out
+
+
+# -- models ------------------------------------------------------------------------------
+def layers_from_params(count: int, layer_shape: tuple[int, int] = (1024, 1024)) -> list[tuple[str, tuple]]:
+    """A stand-in model of ``count`` parameters: ``layer_shape`` matrices, then the rest as one
+    ``(rows, layer_shape[1])`` matrix and a vector of what is left."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"params must be an integer in [1, inf), got {count!r}")
+    r, c = layer_shape
+    if r < 1 or c < 1:
+        raise ValueError(f"layer_shape must be two positive integers, got {layer_shape!r}")
+    full, rest = divmod(count, r * c)
+    layers = [(f"layer{i}.weight", (r, c)) for i in range(full)]
+    if rest // c:
+        layers.append(("rest.weight", (rest // c, c)))
+    if rest % c:
+        layers.append(("rest.bias", (rest % c,)))
+    return layers
+
+
+def layers_from_state_dict(path: str) -> list[tuple[str, tuple]]:
+    """``[(name, shape)]`` of the floating-point tensors of a saved ``state_dict``
+    (or of its ``"state_dict"``/``"model"`` entry), minus BatchNorm running statistics."""
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("state_dict", "model"):
+        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+            sd = sd[key]
+            break
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: expected a state_dict (a dict of tensors), got {type(sd).__name__}")
+    layers = [
+        (k, tuple(v.shape))
+        for k, v in sd.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith(BN_BUFFERS)
+    ]
+    if not layers:
+        raise ValueError(f"{path}: no floating-point tensors in the state_dict")
+    return layers
+
+
+# -- projection ----------------------------------------------------------------------------
+def project(
+    layers,
+    compute_s: float,
+    link: Link,
+    worlds,
+    methods: dict,
+    profile: CodecProfile,
+    *,
+    bucket_cap_mb: float = 25.0,
+    progress=None,
+) -> list[dict]:
+    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``."""
+    worlds = sorted(set(worlds))
+    probe = (min(w for w in worlds if w > 1), max(worlds)) if any(w > 1 for w in worlds) else None
+    cache = WireCache(probe_worlds=probe)
+    rows = []
+    for label, method in methods.items():
+        t0 = time.perf_counter()
+        for n in worlds:
+            sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache, label=label)
+            d = sc.as_dict()
+            d.update(label=label, speedup=n * sc.efficiency)
+            rows.append(d)
+        if progress is not None:
+            progress(label, time.perf_counter() - t0)
+    return rows
+
+
+def best_per_world(rows: list[dict]) -> dict[int, str]:
+    best: dict[int, dict] = {}
+    for r in rows:
+        b = best.get(r["world"])
+        if b is None or r["total_s"] < b["total_s"]:
+            best[r["world"]] = r
+    return {n: r["label"] for n, r in sorted(best.items())}
+
+
+def format_table(rows: list[dict]) -> str:
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    worlds = sorted({r["world"] for r in rows})
+    at = {(r["label"], r["world"]): r for r in rows}
+    best = best_per_world(rows)
+    short = {lab: f"[{i + 1}]" for i, lab in enumerate(labels)}
+    width = 15
+    lines = ["methods: " + "; ".join(f"{short[lab]} {lab}" for lab in labels), ""]
+    head = f"{'N':>5} | " + " | ".join(f"{short[lab]:>{width}}" for lab in labels) + " | best"
+    lines += [
+        "step time in ms (scaling efficiency = compute / step)",
+        head,
+        "-" * len(head),
+    ]
+    for n in worlds:
+        cells = []
+        for lab in labels:
+            r = at[(lab, n)]
+            cells.append(f"{1e3 * r['total_s']:>8.1f} ({100 * r['efficiency']:>3.0f}%)".rjust(width))
+        lines.append(f"{n:>5} | " + " | ".join(cells) + f" | {short[best[n]]} {best[n]}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> str:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for lab in labels:
+        rs = sorted((r for r in rows if r["label"] == lab), key=lambda r: r["world"])
+        ns = [r["world"] for r in rs]
+        ax1.plot(ns, [1e3 * r["total_s"] for r in rs], marker="o", ms=3, label=lab)
+        ax2.plot(ns, [100 * r["efficiency"] for r in rs], marker="o", ms=3, label=lab)
+    ax1.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="predicted step time (ms)")
+    ax2.set(xscale="log", xlabel="ranks N", ylabel="scaling efficiency (%) = compute / step", ylim=(0, 105))
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, names = ax1.get_legend_handles_labels()
+    ncol = min(3, len(names))
+    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    rows_of_legend = math.ceil(len(names) / ncol)
+    fig.tight_layout(rect=(0, 0.04 + 0.045 * rows_of_legend, 1, 0.96))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -- command line ----------------------------------------------------------------------------
+def _int_count(s: str) -> int:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a parameter count like 25e6, got {s!r}") from None
+    if not (math.isfinite(v) and v >= 1 and v == int(v)):
+        raise argparse.ArgumentTypeError(f"params must be a whole number in [1, inf), got {s!r}")
+    return int(v)
+
+
+def _shape(s: str) -> tuple[int, int]:
+    try:
+        r, c = (int(p) for p in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS like 1024x1024, got {s!r}") from None
+    if r < 1 or c < 1:
+        raise argparse.ArgumentTypeError(f"layer shape must be positive, got {s!r}")
+    return r, c
+
+
+def _worlds(s: str) -> list[int]:
+    try:
+        ws = [int(p) for p in s.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {s!r}") from None
+    if not ws or any(w < 1 for w in ws):
+        raise argparse.ArgumentTypeError(f"world sizes must be integers in [1, inf), got {s!r}")
+    return ws
+
+
+def _arg(fn, name):
+    def conv(s):
+        try:
+            return fn(s)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    conv.__name__ = name
+    return conv
+
+
+def _bucket_cap(s: str) -> float:
+    v = float(s)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"bucket cap must be a number of MiB in (0, inf), got {s!r}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, inf), got {s!r}")
+    return v
+
+
+def _sizes(s: str) -> tuple[int, int]:
+    try:
+        a, b = (int(float(p)) for p in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two sizes like 4096,1048576, got {s!r}") from None
+    if not (4 <= a < b):
+        raise argparse.ArgumentTypeError(f"profile sizes must satisfy 4 <= n0 < n1, got {s!r}")
+    return a, b
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``gradzip plan`` options (``gradzip.cli`` adds them to its ``plan`` sub-command)."""
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)")
+    model.add_argument("--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients")
+    p.add_argument("--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)")
+    p.add_argument("--compute", type=_arg(lambda s: parse_duration(s, "compute"), "duration"), required=True,
+                   help="forward+backward time of one step on one rank, e.g. 120ms or 0.12")
+    p.add_argument("--bandwidth", type=_arg(parse_bandwidth, "bandwidth"), required=True,
+                   help="link bandwidth, e.g. 1Gbit, 100Mbit, 10G (bits/s), 125MB/s (bytes/s)")
+    p.add_argument("--latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), required=True,
+                   help="one-way latency per message, e.g. 50us, 0.2ms")
+    p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
+    p.add_argument("--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)")
+    p.add_argument("--profile", default="", help="codec profile JSON to read (e.g. from benchmarks/results/); "
+                                                 "default: measure on this machine")
+    p.add_argument("--save-profile", default="", help="write the codec profile used to this JSON file")
+    p.add_argument("--profile-sizes", type=_sizes, default=(4096, 1 << 20),
+                   help="tensor sizes the codec is timed at (default 4096,1048576)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per profile point (the fastest counts; default 5)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads while timing the codec (default 1: one per rank)")
+    p.add_argument("--plot", default="plan.png", help="PNG of the scaling curves ('' to skip)")
+    p.add_argument("--json", default="", help="write inputs, profile source and every prediction to this JSON file")
+
+
+def run(args) -> int:
+    link = Link(args.bandwidth, args.latency)
+    try:
+        if args.profile:
+            profile = CodecProfile.load(args.profile, measure_missing=True)
+            where = (profile.machine or {}).get("cpu", "an unnamed machine")
+            source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+        else:
+            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads)
+            source = (
+                f"measured on this machine (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
+                f"fastest of {args.repeats}, {args.threads} thread(s))"
+            )
+        methods = parse_methods(args.methods, link=link, profile=profile)
+        if args.state_dict:
+            layers = layers_from_state_dict(args.state_dict)
+            what = args.state_dict
+        else:
+            layers = layers_from_params(args.params, args.layer_shape)
+            what = f"{args.params:,} parameters as {args.layer_shape[0]}x{args.layer_shape[1]} matrices"
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
+        print(f"gradzip plan: {exc}", file=sys.stderr)
+        return 2
+    nparams = sum(math.prod(s) for _, s in layers)
+    print(
+        f"gradzip plan: {what}: {nparams:,} fp32 gradients in {len(layers)} tensors "
+        f"({4 * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}",
+        flush=True,
+    )
+    print(f"codec profile: {source}", flush=True)
+
+    def progress(label, secs):
+        print(f"  {label}: {secs:.1f} s", flush=True)
+
+    rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+    print()
+    print(format_table(rows))
+    print("\nPredicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
+    if args.save_profile:
+        profile.save(args.save_profile)
+        print(f"wrote {args.save_profile}")
+    if args.plot:
+        plot(rows, args.plot, title=f"{what}; compute {1e3 * args.compute:g} ms; {link}")
+        print(f"wrote {args.plot}")
+    if args.json:
+        out = {
+            "inputs": {
+                "model": what,
+                "params": nparams,
+                "tensors": len(layers),
+                "compute_s": args.compute,
+                "link": link.to_dict(),
+                "worlds": sorted(set(args.worlds)),
+                "bucket_cap_mb": args.bucket_cap_mb,
+                "methods": list(methods),
+            },
+            "profile": {"source": source, **profile.to_dict()},
+            "best": {str(k): v for k, v in best_per_world(rows).items()},
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gradzip plan", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Cost model and `gradzip plan`: hand-computed cases, dry runs, profiles, the auto policy's choices."""
+import json
+import math
+
+import pytest
+import torch
+
+from gradzip import plan
+from gradzip.compressors import FP16, Identity, TopK
+from gradzip.compressors.powersgd import PowerSGD
+from gradzip.compressors.quant import Int8, SignSGD
+from gradzip.costmodel import (
+    ENGINE_FLAG_BYTES,
+    CodecFit,
+    CodecProfile,
+    Collective,
+    Link,
+    WireCache,
+    allgather_time,
+    allreduce_time,
+    ddp_buckets,
+    dry_run,
+    layer_cost,
+    measure_codec,
+    parse_bandwidth,
+    parse_duration,
+    step_cost,
+    wire_time,
+)
+from gradzip.policy import Policy
+from gradzip.wire import HEADER_BYTES
+
+MiB = 2**20
+
+
+# -- ring formulas ---------------------------------------------------------------------------
+def test_ring_formulas_hand_computed():
+    link = Link(1e9, 1e-4)  # 1 Gbit/s, 100 us
+    # allreduce of 1 MB on 4 ranks: 2*3/4 * 8e6 bit / 1e9 bit/s = 12 ms, plus 2*3 latencies = 0.6 ms
+    assert allreduce_time(1e6, 4, link) == pytest.approx(0.0126, rel=1e-12)
+    # allgather of 1 MB per rank on 4 ranks: 3 * 8 ms = 24 ms, plus 3 latencies = 0.3 ms
+    assert allgather_time(1e6, 4, link) == pytest.approx(0.0243, rel=1e-12)
+    # 2 ranks, 1000 bytes: 1 * 8e3 / 1e9 = 8 us, plus 2 latencies
+    assert allreduce_time(1000, 2, link) == pytest.approx(8e-6 + 2e-4, rel=1e-12)
+    assert allgather_time(1000, 2, link) == pytest.approx(8e-6 + 1e-4, rel=1e-12)
+    # one rank talks to nobody
+    assert allreduce_time(1e9, 1, link) == 0.0 == allgather_time(1e9, 1, link)
+    # large N: the allreduce's bandwidth term tends to 2 S/B, the allgather's grows with N
+    assert allreduce_time(1e6, 1024, Link(1e9)) == pytest.approx(2 * 1023 / 1024 * 8e-3)
+    assert allgather_time(1e6, 1024, Link(1e9)) == pytest.approx(1023 * 8e-3)
+    colls = [Collective("allreduce", 8, control=True), Collective("allgather", 1000)]
+    assert wire_time(colls, 4, link) == pytest.approx(allreduce_time(8, 4, link) + allgather_time(1000, 4, link))
+    with pytest.raises(ValueError, match="kind"):
+        Collective("broadcast", 8).time(2, link)
+    with pytest.raises(ValueError, match=r"world_size must be an integer in \[1, inf\)"):
+        allreduce_time(8, 0, link)
+
+
+def test_link_and_unit_parsing():
+    assert parse_bandwidth("1Gbit") == 1e9
+    assert parse_bandwidth("100Mbit") == 1e8
+    assert parse_bandwidth("100 mbps") == 1e8
+    assert parse_bandwidth("10G") == 1e10
+    assert parse_bandwidth("125MB/s") == 1e9  # bytes
+    assert parse_bandwidth("2.5e9") == 2.5e9
+    assert parse_bandwidth(3e8) == 3e8
+    assert parse_duration("50us") == pytest.approx(5e-5)
+    assert parse_duration("0.2ms") == pytest.approx(2e-4)
+    assert parse_duration("1.5s") == 1.5
+    assert parse_duration(0.1) == 0.1
+    assert Link.parse("1Gbit", "50us") == Link(1e9, 5e-5)
+    for bad in ("fast", "-1Gbit", 0, float("nan"), True, None):
+        with pytest.raises(ValueError, match="bandwidth"):
+            parse_bandwidth(bad)
+    for bad in ("soon", -1e-3, float("inf"), False):
+        with pytest.raises(ValueError, match="latency"):
+            parse_duration(bad, "latency")
+    with pytest.raises(ValueError, match=r"bandwidth_bps must be a number in \(0, inf\)"):
+        Link(0)
+    with pytest.raises(ValueError, match=r"latency_s must be a number in \[0, inf\)"):
+        Link(1e9, -1.0)
+
+
+# -- dry runs --------------------------------------------------------------------------------
+def test_dry_run_bytes_are_the_real_exchange():
+    x = torch.randn(100, 100, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    d = dry_run(TopK(0.01), [x], world_size=4)
+    # size exchange (one int64), then one frame: header + 100 int32 indices + 100 fp32 values
+    assert d.collectives == [Collective("allreduce", 8, control=True), Collective("allgather", HEADER_BYTES + 100 * 8)]
+    assert d.rounds == 2
+    comp = TopK(0.01)
+    # four identical ranks: the average is what one rank sends
+    assert torch.allclose(d.out, comp.decompress(comp.compress(x)).reshape(-1))
+    assert [c.nbytes for c in dry_run(Identity(), [x], world_size=4).collectives] == [40000]
+    assert [c.nbytes for c in dry_run(FP16(), [x], world_size=4).collectives] == [20000]
+    # PowerSGD rank 2 of a 100x100 matrix: P (100x2) then Q (100x2), fp32
+    p = dry_run(PowerSGD(rank=2), [x], world_size=4)
+    assert [c.nbytes for c in p.collectives] == [800, 800] and p.rounds == 2
+    assert torch.allclose(dry_run(Identity(), [x], world_size=3).out, x.reshape(-1))
+    # bytes only: stops after launching the last round, decodes nothing
+    q = dry_run(TopK(0.01), [x], world_size=1024, decode=False)
+    assert q.collectives == d.collectives and q.out is None
+    assert torch.equal(x, before)
+
+
+def test_wire_cache_reuses_world_invariant_logs_only():
+    cache = WireCache(probe_worlds=(2, 64))
+    shapes = [(64, 64)]
+    a = cache.collectives(TopK(0.01), shapes, 8)
+    assert cache.dry_runs == 2 and a == cache.collectives(TopK(0.01), shapes, 32) and cache.dry_runs == 2
+    # Int8's summed lanes widen with the world size: 7 lanes of 9 bits per int64 word on 2 ranks
+    # (2 * 254 < 2**9), 4 lanes of 14 bits on 64 ranks (64 * 254 < 2**14)
+    i2 = cache.collectives(Int8(allreduce=True), shapes, 2)
+    i64 = cache.collectives(Int8(allreduce=True), shapes, 64)
+    assert i2[-1].nbytes == 8 * math.ceil(4096 / 7) and i64[-1].nbytes == 8 * 4096 // 4
+    n = cache.dry_runs
+    cache.collectives(Int8(allreduce=True), shapes, 16)
+    assert cache.dry_runs == n + 1
+
+
+def test_ddp_buckets_follow_ddps_rule():
+    sizes = [10 * MiB, 10 * MiB, 10 * MiB, MiB // 2, 6 * MiB // 10]
+    # reverse order; the first bucket closes at >= 1 MiB, the next ones at >= 25 MiB
+    assert ddp_buckets(sizes) == [[4, 3], [2, 1, 0]]
+    assert ddp_buckets(sizes, bucket_cap_mb=5) == [[4, 3], [2], [1], [0]]
+    assert ddp_buckets([100, 100]) == [[1, 0]]
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a number in \(0, inf\)"):
+        ddp_buckets(sizes, bucket_cap_mb=0)
+
+
+# -- codec profiles ---------------------------------------------------------------------------
+def test_codec_fit_and_profile_round_trip(tmp_path):
+    fit = CodecFit(1e-4, 2e-9, 3e-5, 4e-10)
+    assert fit.seconds(1000, 1) == pytest.approx(1e-4 + 2e-6)
+    assert fit.seconds(1000, 5) == pytest.approx(1e-4 + 2e-6 + 4 * (3e-5 + 4e-7))
+    with pytest.raises(ValueError, match=r"encode_s_per_elem must be a number in \[0, inf\)"):
+        CodecFit(0.0, -1.0)
+    prof = CodecProfile(machine={"cpu": "test"}, measure_missing=False)
+    prof.add(TopK(0.01), fit)
+    path = tmp_path / "codec.json"
+    prof.save(str(path))
+    back = CodecProfile.load(str(path))
+    assert back.fit(TopK(0.01)) == fit
+    assert back.machine == {"cpu": "test"}
+    with pytest.raises(KeyError, match="no entry for TopK"):
+        back.fit(TopK(0.02))
+    with pytest.raises(KeyError, match="no entry"):
+        back.fit(TopK(0.01), error_feedback=False)  # error feedback is part of the key
+    d = json.loads(path.read_text())
+    with pytest.raises(ValueError, match="not a gradzip codec profile"):
+        CodecProfile.from_dict({**d, "kind": "other"})
+    with pytest.raises(ValueError, match="version"):
+        CodecProfile.from_dict({**d, "version": 99})
+    broken = json.loads(path.read_text())
+    next(iter(broken["entries"].values())).pop("encode_s")
+    with pytest.raises(ValueError, match="incomplete"):
+        CodecProfile.from_dict(broken)
+
+
+def test_measure_codec_times_this_machine():
+    threads = torch.get_num_threads()
+    fit, raw = measure_codec(TopK(0.05), sizes=(256, 4096), worlds=(1, 3), repeats=2, threads=1)
+    assert set(raw) == {"n=256,W=1", "n=256,W=3", "n=4096,W=1", "n=4096,W=3"}
+    assert all(v > 0 for v in raw.values())
+    assert fit.seconds(4096, 3) > 0
+    assert torch.get_num_threads() == threads  # restored
+    # an allreduce-only exchange decodes once, whatever the world size
+    fit_id, _ = measure_codec(Identity(), sizes=(256, 4096), worlds=(1, 3), repeats=1)
+    assert fit_id.peer_s == 0.0 and fit_id.peer_s_per_elem == 0.0
+    prof = CodecProfile(sizes=(256, 4096), worlds=(1, 3), repeats=1)  # measures what it lacks
+    assert prof.fit(SignSGD()) == CodecProfile.from_dict(prof.to_dict()).fit(SignSGD())
+    with pytest.raises(ValueError, match="sizes must be two integers"):
+        measure_codec(TopK(0.05), sizes=(4096, 256))
+
+
+# -- a step ----------------------------------------------------------------------------------
+def _profile(fits: dict) -> CodecProfile:
+    prof = CodecProfile(machine={"cpu": "hand-made"}, measure_missing=False)
+    for (comp, ef), fit in fits.items():
+        prof.add(comp, fit, error_feedback=ef)
+    return prof
+
+
+def test_step_cost_hand_computed():
+    link = Link(1e9, 1e-4)
+    layers = [("a.weight", (256, 256)), ("a.bias", (256,))]  # 263,168 bytes: one bucket
+    topk_fit = CodecFit(1e-4, 1e-8, 2e-5, 1e-9)
+    prof = _profile({(TopK(0.01), True): topk_fit})
+
+    ddp = step_cost(None, layers, 4, link, 0.05, prof)
+    nbytes = 4 * (65536 + 256)
+    assert ddp.buckets == 1 and ddp.collectives == 1 and ddp.bytes_per_rank == nbytes
+    assert ddp.codec_s == 0.0
+    assert ddp.wire_s == pytest.approx(2 * 3 / 4 * 8 * nbytes / 1e9 + 6e-4, rel=1e-12)
+    assert ddp.total_s == pytest.approx(0.05 + ddp.wire_s)
+    assert ddp.efficiency == pytest.approx(0.05 / ddp.total_s)
+
+    topk = step_cost(TopK(0.01), layers, 4, link, 0.05, prof)
+    # frames: 2 headers; a.weight k = ceil(655.36) = 656 -> 656 * 8 bytes; a.bias k = ceil(2.56) = 3 -> 24 bytes
+    msg = 2 * HEADER_BYTES + 656 * 8 + 24
+    assert msg == 5304
+    assert topk.bytes_per_rank == ENGINE_FLAG_BYTES + 8 + msg and topk.collectives == 3
+    wire = (2 * 3 / 4 * 8 * 4 / 1e9 + 6e-4) + (2 * 3 / 4 * 8 * 8 / 1e9 + 6e-4) + (3 * 8 * msg / 1e9 + 3e-4)
+    assert topk.wire_s == pytest.approx(wire, rel=1e-12)
+    codec = (1e-4 + 1e-8 * 65536 + 3 * (2e-5 + 1e-9 * 65536)) + (1e-4 + 1e-8 * 256 + 3 * (2e-5 + 1e-9 * 256))
+    assert topk.codec_s == pytest.approx(codec, rel=1e-12)
+    assert topk.total_s == pytest.approx(0.05 + codec + wire, rel=1e-12)
+
+    one = step_cost(TopK(0.01), layers, 1, link, 0.05, prof)
+    assert one.total_s == 0.05 and one.efficiency == 1.0
+    with pytest.raises(KeyError, match="no entry for FP16"):
+        step_cost(FP16(), layers, 4, link, 0.05, prof)
+    with pytest.raises(ValueError, match=r"compute_s must be a number in \[0, inf\)"):
+        step_cost(None, layers, 4, link, -1.0, prof)
+
+
+# -- the auto policy's choices ------------------------------------------------------------------
+AUTO_FITS = {
+    (TopK(0.01), True): CodecFit(50e-6, 5e-9),
+    (Identity(), True): CodecFit(5e-6, 1e-10),
+}
+
+
+def test_auto_policy_compresses_big_layers_on_slow_links_only():
+    prof = _profile(AUTO_FITS)
+    slow, fast = Link(1e8, 1e-4), Link(1e11, 1e-6)
+    big, tiny = (1024, 1024), (100,)
+    p_slow = Policy(TopK(0.01), auto=True, link=slow, world_size=4, profile=prof)
+    p_fast = Policy(TopK(0.01), auto=True, link=fast, world_size=4, profile=prof)
+    # slow link, 1M elements: Identity moves 4 MB (about 0.48 s), TopK 80 kB in 5 ms of codec
+    assert p_slow.choose("big.weight", big) is p_slow.default
+    # a tiny layer costs latency only: TopK pays a size exchange and codec on top
+    assert p_slow.choose("tiny", tiny) is p_slow.fallback
+    # 100 Gbit/s: 4 MB in 0.5 ms beats 5 ms of TopK codec
+    assert p_fast.choose("big.weight", big) is p_fast.fallback
+    c_default, c_fallback = p_slow.costs(torch.randn(big), 4)
+    x = torch.randn(big)
+    assert c_default == pytest.approx(layer_cost(TopK(0.01), x, 4, slow, prof, error_feedback=True), rel=1e-9)
+    rows = p_slow.explain([("big.weight", big), ("tiny", tiny)])
+    assert [r["reason"] for r in rows] == ["auto: default is cheaper", "auto: fallback is cheaper"]
+
+    # per step: big layers compressed, tiny ones sent plain, cheaper than sending everything plain
+    layers = [("l0.weight", big), ("l0.bias", tiny), ("l1.weight", big), ("l1.bias", tiny)]
+    auto = step_cost(p_slow, layers, 4, slow, 0.1, prof)
+    plain = step_cost(Policy(TopK(0.01), min_numel=10**9), layers, 4, slow, 0.1, prof)
+    assert auto.detail["tensors_per_compressor"] == {repr(TopK(0.01)): 2, "Identity()": 2}
+    assert plain.detail["tensors_per_compressor"] == {"Identity()": 4}
+    assert auto.codec_s + auto.wire_s < (plain.codec_s + plain.wire_s) / 10
+
+
+# -- gradzip plan --------------------------------------------------------------------------------
+def test_parse_methods():
+    link = Link(1e9, 5e-5)
+    ms = plan.parse_methods("DDP, TopK(ratio=0.01), PowerSGD(rank=2), Policy(default=TopK(ratio=0.1), auto=True)", link=link)
+    assert list(ms) == ["DDP", "TopK(ratio=0.01)", "PowerSGD(rank=2)", "Policy(default=TopK(ratio=0.1), auto=True)"]
+    assert ms["DDP"] is None and ms["TopK(ratio=0.01)"].ratio == 0.01 and ms["PowerSGD(rank=2)"].rank == 2
+    pol = ms["Policy(default=TopK(ratio=0.1), auto=True)"]
+    assert pol.auto and pol.link == link and pol.default.ratio == 0.1
+    with pytest.raises(ValueError, match="unknown method 'Zip'"):
+        plan.parse_methods("Zip")
+    with pytest.raises(ValueError, match="unknown method"):  # nothing is evaluated
+        plan.parse_methods("TopK(ratio=__import__('os').getpid())")
+    with pytest.raises(ValueError, match="literals and compressor calls only"):
+        plan.parse_methods("TopK(ratio=0.01 * x)")
+    with pytest.raises(ValueError, match="listed twice"):
+        plan.parse_methods("FP16, FP16")
+    with pytest.raises(ValueError, match=r"ratio must be a number in \(0, 1\]"):
+        plan.parse_methods("TopK(ratio=2)")
+
+
+def test_plan_models(tmp_path):
+    layers = plan.layers_from_params(2_100_000, (1024, 1024))
+    # 2 full matrices, then 2,848 left: a 2 x 1024 matrix and 800 more
+    assert layers == [("layer0.weight", (1024, 1024)), ("layer1.weight", (1024, 1024)), ("rest.weight", (2, 1024)), ("rest.bias", (800,))]
+    assert sum(math.prod(s) for _, s in layers) == 2_100_000
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    path = tmp_path / "sd.pt"
+    torch.save({"model": bn.state_dict()}, path)
+    assert plan.layers_from_state_dict(str(path)) == [("0.weight", (3, 4)), ("0.bias", (3,)), ("1.weight", (3,)), ("1.bias", (3,))]
+    with pytest.raises(ValueError, match=r"params must be an integer in \[1, inf\)"):
+        plan.layers_from_params(0)
+
+
+def test_plan_command_end_to_end(tmp_path, capsys):
+    methods = "DDP, TopK(ratio=0.01), Policy(default=TopK(ratio=0.01), auto=True)"
+    prof = _profile(AUTO_FITS)
+    prof_path = tmp_path / "codec.json"
+    prof.save(str(prof_path))
+    out_png, out_json = tmp_path / "plan.png", tmp_path / "plan.json"
+    common = ["--params", "3e6", "--compute", "100ms", "--latency", "100us", "--worlds", "2,8,32",
+              "--methods", methods, "--profile", str(prof_path)]
+    assert plan.main(common + ["--bandwidth", "100Mbit", "--plot", str(out_png), "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "step time in ms" in text and "measured on hand-made" in text
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = json.loads(out_json.read_text())
+    assert len(res["rows"]) == 3 * 3 and res["inputs"]["params"] == 3_000_000
+    layers = plan.layers_from_params(3_000_000)
+    for r in res["rows"]:
+        m = plan.parse_methods(r["label"], link=Link(1e8, 1e-4), profile=prof)[r["label"]]
+        assert r["total_s"] == pytest.approx(step_cost(m, layers, r["world"], Link(1e8, 1e-4), 0.1, prof).total_s, rel=1e-9)
+        assert r["efficiency"] == pytest.approx(0.1 / r["total_s"])
+    # 100 Mbit/s: 12 MB of gradients per step; compression wins at every world size
+    assert all(v != "DDP" for v in res["best"].values())
+    # 100 Gbit/s: the plain allreduce wins
+    assert plan.main(common + ["--bandwidth", "100Gbit", "--plot", "", "--json", str(out_json)]) == 0
+    assert set(json.loads(out_json.read_text())["best"].values()) == {"DDP"}
+    # bad input: a message and exit status 2, no traceback
+    assert plan.main(common[:-2] + ["--profile", str(tmp_path / "none.json"), "--bandwidth", "1G", "--plot", ""]) == 2
+    assert plan.main(["--params", "1e6", "--compute", "1ms", "--bandwidth", "1G", "--latency", "0", "--methods", "Zip"]) == 2
+    assert "unknown method 'Zip'" in capsys.readouterr().err
