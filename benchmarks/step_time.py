@@ -31,9 +31,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 RATES = {"100mbit": 100e6, "1gbit": 1e9, "none": None}
+LATENCY_S = 50e-6  # per message between namespaces (veth + bridge; not shaped)
 
 
-def methods() -> dict:
+def methods(bps: float | None = None, world: int = 4) -> dict:
+    """The methods timed. ``Policy(auto)`` needs the link, so it exists only once ``bps`` is known."""
     import gradzip as gz
     from gradzip.bench import _optional
 
@@ -42,14 +44,13 @@ def methods() -> dict:
         "FP16": gz.FP16(),
         "TopK-1%": gz.TopK(ratio=0.01),
         "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
+        "SignSGD": gz.SignSGD(),
     }
-    for name, mod, cls, kw in (
-        ("SignSGD", "gradzip.compressors.quant", "SignSGD", {}),
-        ("PowerSGD-4", "gradzip.compressors.powersgd", "PowerSGD", {"rank": 4}),
-    ):
-        c = _optional(mod, cls)
-        if c is not None:
-            m[name] = c(**kw)
+    psgd = _optional("gradzip.compressors.powersgd", "PowerSGD")
+    if psgd is not None:
+        m["PowerSGD-4"] = psgd(rank=4)
+    if bps:
+        m["Policy(auto)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=gz.Link(bps, LATENCY_S), world_size=world)
     return m
 
 
@@ -77,7 +78,7 @@ def worker(a) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=a.pg_timeout))
-    comp = methods()[a.method]
+    comp = methods(a.bps, a.world)[a.method]
     model = build_model(a.width, a.depth)
     nparams = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(a.rank)
@@ -138,23 +139,27 @@ def worker(a) -> None:
 
 # -- the driver --------------------------------------------------------------------------
 def model_time(r: dict, world: int, bps: float | None) -> dict:
+    """compute + codec + wire, the wire costed by gradzip.costmodel's ring formulas (bandwidth terms)."""
+    from gradzip.costmodel import Link, allgather_time, allreduce_time
+
     gather = r["bytes_allgather_per_step"]
     reduce_ = r["bytes_sent_per_step"] - gather
     wire = 0.0
     if bps:
-        wire = (reduce_ * 2 * (world - 1) / world + gather * (world - 1)) * 8 / bps
+        link = Link(bps, 0.0)
+        wire = allreduce_time(reduce_, world, link) + allgather_time(gather, world, link)
     return {"compute": r["compute_s"], "codec": r["codec_seconds_per_step"], "wire": wire,
             "total": r["compute_s"] + r["codec_seconds_per_step"] + wire}
 
 
-def run_method(net, world, method, a, rate_name, calibrate) -> dict:
+def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
     port = 29000 + int(time.time() * 1000) % 20000
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--world", str(world),
             "--master", net.address(0), "--port", str(port), "--result", result, "--width", str(a.width),
             "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--pg-timeout", str(a.pg_timeout)] + (["--calibrate"] if calibrate else [])
+            "--pg-timeout", str(a.pg_timeout), "--bps", str(bps or 0)] + (["--calibrate"] if calibrate else [])
     procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(world)]
     deadline = time.time() + a.method_timeout
@@ -184,6 +189,7 @@ def main() -> int:
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bps", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit,none")
     p.add_argument("--methods", default="", help="comma-separated subset")
@@ -206,9 +212,12 @@ def main() -> int:
     if why:
         print(f"step_time.py: {why}", file=sys.stderr)
         return 2
-    names = list(methods())
+    names = list(methods(1e9, a.ranks))
     if a.methods:
         names = [m for m in a.methods.split(",") if m]
+    if "allreduce" in names:  # first: it calibrates the unshaped link
+        names.remove("allreduce")
+        names.insert(0, "allreduce")
     rates = a.rates.split(",")
     for r in rates:
         if r not in RATES:
@@ -221,7 +230,7 @@ def main() -> int:
             net.set_rate(a.ranks, None if rate == "none" else rate)
             bps = RATES[rate]
             for i, m in enumerate(names):
-                r = run_method(net, a.ranks, m, a, rate, calibrate=(bps is None and i == 0))
+                r = run_method(net, a.ranks, m, a, rate, calibrate=(bps is None and i == 0), bps=bps)
                 if bps is None:
                     bps = r["calibrated_bps"]
                 pred = model_time(r, a.ranks, bps)
