@@ -21,6 +21,14 @@ Minimal bytes per op, for n float32 elements, P peers, k selected per peer:
 * scatter_add_signed: per peer 4 k (words) + 8 k (read-modify-write of out)
 * scatter_add_sparse: per peer 8 k (int32 index + float32 value) + 8 k
 * sampled_topk: read v once: 4 n
+* sign_ef (scaled sign, fused with error feedback, block 1024): read x and r, write r,
+  write the sign words and the scales: 12 n + n / 8 + 4 n / 1024 (the kernel reads x and r
+  twice, once for the block means: its ceiling is about 60% of copy)
+* qsgd_encode (s = 7, block 64, 4-bit codes): read x, write codes and norms: 4 n + n / 2 + 4 n / 64
+  (the kernel reads x twice: norms, then codes)
+* terngrad_encode (one block): read x, write 2-bit codes: 4 n + n / 4 (x read twice, as above)
+* decode_add_quant (P peers' QSGD 4-bit frames, or sign frames): read and write out, read
+  P bodies: 8 n + P (n / 2 + 4 n / 64), or 8 n + P (n / 8 + 4 n / 1024)
 """
 from __future__ import annotations
 
@@ -83,6 +91,12 @@ def main(argv=None) -> int:
         decode_add_bitmap2_triton,
         scatter_add_signed_triton,
         scatter_add_sparse_triton,
+    )
+    from gradzip.kernels.triton.quant import (
+        decode_add_quant_triton,
+        qsgd_encode_triton,
+        sign_ef_triton,
+        terngrad_encode_triton,
     )
     from gradzip.kernels.triton.threshold import threshold_ef_triton
     from gradzip.kernels.triton.topk import abs_select_triton
@@ -229,7 +243,40 @@ def main(argv=None) -> int:
             record(
                 "sampled_topk", n, "cupy", ker_ms, ref_ms, 4 * n, k=k, torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms
             )
-        del x, probe
+        del probe
+
+        # quantizer codecs: scaled sign + error feedback, QSGD / TernGrad with Philox draws
+        r = torch.randn(n, device=device, generator=g) * 0.1
+        sblk, qblk, seed = 1024, 64, 0x5EED
+        ref_ms = bench(lambda: R.sign_ef_reference(x, r, block=sblk))
+        ker_ms = bench(lambda: sign_ef_triton(x, r, block=sblk))
+        record("sign_ef", n, "triton", ker_ms, ref_ms, 12 * n + n // 8 + 4 * triton.cdiv(n, sblk), block=sblk)
+        del r
+        ref_ms = bench(lambda: R.qsgd_encode_reference(x, 7, seed, block=qblk))
+        ker_ms = bench(lambda: qsgd_encode_triton(x, 7, seed, block=qblk))
+        record("qsgd_encode", n, "triton", ker_ms, ref_ms, 4 * n + n // 2 + 4 * triton.cdiv(n, qblk), levels=7, block=qblk)
+        ref_ms = bench(lambda: R.terngrad_encode_reference(x, seed))
+        ker_ms = bench(lambda: terngrad_encode_triton(x, seed))
+        record("terngrad_encode", n, "triton", ker_ms, ref_ms, 4 * n + n // 4)
+
+        # decode-and-accumulate of P peers' quantizer frames, gathered in one buffer
+        out = torch.zeros(n, device=device)
+        for kind, blk, lv, bits in (("qsgd", qblk, 7, 4), ("sign1", sblk, 0, None)):
+            nbq = triton.cdiv(n, blk)
+            code_bytes = R.quant_code_bytes(kind, n, bits)
+            width = (4 * nbq + code_bytes + 7) // 8 * 8
+            gathered = torch.randint(0, 256, (args.peers, width + 16), dtype=torch.uint8, device=device, generator=g)
+            scales = (torch.rand(args.peers, nbq, device=device, generator=g) + 0.5).view(torch.uint8)
+            gathered[:, 16 : 16 + 4 * nbq] = scales
+            if kind == "qsgd":  # keep codes <= 2s: nibbles of 0..14
+                gathered[:, 16 + 4 * nbq :] &= 0xEE
+            bodies = [gathered[p, 16 : 16 + 4 * nbq + code_bytes] for p in range(args.peers)]
+            kw = dict(block=blk, levels=lv, bits=bits)
+            ref_ms = bench(lambda: R.decode_add_quant_reference(out, bodies, kind, **kw))
+            ker_ms = bench(lambda: decode_add_quant_triton(out, bodies, kind, **kw))
+            record(f"decode_add_{kind}", n, "triton", ker_ms, ref_ms, 8 * n + args.peers * (code_bytes + 4 * nbq), peers=args.peers)
+            del gathered, bodies
+        del x, out
         sync()
         if use_cuda:
             torch.cuda.empty_cache()

@@ -385,3 +385,102 @@ def sampled_topk(v: torch.Tensor, k: int, probe: torch.Tensor) -> torch.Tensor:
     if probe.numel() == 0:
         raise ValueError("probe must hold at least one index")
     return sampled_topk_reference(v.reshape(-1), int(k), probe.to(v.device), select=abs_select)
+
+
+# -- quantizer codecs (issue 5, part 2) ---------------------------------------------------------
+#
+# Registered through register_kernel like any plug-in backend; CPU tensors keep the
+# references, so CPU behaviour is unchanged.
+
+from .reference import (  # noqa: E402
+    decode_add_quant_reference,
+    philox_uniform,
+    qsgd_encode_reference,
+    sign_ef_reference,
+    terngrad_encode_reference,
+)
+
+__all__ += ["sign_ef", "qsgd_encode", "terngrad_encode", "decode_add_quant", "philox_uniform"]
+
+register_kernel("sign_ef", "triton", (".triton.quant", "sign_ef_triton"), reference=sign_ef_reference)
+register_kernel("qsgd_encode", "triton", (".triton.quant", "qsgd_encode_triton"), reference=qsgd_encode_reference)
+register_kernel("terngrad_encode", "triton", (".triton.quant", "terngrad_encode_triton"), reference=terngrad_encode_reference)
+register_kernel("decode_add_quant", "triton", (".triton.quant", "decode_add_quant_triton"), reference=decode_add_quant_reference)
+
+
+def sign_ef(x: torch.Tensor, residual: torch.Tensor | None = None, *, block: int | None = None, new_residual: bool | None = None):
+    """Scaled sign + error feedback: ``(float32 scales, int32 sign words, residual or None)``.
+
+    ``v = x.to(float32) + residual``; ``S_b = mean |v|`` per block (float64 sum);
+    bit ``i`` of the words (``bitpack.pack_bits`` layout) is ``v_i < 0``; the new residual
+    is ``v - where(v < 0, -S_b, S_b)``. See :func:`~gradzip.kernels.reference.sign_ef_reference`.
+    """
+    _check_float("x", x)
+    if x.dtype == torch.float64:
+        raise TypeError("sign_ef works in float32; float64 tensors use SignSGD's own float64 path")
+    if residual is not None:
+        _check_float("residual", residual)
+        if residual.numel() != x.numel():
+            raise ValueError(f"residual has {residual.numel()} elements, x has {x.numel()}")
+    return _call("sign_ef", x.device, x, residual, block=block, new_residual=new_residual)
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def qsgd_encode(x: torch.Tensor, levels: int, seed: int, *, block: int | None = 64, bits: int | None = None):
+    """QSGD encode with Philox draws ``u_i = philox_uniform(seed, n)[i]`` (``tl.rand`` on the
+    GPU): ``(float32 norms, packed codes)``. See :func:`~gradzip.kernels.reference.qsgd_encode_reference`."""
+    _check_float("x", x)
+    if x.dtype == torch.float64:
+        raise TypeError("qsgd_encode works in float32")
+    return _call("qsgd_encode", x.device, x, int(levels), _check_seed(seed), block=block, bits=bits)
+
+
+def terngrad_encode(x: torch.Tensor, seed: int, *, block: int | None = None, clip: float | None = None):
+    """TernGrad encode with Philox draws: ``(float32 scales, 2-bit codes)``.
+    See :func:`~gradzip.kernels.reference.terngrad_encode_reference`."""
+    _check_float("x", x)
+    if x.dtype == torch.float64:
+        raise TypeError("terngrad_encode works in float32")
+    return _call("terngrad_encode", x.device, x, _check_seed(seed), block=block, clip=clip)
+
+
+def decode_add_quant(
+    out: torch.Tensor,
+    bodies: Sequence[torch.Tensor],
+    kind: str,
+    *,
+    block: int | None = None,
+    levels: int = 0,
+    bits: int | None = None,
+) -> None:
+    """``out += decode(bodies[p])`` for every peer in rank order, one pass, for quantizer
+    frame bodies (``kind`` sign1, qsgd, tern2 or int8; ``nb`` float32 scales then the codes).
+
+    ``out`` is flat float32. Body lengths are checked here; code values are not (callers
+    validate frames, as the quantizers' decoders do).
+    """
+    from .reference import QUANT_KINDS, quant_code_bytes, quant_layout
+
+    if out.dtype != torch.float32:
+        raise TypeError(f"out must be float32, got {out.dtype}")
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
+    if kind == "qsgd" and (bits not in (2, 4, 8) or not (1 <= int(levels) and 2 * int(levels) + 1 <= 1 << bits)):
+        raise ValueError(f"qsgd needs bits in (2, 4, 8) and 1 <= levels with 2 * levels + 1 <= 2**bits, got {bits}, {levels}")
+    bodies = list(bodies)
+    n = out.numel()
+    nb, _ = quant_layout(n, block)
+    need = 4 * nb + quant_code_bytes(kind, n, bits)
+    for i, b in enumerate(bodies):
+        if b.dtype != torch.uint8:
+            raise TypeError(f"body {i} must be uint8, got {b.dtype}")
+        if b.numel() != need:
+            raise ValueError(f"corrupt {kind} body {i}: {b.numel()} bytes, expected {need}")
+    if not bodies or n == 0:
+        return
+    _call("decode_add_quant", out.device, out, bodies, kind, block=block, levels=int(levels), bits=bits)

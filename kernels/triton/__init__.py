@@ -22,7 +22,7 @@ from .. import Unsupported
 
 __all__ = ["interpreting", "check", "aot_compile", "aot_specs", "MODULES"]
 
-MODULES = ("threshold", "decode", "topk")
+MODULES = ("threshold", "decode", "topk", "quant")
 LAUNCH = {"enable_fp_fusion": False}
 
 

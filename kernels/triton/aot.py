@@ -6,20 +6,35 @@ sizes of what was built or the error. Exit status 1 if any failed.
 
 Run it with TRITON_INTERPRET unset: under the interpreter, ``tl.sum`` and the
 other library functions are interpreted objects that the compiler cannot inline.
+
+``--modules quant,decode`` compiles only the named modules' specs (default: every module
+in ``gradzip.kernels.triton.MODULES``); a module named here need not be listed there.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 
-from . import aot_compile, aot_specs, interpreting
+from . import MODULES, aot_compile, aot_specs, interpreting
 
 
-def compile_all(arch: int = 90) -> list[dict]:
+def module_specs(modules) -> list[dict]:
+    """The ``AOT_SPECS`` of the named modules of this package, in order (as :func:`aot_specs`)."""
+    if modules is None:
+        return aot_specs()
+    specs = []
+    for m in modules:
+        mod = importlib.import_module(f"{__package__}.{m}")
+        specs.extend(dict(spec, module=m) for spec in mod.AOT_SPECS)
+    return specs
+
+
+def compile_all(arch: int = 90, modules=None) -> list[dict]:
     rows = []
-    for spec in aot_specs():
+    for spec in module_specs(modules):
         row = {
             "kernel": spec["kernel"].__name__,
             "module": spec["module"],
@@ -57,11 +72,13 @@ def compile_all(arch: int = 90) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--modules", default=None, help=f"comma-separated modules (default: {','.join(MODULES)})")
     args = p.parse_args(argv)
     if interpreting():
         print("TRITON_INTERPRET is set: unset it to compile", file=sys.stderr)
         return 2
-    rows = compile_all(args.arch)
+    modules = None if args.modules is None else [m for m in args.modules.split(",") if m]
+    rows = compile_all(args.arch, modules)
     for row in rows:
         print(json.dumps(row))
     return 0 if all(r["ok"] for r in rows) else 1
