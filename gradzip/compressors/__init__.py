@@ -1,6 +1,7 @@
 from .base import Compressor, TensorContext
 from .cast import BF16, FP16, Identity
 from .filter import Filter
+from .powersgd import PowerSGD
 from .quant import QSGD, Int8, SignSGD, TernGrad
 from .sparse import RandomK, TopK
 from .threshold import Threshold
@@ -19,4 +20,5 @@ __all__ = [
     "TernGrad",
     "Int8",
     "Filter",
+    "PowerSGD",
 ]

@@ -1,0 +1,376 @@
+"""PowerSGD: rank-r gradient compression by one step of power iteration (Vogels et al., 2019).
+
+Per tensor, with ``M`` the compensated gradient (gradient plus residual) viewed as
+an ``n x m`` matrix (``n = shape[0]``, ``m = numel / n``), ``k = min(n, m, rank)``
+and ``W`` ranks, one step is::
+
+    Q      <- orth(Q_prev)              warm start: last step's averaged Q (m x k);
+                                        a fresh seeded draw on the first step
+    P_w     = M_w Q                     local, n x k
+    P       = orth(sum_w P_w)           round 1: allreduce of every P of the call
+    Q_w     = M_w^T P                   local, m x k
+    Q       = (1/W) sum_w Q_w           round 2: allreduce of every Q of the call
+    M_hat   = P Q^T                     = P P^T mean_w(M_w), the same on every rank
+    r_w     = M_w - M_hat               error feedback (call.commit)
+
+``orth`` orthonormalizes columns in float32 (float64 for float64 gradients),
+whatever the gradients' dtype, by modified Gram-Schmidt,
+``col <- col / (||col|| + eps)`` (a zero column stays zero when ``eps == 0``),
+run twice for ``k > 2`` (see :func:`orthogonalize_`).
+
+Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers
+and are orthogonalized as one batch. On GPUs their products are one ``bmm`` over
+a stack of the ``M``'s (fewer kernel launches); on CPU one ``mm`` per matrix,
+because MKL loops over a batch anyway and the stack would be one more copy of the
+gradients. A tensor's result must not depend on which tensors share its call:
+DDP rebuilds its buckets, so a resumed run can group them differently from the
+unbroken one (tested on CPU). On CPU (MKL) a matrix-vector product (``k = 1``)
+depends on the memory alignment of ``M``, so ``M`` is then copied to 64-byte
+alignment where it is not. On GPUs, bit-exact resumption relies on cuBLAS giving
+the same bits for a matrix alone and in a batch (not tested here: no GPU).
+
+A tensor is compressed only if it has at least 2 dimensions and
+``(n + m) * k * min_compression_rate < n * m``; the others (biases, small or
+nearly square-thin matrices) are averaged exactly, riding in round 1's buffer
+pre-divided by ``W``. Their residual is zero. So a call costs two allreduces
+(one when nothing in it is compressed), plus the engine's one-element
+non-finite flag beside the first; all are issued from the hook thread in call
+order (:mod:`gradzip.comm`), so any number of DDP buckets is safe.
+
+Wire: everything travels in float32 (float64 for float64 gradients). Round 1 is
+``[uncompressed / W | P^T's | Accordion norms]``, round 2 the ``Q^T``'s (each
+``k x n`` / ``k x m``, row-major). The products are computed as ``P^T = Q^T M^T``
+and ``Q^T = P^T M``: on CPU (MKL) these run several times faster than ``M Q``
+and ``M^T P`` for ``k >= 2`` (about 60x for ``M^T P`` at 1024 x 1024).
+
+Initial Q: ``randn(m, k)`` from a CPU generator seeded with
+``tensor_seed(seed, step, name)``: the same on every rank and independent of how
+tensors are grouped into buckets. A Q column that comes back all zero (a
+gradient that was exactly zero) or non-finite is redrawn the same way next step;
+otherwise warm start would keep that layer's ``M_hat`` at zero for good. (After
+a non-finite step the engine also restores every stored Q and residual.)
+
+Accordion (Agarwal et al., 2021), when ``accordion_rank`` is set: every tensor
+that is compressible at ``rank`` adds ``||g_w||^2 / W`` (its raw local gradient)
+to round 1, so every rank sees ``s_t = mean_w ||g_w,t||^2``. Every
+``accordion_interval`` steps ``N = sqrt(mean_t s_t)`` over the interval; with
+``N_prev`` the previous interval's value, the tensor uses ``accordion_rank``
+(low compression) for the next interval if ``|N - N_prev| >= accordion_eta *
+N_prev`` (a critical regime), else ``rank``. Tensors start at
+``accordion_rank`` (no ``N_prev`` yet). A switch truncates Q (high to low) or
+appends fresh seeded columns (low to high).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import Round
+from .base import Compressor, TensorContext, check_positive, tensor_seed
+
+__all__ = ["PowerSGD", "orthogonalize_"]
+
+
+def _gram_schmidt_(a: torch.Tensor, eps: float) -> None:
+    for i in range(a.shape[2]):
+        col = a[:, :, i : i + 1]
+        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        if eps:
+            norm.add_(eps)
+        else:  # 0 / tiny = 0; any norm >= tiny divides exactly as torch's does
+            norm.clamp_min_(torch.finfo(a.dtype).tiny)
+        col.div_(norm)
+        if i + 1 < a.shape[2]:
+            rest = a[:, :, i + 1 :]
+            rest.sub_(torch.sum(col * rest, dim=1, keepdim=True) * col)
+
+
+def orthogonalize_(a: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """Orthonormalize the columns of every matrix of a ``(B, n, k)`` batch in place; returns ``a``.
+
+    Modified Gram-Schmidt: ``col /= ||col|| + eps``, then the column is projected
+    out of the later ones. For ``k <= 2`` this is torch's
+    ``_orthogonalize_gram_schmidt`` bit for bit, except that with ``eps == 0`` an
+    all-zero column stays zero instead of becoming NaN. For ``k > 2`` the pass
+    runs twice (re-orthogonalization: orthogonal to working precision where one
+    pass loses orthogonality on ill-conditioned input). Torch uses QR there; a
+    batched QR is not bit-identical to a per-matrix one, and results here must
+    not depend on which matrices share a batch.
+    """
+    if a.dim() != 3 or a.shape[2] > a.shape[1]:
+        raise ValueError(f"orthogonalize_ needs a (B, n, k) batch with k <= n, got shape {tuple(a.shape)}")
+    _gram_schmidt_(a, eps)
+    if a.shape[2] > 2:
+        _gram_schmidt_(a, eps)
+    return a
+
+
+def _low_rank_product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = P Q^T`` from ``P^T`` (k x n) and ``Q^T`` (k x m).
+
+    On CPU with ``k <= 4`` as ``k`` broadcast outer products (a memory-bound pass
+    each, 2-4x faster than MKL's gemm at such small inner dimension); else ``mm``.
+    """
+    k = pt.shape[0]
+    if out.device.type != "cpu" or k > 4:
+        return torch.mm(pt.t(), qt, out=out)
+    torch.mul(pt[0].unsqueeze(1), qt[0].unsqueeze(0), out=out)
+    for c in range(1, k):
+        out.addcmul_(pt[c].unsqueeze(1), qt[c].unsqueeze(0))
+    return out
+
+
+def _matrices(call, idx: list, n: int, m: int, k: int, wd):
+    """The group's compensated matrices: a ``(B, n, m)`` stack on GPUs, a list of ``(n, m)`` on CPU."""
+    mats = [call.x(i).reshape(n, m).to(wd) for i in idx]
+    if call.device.type != "cpu":
+        return torch.stack(mats) if len(mats) > 1 else mats[0].unsqueeze(0)
+    if k == 1:  # MKL's matrix-vector product depends on the alignment of M
+        mats = [a if a.data_ptr() % 64 == 0 else a.clone() for a in mats]
+    return mats
+
+
+def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> None:
+    """``out[j] = a[j] @ M_j`` (or ``M_j^T``): one ``bmm`` on a stack, one ``mm`` per matrix on CPU."""
+    if isinstance(mats, torch.Tensor):
+        torch.bmm(a, mats.transpose(1, 2) if transpose_m else mats, out=out)
+        return
+    for j, mj in enumerate(mats):
+        torch.mm(a[j], mj.t() if transpose_m else mj, out=out[j])
+
+
+def _matrix_shape(shape) -> tuple[int, int]:
+    n = int(shape[0])
+    return n, (math.prod(shape[1:]) if n else 0)
+
+
+class PowerSGD(Compressor):
+    """Rank-``rank`` PowerSGD with error feedback (on by default) and warm start.
+
+    Args:
+        rank: the approximation rank ``r`` (each tensor uses ``min(n, m, r)``).
+        min_compression_rate: compress an ``n x m`` matrix only if
+            ``(n + m) * k * min_compression_rate < n * m``; torch's default is 2.
+        warm_start: reuse last step's averaged Q (else a fresh seeded Q each step).
+        seed: seeds the initial (and redrawn) Q, identically on every rank.
+        eps: added to column norms in Gram-Schmidt (torch's ``orthogonalization_epsilon``).
+        accordion_rank: a rank ``> rank`` to switch to in critical regimes (Accordion);
+            ``None`` (default) keeps ``rank`` throughout.
+        accordion_interval: steps per Accordion decision.
+        accordion_eta: relative change of the gradient norm that marks a critical regime.
+
+    The equations, wire layout and state are in the module docstring. Per-tensor
+    state (``ctx.store``): ``"q"`` (the averaged Q, an ``m x k`` float tensor) and,
+    with Accordion, ``"rank"``, ``"acc_sq"``, ``"acc_steps"``, ``"prev_norm"``.
+    """
+
+    summable = True  # P and Q are added up by allreduce; the exchange is its own
+    biased = True
+
+    def __init__(
+        self,
+        rank: int = 1,
+        *,
+        min_compression_rate: float = 2.0,
+        warm_start: bool = True,
+        seed: int = 0,
+        eps: float = 0.0,
+        accordion_rank: int | None = None,
+        accordion_interval: int = 100,
+        accordion_eta: float = 0.5,
+    ) -> None:
+        check_positive("rank", rank, integer=True)
+        check_positive("min_compression_rate", min_compression_rate)
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        check_positive("eps", eps, allow_zero=True)
+        if accordion_rank is not None and (
+            isinstance(accordion_rank, bool) or not isinstance(accordion_rank, int) or accordion_rank <= rank
+        ):
+            raise ValueError(f"accordion_rank must be None or an integer in [{rank + 1}, inf) (above rank), got {accordion_rank!r}")
+        check_positive("accordion_interval", accordion_interval, integer=True)
+        check_positive("accordion_eta", accordion_eta)
+        self.rank = int(rank)
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start = warm_start
+        self.seed = seed
+        self.eps = float(eps)
+        self.accordion_rank = accordion_rank
+        self.accordion_interval = int(accordion_interval)
+        self.accordion_eta = float(accordion_eta)
+
+    def config(self) -> dict:
+        return {
+            "name": "PowerSGD",
+            "rank": self.rank,
+            "min_compression_rate": self.min_compression_rate,
+            "warm_start": self.warm_start,
+            "seed": self.seed,
+            "eps": self.eps,
+            "accordion_rank": self.accordion_rank,
+            "accordion_interval": self.accordion_interval,
+            "accordion_eta": self.accordion_eta,
+        }
+
+    # -- planning ------------------------------------------------------------------------
+    def compressed_rank(self, shape, rank: int | None = None) -> int:
+        """The rank a tensor of ``shape`` is compressed at, or 0 if it travels uncompressed."""
+        if len(shape) < 2:
+            return 0
+        n, m = _matrix_shape(shape)
+        k = min(n, m, self.rank if rank is None else rank)
+        if k == 0:
+            return 0
+        return k if (n + m) * k * self.min_compression_rate < n * m else 0
+
+    def current_rank(self, ctx: TensorContext) -> int:
+        """The configured rank for this tensor now (Accordion's choice when it is on)."""
+        if self.accordion_rank is None:
+            return self.rank
+        return int(ctx.store.get("rank", self.accordion_rank))
+
+    _ALONE = (
+        "PowerSGD needs every rank's P before it can finish a tensor: use it through a front end "
+        "(gradzip.hooks.register_hook, gradzip.Engine), which runs PowerSGD.exchange"
+    )
+
+    def compress(self, x, ctx=None):
+        raise NotImplementedError(self._ALONE)
+
+    def decompress(self, payload):
+        raise NotImplementedError(self._ALONE)
+
+    # -- Q ---------------------------------------------------------------------------------
+    def _draw(self, ctx: TensorContext, m: int, k: int) -> torch.Tensor:
+        g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
+        return torch.randn(m, k, generator=g, dtype=torch.float32)
+
+    def _start_qs(self, call, groups: list, wd, dev) -> list:
+        """Per group, the ``(B, m, k)`` orthonormal Qs that P = M Q starts from.
+
+        Warm start: last step's averaged Q (truncated, or extended with fresh seeded
+        columns, when Accordion changed the rank). Columns that are all zero or not
+        finite are redrawn: one host sync per call, not per group.
+        """
+        qbs = []
+        for (n, m, k), idx in groups:
+            qs = []
+            for i in idx:
+                ctx = call.contexts[i]
+                q = ctx.store.get("q") if self.warm_start else None
+                if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[0] != m:
+                    q = self._draw(ctx, m, k)
+                elif q.shape[1] > k:
+                    q = q[:, :k]
+                elif q.shape[1] < k:
+                    q = torch.cat([q.to(torch.float32).cpu(), self._draw(ctx, m, k)[:, q.shape[1] :]], dim=1)
+                qs.append(q.to(device=dev, dtype=wd))
+            qbs.append(torch.stack(qs))  # a copy: the stored Q is never changed in place
+        if qbs:
+            norms = torch.cat([torch.linalg.vector_norm(qb, dim=1).reshape(-1) for qb in qbs])  # column norms
+            if not bool(((norms > 0) & norms.isfinite()).all()):
+                for ((n, m, k), idx), qb in zip(groups, qbs):
+                    cn = torch.linalg.vector_norm(qb, dim=1)
+                    bad = ~((cn > 0) & cn.isfinite())
+                    for j, i in enumerate(idx):
+                        if bool(bad[j].any()):
+                            fresh = self._draw(call.contexts[i], m, k).to(device=dev, dtype=wd)
+                            qb[j] = torch.where(bad[j].unsqueeze(0), fresh, qb[j])
+        return [orthogonalize_(qb, self.eps) for qb in qbs]
+
+    # -- Accordion -------------------------------------------------------------------------
+    def _accordion_update(self, ctx: TensorContext, mean_sq: float) -> None:
+        st = ctx.store
+        st["acc_sq"] = float(st.get("acc_sq", 0.0)) + mean_sq
+        st["acc_steps"] = int(st.get("acc_steps", 0)) + 1
+        if st["acc_steps"] < self.accordion_interval:
+            return
+        norm = math.sqrt(st["acc_sq"] / st["acc_steps"])
+        prev = st.get("prev_norm")
+        if prev is not None:
+            critical = prev <= 0.0 or not math.isfinite(norm) or abs(norm - prev) >= self.accordion_eta * prev
+            st["rank"] = self.accordion_rank if critical else self.rank
+        st["prev_norm"] = norm
+        st["acc_sq"] = 0.0
+        st["acc_steps"] = 0
+
+    # -- the exchange ----------------------------------------------------------------------
+    def exchange(self, call):
+        world = call.world_size
+        dev = call.device
+        wd = torch.float64 if any(t.dtype == torch.float64 for t in call.tensors) else torch.float32
+        with call.codec():
+            unc, groups, track = [], {}, []
+            for i, t in enumerate(call.tensors):
+                k = self.compressed_rank(t.shape, self.current_rank(call.contexts[i]))
+                if k:
+                    groups.setdefault((*_matrix_shape(t.shape), k), []).append(i)
+                else:
+                    unc.append(i)
+                if self.accordion_rank is not None and self.compressed_rank(t.shape):
+                    track.append(i)
+            groups = list(groups.items())
+            n_unc = sum(call.tensors[i].numel() for i in unc)
+            n_p = sum(len(idx) * n * k for (n, m, k), idx in groups)
+            flat = torch.empty(n_unc + n_p + len(track), dtype=wd, device=dev)
+            pos = 0
+            for i in unc:
+                x = call.x(i)
+                flat[pos : pos + x.numel()].copy_(x.reshape(-1))
+                call.commit(i, x)  # sent whole: residual zero
+                pos += x.numel()
+            flat[:pos].div_(world)
+            work = []  # per group: (idx, M, P^T)
+            for ((n, m, k), idx), qb in zip(groups, self._start_qs(call, groups, wd, dev)):
+                mats = _matrices(call, idx, n, m, k, wd)
+                pt = flat[pos : pos + len(idx) * k * n].view(len(idx), k, n)
+                _matmul(qb.transpose(1, 2).contiguous(), mats, pt, transpose_m=True)  # P^T = Q^T M^T
+                pos += pt.numel()
+                work.append((idx, mats, pt))
+            if track:
+                sq = torch.stack([torch.linalg.vector_norm(call.tensors[i], dtype=wd) ** 2 for i in track])
+                flat[pos:].copy_(sq.div_(world))
+            call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
+        yield Round([call.comm.allreduce(flat)], last=not work)
+
+        with call.codec():
+            if track:
+                for i, v in zip(track, flat[n_unc + n_p :].tolist()):
+                    self._accordion_update(call.contexts[i], v)
+            if work:
+                qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=wd, device=dev)
+                qpos, qts = 0, []
+                for ((n, m, k), idx), (_, mats, pt) in zip(groups, work):
+                    orthogonalize_(pt.transpose(1, 2), self.eps)  # the columns of P
+                    qt = qflat[qpos : qpos + len(idx) * k * m].view(len(idx), k, m)
+                    _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M
+                    qpos += qt.numel()
+                    qts.append(qt)
+                call.comm.stats.add(bytes_payload=qflat.numel() * qflat.element_size())
+        if work:
+            yield Round([call.comm.allreduce(qflat)], last=True)
+
+        # Last round done (a callback thread): decode only, never communicate.
+        with call.codec():
+            out = torch.empty(call.numel, dtype=call.out_dtype, device=dev)
+            pos = 0
+            for i in unc:
+                k = call.tensors[i].numel()
+                out[call.slice(i)] = flat[pos : pos + k]
+                pos += k
+            if work:
+                qflat.div_(world)
+            for ((n, m, k), idx), (_, _, pt), qt in zip(groups, work, qts if work else []):
+                for j, i in enumerate(idx):
+                    dst = out[call.slice(i)].view(n, m)
+                    mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
+                    _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
+                    if mhat is not dst:
+                        dst.copy_(mhat)
+                    call.commit(i, mhat.view(call.tensors[i].shape))
+                    if self.warm_start:
+                        call.contexts[i].store["q"] = qt[j].t().contiguous()
+        return out
