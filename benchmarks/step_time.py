@@ -37,7 +37,6 @@ LATENCY_S = 50e-6  # per message between namespaces (veth + bridge; not shaped)
 def methods(bps: float | None = None, world: int = 4) -> dict:
     """The methods timed. ``Policy(auto)`` needs the link, so it exists only once ``bps`` is known."""
     import gradzip as gz
-    from gradzip.bench import _optional
 
     m = {
         "allreduce": None,  # plain DDP, no hook
@@ -46,9 +45,7 @@ def methods(bps: float | None = None, world: int = 4) -> dict:
         "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
         "SignSGD": gz.SignSGD(),
     }
-    psgd = _optional("gradzip.compressors.powersgd", "PowerSGD")
-    if psgd is not None:
-        m["PowerSGD-4"] = psgd(rank=4)
+    m["PowerSGD-4"] = gz.PowerSGD(rank=4)
     if bps:
         m["Policy(auto)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=gz.Link(bps, LATENCY_S), world_size=world)
     return m

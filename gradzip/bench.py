@@ -34,7 +34,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .compressors import BF16, FP16, QSGD, Compressor, Filter, Identity, Int8, RandomK, SignSGD, TernGrad, Threshold, TopK
+from .compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    Compressor,
+    Filter,
+    Identity,
+    Int8,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    Threshold,
+    TopK,
+)
 
 
 @dataclass
@@ -55,35 +69,23 @@ class Method:
         return repr(self.compressor) + ef
 
 
-def _optional(module: str, name: str):
-    """A class from a module that may not exist yet in this build (methods land one by one)."""
-    try:
-        mod = __import__(module, fromlist=[name])
-        return getattr(mod, name)
-    except (ImportError, AttributeError):
-        return None
-
-
 def default_methods() -> dict[str, Method]:
     """The demo's methods. The uncompressed baseline comes first."""
-    m = {
-        "Identity": Method("Identity", Identity()),
-        "FP16": Method("FP16", FP16()),
-        "Threshold": Method("Threshold", Threshold(tau=1e-3, policy="adaptive")),  # DL4J's adaptive defaults
-        "TopK": Method("TopK", TopK(ratio=0.01)),
-        "RandomK": Method("RandomK", RandomK(ratio=0.1)),
-    }
-    m["SignSGD"] = Method("SignSGD", SignSGD())
-    m["QSGD"] = Method("QSGD", QSGD())
-    m["TernGrad"] = Method("TernGrad", TernGrad())
-    m["Int8"] = Method("Int8", Int8())
-    m["Filter(TopK)"] = Method("Filter(TopK)", Filter(TopK(ratio=0.01)))
-    psgd = _optional("gradzip.compressors.powersgd", "PowerSGD")
-    if psgd is not None:
-        m["PowerSGD"] = Method("PowerSGD", psgd(rank=2))
-    if _optional("gradzip.local_sgd", "LocalSGD") is not None:
-        m["LocalSGD"] = Method("LocalSGD", local_sgd={"period": 8})
-    return m
+    methods = [
+        Method("Identity", Identity()),
+        Method("FP16", FP16()),
+        Method("Threshold", Threshold(tau=1e-3, policy="adaptive")),  # DL4J's adaptive defaults
+        Method("TopK", TopK(ratio=0.01)),
+        Method("RandomK", RandomK(ratio=0.1)),
+        Method("SignSGD", SignSGD()),
+        Method("QSGD", QSGD()),
+        Method("TernGrad", TernGrad()),
+        Method("Int8", Int8()),
+        Method("Filter(TopK)", Filter(TopK(ratio=0.01))),
+        Method("PowerSGD", PowerSGD(rank=2)),
+        Method("LocalSGD", local_sgd={"period": 8}),
+    ]
+    return {m.name: m for m in methods}
 
 
 def extra_methods() -> dict[str, Method]:
