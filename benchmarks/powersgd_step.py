@@ -25,10 +25,8 @@ Writes ``benchmarks/results/powersgd_<device>_<backend>.json`` with the machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,29 +40,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.bench import free_port
 from gradzip.compressors.powersgd import PowerSGD
+from gradzip.bench import machine as bench_machine
 from gradzip.hooks import register_hook
 
 METHODS = ("ddp", "torch_powersgd", "gradzip_powersgd")
 
 
 def machine(device: str) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-    }
+    info = bench_machine()
+    info["device"] = device
     if hasattr(os, "getloadavg"):
         info["load_avg_1_5_15_min_at_start"] = [round(x, 2) for x in os.getloadavg()]
     if device == "cuda":

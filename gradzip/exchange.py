@@ -28,7 +28,7 @@ from .feedback import ErrorFeedback
 from .wire import Payload, accum_dtype, pack_frames, unpack_frames
 
 if TYPE_CHECKING:
-    from .compressors.base import Compressor, TensorContext
+    from .compressors.base import Compressor
 
 Exchange = Generator[Round, None, torch.Tensor]
 
@@ -68,10 +68,11 @@ class Call:
 
     def x(self, i: int) -> torch.Tensor:
         """The tensor to compress: gradient plus residual with error feedback, else the gradient."""
-        if i not in self._x:
+        name = self.names[i]  # keyed by name: sub-calls share the cache with their parent
+        if name not in self._x:
             g = self.tensors[i]
-            self._x[i] = self.memory.compensate(self.names[i], g) if self.memory is not None else g
-        return self._x[i]
+            self._x[name] = self.memory.compensate(name, g) if self.memory is not None else g
+        return self._x[name]
 
     def commit(self, i: int, sent: torch.Tensor) -> None:
         """Record what tensor ``i`` contributed; with error feedback the rest becomes its residual."""
@@ -91,17 +92,21 @@ class Call:
             self.commit(i, comp.decompress(p))
         return p
 
-    def subset(self, idx: list) -> "Call":
-        """A call over some of the tensors, sharing state (for wrappers such as filters)."""
+    def subset(self, idx: list, *, error_feedback: bool = True) -> "Call":
+        """A call over some of the tensors, sharing state (for wrappers such as filters).
+
+        ``error_feedback=False`` runs the subset without residuals (for an unbiased
+        compressor inside a biased policy); use it only for tensors that never had one.
+        """
         sub = Call(
             comm=self.comm,
             names=[self.names[i] for i in idx],
             tensors=[self.tensors[i] for i in idx],
             contexts=[self.contexts[i] for i in idx],
-            memory=self.memory,
+            memory=self.memory if error_feedback else None,
             out_dtype=self.out_dtype,
         )
-        sub._x = {j: self._x[i] for j, i in enumerate(idx) if i in self._x}
+        sub._x = self._x  # one compensation per tensor per call, seen by parent and subsets
         return sub
 
     @contextmanager

@@ -411,7 +411,9 @@ class Policy(Compressor):
         for i, g in enumerate(choice):
             groups.setdefault(g, []).append(i)
         order = sorted(groups)
-        subs = [call.subset(groups[g]) for g in order]
+        # Unbiased candidates (the plain-allreduce fallback) run without residuals: a
+        # tensor's route never changes, so it never had one, and it costs no compensation.
+        subs = [call.subset(groups[g], error_feedback=self.candidates[g].biased) for g in order]
         comps = [self.candidates[g] for g in order]
         hints = [expected_rounds(c) for c in comps]
         longest = max((h for h in hints if h is not None), default=0)

@@ -21,6 +21,7 @@ from gradzip.hooks import register_hook
 from gradzip.stats import Stats
 
 from .mp_utils import run_ranks
+from .test_ddp import batch, make_model
 
 
 # ======================================================================================
@@ -407,24 +408,6 @@ def test_fuzzed_calls_never_raise_and_every_rank_decodes_the_same_finite_average
 
 # ======================================================================================
 # Multi-process (2 gloo ranks)
-
-
-def make_model(seed=0, width=48):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(width, width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(width, width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(width, 5),
-    )
-
-
-def batch(step, rank, n=16):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 20, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
 def train_steps(ddp, opt, steps, rank, first=0, record=None):

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -227,7 +226,6 @@ def reference_accumulated(steps, world, micro):
         for i, (n, p) in enumerate(ref.named_parameters()):
             acc = torch.zeros(p.numel())
             for r in range(world):
-                old = mems[r].residual(n)
                 c = mems[r].compensate(n, grads[r][i])
                 pay = comp.compress(c, TensorContext(name=n, step=s, dtype=p.dtype, store=stores[r][n]))
                 sent = comp.decompress(pay)

@@ -1,0 +1,93 @@
+"""Print the README's results tables (markdown) from the committed result files.
+
+    python benchmarks/report.py
+
+Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json and
+powersgd_cpu_gloo.json, whichever exist; every number in the README's results
+section comes from here.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _load(name: str):
+    path = os.path.join(HERE, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _machine(m: dict) -> str:
+    extra = f", {m['gpu']}" if "gpu" in m else ""
+    return f"{m['cpu']}, {m['cores']} cores{extra}, torch {m['torch']}, {m['date']}"
+
+
+def accuracy(doc: dict) -> str:
+    cfg = doc["config"]
+    lines = [
+        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, {cfg.get('epochs') or 'default'} epochs; "
+        f"machine: {_machine(doc['machine'])})",
+        "",
+        "| method | ratio | wire MB/step | test acc | Δ acc (pp) | ms/step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['ratio']:.1f}× | {r['bytes_sent_per_step'] / 1e6:.4f} | {100 * r['accuracy']:.2f}% "
+            f"| {100 * r['delta_accuracy']:+.2f} | {1000 * r['seconds_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def step_time(doc: dict) -> str:
+    lines = [
+        f"`benchmarks/step_time.py` ({doc['ranks']} ranks in network namespaces, MLP of "
+        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {doc['steps']} steps; "
+        f"machine: {_machine(doc['machine'])})",
+        "",
+        "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} | {100 * r['model_error']:+.1f}% "
+            f"| {r['bytes_sent_per_step'] / 1e6:.3f} | {r.get('speedup_vs_allreduce', float('nan')):.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def powersgd(doc: dict) -> str:
+    lines = [
+        f"`benchmarks/powersgd_step.py` (2 gloo ranks, rank {doc['config'].get('rank', 2)}, one bucket, methods "
+        f"alternating in one run; machine: {_machine(doc['machine'])})",
+        "",
+        "| width (params) | plain DDP ms | torch powerSGD_hook ms | gradzip PowerSGD ms | gradzip / torch |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['width']} ({r['params']:,}) | {r['ddp']['median_ms']:.2f} | {r['torch_powersgd']['median_ms']:.2f} "
+            f"| {r['gradzip_powersgd']['median_ms']:.2f} | {r['ratio_gradzip_over_torch']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for name, fn in (
+        ("accuracy_mnist_2ranks_cpu.json", accuracy),
+        ("step_time.json", step_time),
+        ("powersgd_cpu_gloo.json", powersgd),
+    ):
+        doc = _load(name)
+        if doc is not None:
+            print(fn(doc))
+            print()
+
+
+if __name__ == "__main__":
+    main()
