@@ -30,7 +30,9 @@ def _machine(m: dict) -> str:
 def accuracy(doc: dict) -> str:
     cfg = doc["config"]
     lines = [
-        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, {cfg.get('epochs') or 'default'} epochs; "
+        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, "
+        f"{cfg.get('epochs') or {'mnist': 4, 'digits': 20}[cfg['dataset']]} epochs, batch {cfg['batch_size']}/rank, "
+        f"SGD lr {cfg['lr']} momentum {cfg['momentum']}; "
         f"machine: {_machine(doc['machine'])})",
         "",
         "| method | ratio | wire MB/step | test acc | Δ acc (pp) | ms/step |",

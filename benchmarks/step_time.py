@@ -198,6 +198,7 @@ def main() -> int:
     p.add_argument("--pg-timeout", type=float, default=300.0)
     p.add_argument("--method-timeout", type=float, default=900.0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
+    p.add_argument("--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest")
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -241,6 +242,14 @@ def main() -> int:
         net.down()
     from gradzip.bench import machine
 
+    if a.update and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)["rows"]
+        fresh = {(r["rate"], r["method"]) for r in rows}
+        rows = [r for r in old if (r["rate"], r["method"]) not in fresh] + rows
+        rates = list(dict.fromkeys(r["rate"] for r in rows))
+        order = {m: i for i, m in enumerate(methods(1e9, a.ranks))}
+        rows.sort(key=lambda r: (rates.index(r["rate"]), order.get(r["method"], 99)))
     for rate in rates:
         base = next((r["step_s"] for r in rows if r["rate"] == rate and r["method"] == "allreduce"), None)
         for r in rows:

@@ -406,9 +406,11 @@ def write_outputs(rows: list[dict], cfg: BenchConfig, out: str) -> dict[str, str
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    for i, r in enumerate(sorted(rows, key=lambda r: r["ratio"])):
         ax.scatter(r["ratio"], 100 * r["accuracy"], s=40)
-        ax.annotate(r["method"], (r["ratio"], 100 * r["accuracy"]), textcoords="offset points", xytext=(5, 4), fontsize=9)
+        # alternate label sides: methods with similar ratios sit next to each other
+        ax.annotate(r["method"], (r["ratio"], 100 * r["accuracy"]), textcoords="offset points",
+                    xytext=(5, 5 if i % 2 else -12), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("compression ratio (bytes_raw / bytes_sent, log)")
     ax.set_ylabel("test accuracy (%)")

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import KERNEL_DTYPES, Unsupported
-from ..reference import QUANT_KINDS, quant_code_bytes, quant_layout
+from ..reference import QUANT_KINDS, quant_layout
 from . import LAUNCH, check, interpreting
 
 __all__ = ["sign_ef_triton", "qsgd_encode_triton", "terngrad_encode_triton", "decode_add_quant_triton", "block_stats_triton"]
