@@ -125,6 +125,7 @@ class Engine:
 
     # -- protocols ---------------------------------------------------------------------
     def _protocol(self, names, tensors, out_dtype):
+        step = self.step  # end_step() may run before this call's last round completes
         try:
             if not self._verified:
                 device = tensors[0].device if tensors else torch.device("cpu")
@@ -156,7 +157,7 @@ class Engine:
                 if self.on_nonfinite == "raise":
                     local = [n for n, t in zip(names, tensors) if not bool(torch.isfinite(t).all())]
                     where = f"in {local} on rank {self.comm.rank}" if local else "on another rank"
-                    raise FloatingPointError(f"non-finite gradient {where} at step {self.step}")
+                    raise FloatingPointError(f"non-finite gradient {where} at step {step}")
                 out = torch.full_like(out, float("nan"))
             return out
         finally:
