@@ -17,7 +17,6 @@ References: :mod:`gradzip.kernels.reference`. Imported only by the dispatch.
 """
 from __future__ import annotations
 
-import struct
 import threading
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from . import KERNEL_DTYPES, Unsupported
-from .reference import ThresholdResult
+from .reference import DeviceThresholdResult, ThresholdResult
 
 __all__ = ["threshold_ef_cupy", "abs_select_cupy", "as_cupy", "as_torch", "CUDA_DIR", "CU_FILES"]
 
@@ -85,25 +84,11 @@ def _check(name: str, t: torch.Tensor, dtypes, device: torch.device | None = Non
         raise Unsupported(f"{name} is on {t.device}, expected {device}")
 
 
-class _CupyThresholdResult(ThresholdResult):
+class _CupyThresholdResult(DeviceThresholdResult):
     backend = "cupy"
 
-    def __init__(self, n, tau, residual, words, counts, amax_bits):
-        super().__init__(n, tau, residual)
-        self._words, self._counts, self._amax_bits = words, counts, amax_bits
-
-    def _fetch_stats(self):
-        if self.n == 0:
-            return 0, 0.0
-        count, bits = torch.stack([self._counts.sum(dtype=torch.int64), self._amax_bits.max().to(torch.int64)]).tolist()
-        return int(count), struct.unpack("<f", struct.pack("<i", int(bits)))[0]
-
-    def bitmap(self) -> torch.Tensor:
-        return self._words.view(torch.uint8)[: (self.n + 3) // 4]
-
     def indices(self) -> torch.Tensor:
-        if self.n >= 2**31:
-            raise ValueError(f"index words hold 31 bits; n={self.n} needs the bitmap")
+        self._check_indexable()
         count = self.count
         dev = self._words.device
         out = torch.empty(count, dtype=torch.int32, device=dev)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+import struct
+
 import torch
 
 __all__ = [
@@ -129,6 +131,29 @@ class ThresholdResult:
 
     def indices(self) -> torch.Tensor:
         raise NotImplementedError
+
+
+class DeviceThresholdResult(ThresholdResult):
+    """What the GPU backends' threshold pass leaves: the 2-bit bitmap as int32 words
+    (16 codes each, ``FMT_BITMAP2``'s byte layout), per-program counts, and per-program
+    ``max |v|`` as float32 bits. Backends add :meth:`indices` (their compaction pass)."""
+
+    def __init__(self, n, tau, residual, words, counts, amax_bits) -> None:
+        super().__init__(n, tau, residual)
+        self._words, self._counts, self._amax_bits = words, counts, amax_bits
+
+    def _fetch_stats(self) -> tuple[int, float]:
+        if self.n == 0:
+            return 0, 0.0
+        count, bits = torch.stack([self._counts.sum(dtype=torch.int64), self._amax_bits.max().to(torch.int64)]).tolist()
+        return int(count), struct.unpack("<f", struct.pack("<i", int(bits)))[0]
+
+    def bitmap(self) -> torch.Tensor:
+        return self._words.view(torch.uint8)[: (self.n + 3) // 4]
+
+    def _check_indexable(self) -> None:
+        if self.n >= 2**31:
+            raise ValueError(f"index words hold 31 bits; n={self.n} needs the bitmap")
 
 
 class _ReferenceThresholdResult(ThresholdResult):

@@ -14,14 +14,13 @@ Reference: :func:`gradzip.kernels.reference.threshold_ef_reference`.
 """
 from __future__ import annotations
 
-import struct
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import KERNEL_DTYPES
-from ..reference import ThresholdResult
+from ..reference import DeviceThresholdResult, ThresholdResult
 from . import LAUNCH, check, interpreting
 
 __all__ = ["threshold_ef_triton", "ROWS_GPU", "ROWS_INTERPRETER"]
@@ -100,25 +99,15 @@ def _rows(rows: int | None) -> int:
     return ROWS_INTERPRETER if interpreting() else ROWS_GPU
 
 
-class _TritonThresholdResult(ThresholdResult):
+class _TritonThresholdResult(DeviceThresholdResult):
     backend = "triton"
 
     def __init__(self, n, tau, residual, words, counts, amax_bits, rows):
-        super().__init__(n, tau, residual)
-        self._words, self._counts, self._amax_bits, self._rows = words, counts, amax_bits, rows
-
-    def _fetch_stats(self):
-        if self.n == 0:
-            return 0, 0.0
-        count, bits = torch.stack([self._counts.sum(dtype=torch.int64), self._amax_bits.max().to(torch.int64)]).tolist()
-        return int(count), struct.unpack("<f", struct.pack("<i", int(bits)))[0]
-
-    def bitmap(self) -> torch.Tensor:
-        return self._words.view(torch.uint8)[: (self.n + 3) // 4]
+        super().__init__(n, tau, residual, words, counts, amax_bits)
+        self._rows = rows
 
     def indices(self) -> torch.Tensor:
-        if self.n >= 2**31:
-            raise ValueError(f"index words hold 31 bits; n={self.n} needs the bitmap")
+        self._check_indexable()
         count = self.count
         out = torch.empty(count, dtype=torch.int32, device=self._words.device)
         if count:
