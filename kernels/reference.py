@@ -344,21 +344,23 @@ _F32_MAX = 3.4028234663852886e38
 
 
 def quant_layout(n: int, block: int | None) -> tuple[int, int]:
-    """(number of blocks, block length) for ``n`` elements; as ``quant._layout``."""
+    """(number of blocks, block length) for ``n`` elements (``block=None``: one block)."""
     if n == 0:
         return 0, 1
     b = n if block is None else min(int(block), n)
     return (n + b - 1) // b, b
 
 
-def _qpad(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+def quant_pad(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """``v`` zero-padded to ``nb * b`` elements, viewed as (nb, b)."""
     n = v.numel()
     if n == nb * b:
         return v.reshape(nb, b)
     return torch.cat([v, v.new_zeros(nb * b - n)]).reshape(nb, b)
 
 
-def _qper_element(per_block: torch.Tensor, nb: int, b: int, n: int) -> torch.Tensor:
+def quant_per_element(per_block: torch.Tensor, nb: int, b: int, n: int) -> torch.Tensor:
+    """Each block's value repeated over its elements (the first ``n``)."""
     return per_block.reshape(nb, 1).expand(nb, b).reshape(-1)[:n]
 
 
@@ -397,12 +399,12 @@ def sign_ef_reference(
     n = v.numel()
     nb, b = quant_layout(n, block)
     if scales is None:
-        total = _qpad(v.abs(), nb, b).sum(dim=1, dtype=torch.float64)
+        total = quant_pad(v.abs(), nb, b).sum(dim=1, dtype=torch.float64)
         scales = (total / _qcounts(n, nb, b, v.device)).to(torch.float32)
     neg = v < 0
     r = None
     if new_residual if new_residual is not None else residual is not None:
-        s = _qper_element(scales.to(torch.float32), nb, b, n)
+        s = quant_per_element(scales.to(torch.float32), nb, b, n)
         r = v - torch.where(neg, -s, s)
     return scales, _pack_sign_words(neg), r
 
@@ -411,9 +413,9 @@ def qsgd_norms_reference(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
     """QSGD's float32 block norms of float32 ``v`` (as ``QSGD.compress``: float32
     ``vector_norm``; if a norm overflows while ``v`` is finite, float64 norms with the
     blocks beyond float32's range set to 0)."""
-    norms = torch.linalg.vector_norm(_qpad(v, nb, b), dim=1).to(torch.float32)
+    norms = torch.linalg.vector_norm(quant_pad(v, nb, b), dim=1).to(torch.float32)
     if not bool(torch.isfinite(norms).all()) and bool(torch.isfinite(v).all()):
-        wide = torch.linalg.vector_norm(_qpad(v, nb, b).to(torch.float64), dim=1)
+        wide = torch.linalg.vector_norm(quant_pad(v, nb, b).to(torch.float64), dim=1)
         norms = torch.where(wide <= _F32_MAX, wide, 0.0).to(torch.float32)
     return norms
 
@@ -441,7 +443,7 @@ def qsgd_encode_reference(
     bits = bits or (2 if 2 * s + 1 <= 4 else 4 if 2 * s + 1 <= 16 else 8)
     nb, b = quant_layout(n, block)
     norms = qsgd_norms_reference(v, nb, b) if scales is None else scales.to(torch.float32)
-    ne = _qper_element(norms, nb, b, n)
+    ne = quant_per_element(norms, nb, b, n)
     r = torch.where(ne > 0, v.abs() / ne * s, torch.zeros_like(v)).clamp_(0, s)
     lo = r.floor()
     lvl = lo + (philox_uniform(seed, n, v.device) < r - lo).to(v.dtype)
@@ -453,7 +455,7 @@ def qsgd_encode_reference(
 def terngrad_scales_reference(v: torch.Tensor, nb: int, b: int, clip: float | None = None) -> torch.Tensor:
     """TernGrad's float32 block scales of float32 ``v``: ``max|v|``, or with ``clip``
     ``min(max|v|, clip * sqrt(mean(v^2)))`` (the mean in float64)."""
-    vp = _qpad(v, nb, b)
+    vp = quant_pad(v, nb, b)
     scale = vp.abs().amax(dim=1) if nb else v.new_zeros(0)
     if clip is not None:
         sq = (vp.to(torch.float64) ** 2).sum(dim=1)
@@ -481,7 +483,7 @@ def terngrad_encode_reference(
     n = v.numel()
     nb, b = quant_layout(n, block)
     scale = terngrad_scales_reference(v, nb, b, clip) if scales is None else scales.to(torch.float32)
-    se = _qper_element(scale, nb, b, n)
+    se = quant_per_element(scale, nb, b, n)
     p = torch.where(se > 0, v.abs() / se, torch.zeros_like(v)).clamp_(max=1)
     hit = philox_uniform(seed, n, v.device) < p
     code = torch.where(hit, torch.where(v < 0, 2, 1), 0).to(torch.uint8)
@@ -517,13 +519,13 @@ def decode_quant_reference(
     nb, b = quant_layout(n, block)
     scales = body[: 4 * nb].view(torch.float32) if nb else torch.empty(0, dtype=torch.float32, device=body.device)
     code = body[4 * nb : 4 * nb + quant_code_bytes(kind, n, bits)]
-    s = _qper_element(scales, nb, b, n)
+    s = quant_per_element(scales, nb, b, n)
     if kind == "sign1":
         neg = unpack_bits(code.view(torch.int32) if code.numel() else code.new_empty(0, dtype=torch.int32), n)
         return torch.where(neg, -s, s)
     if kind == "qsgd":
         c = unpack_nbit(code, n, int(bits))
-        step = _qper_element(scales / levels, nb, b, n)
+        step = quant_per_element(scales / levels, nb, b, n)
         return (c.to(torch.float32) - levels) * step
     if kind == "tern2":
         c = unpack_nbit(code, n, 2)

@@ -198,7 +198,7 @@ def test_qsgd_kernel_matches_reference(dtype, n):
         # the float64 norm rounded once.
         assert torch.allclose(norms, want_norms, rtol=1e-5, atol=0)
         nb, b = R.quant_layout(n, block)
-        wide = torch.linalg.vector_norm(R._qpad(x.double(), nb, b), dim=1).float()
+        wide = torch.linalg.vector_norm(R.quant_pad(x.double(), nb, b), dim=1).float()
         assert ulps(norms, wide) <= 1
         assert torch.equal(codes, R.qsgd_encode_reference(x, levels, 2**40 + n, block=block, scales=norms)[1])
 

@@ -132,7 +132,7 @@ def test_parallel_early_returns_and_late_starters():
     def silent():
         log.append("S done")
         return "S"
-        yield  # noqa: unreachable - makes this a generator
+        yield  # unreachable: makes this function a generator
 
     # C ends after a non-last round (a filter that sent nothing); S never talks;
     # D waits for round 5 but starts as soon as nothing else runs

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..comm import Round
 from ..kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
+from ..kernels.reference import quant_layout, quant_pad, quant_per_element
 from ..wire import FMT_INT8, FMT_QSGD, FMT_SIGN1, FMT_TERN2, Payload, accum_dtype, as_bytes, from_bytes
 from .base import Compressor, TensorContext, tensor_seed
 
@@ -90,24 +91,10 @@ def _check_seed(seed) -> int:
     return seed
 
 
-def _layout(n: int, block: int | None) -> tuple[int, int]:
-    """(number of blocks, block length) for ``n`` elements."""
-    if n == 0:
-        return 0, 1
-    b = n if block is None else min(block, n)
-    return (n + b - 1) // b, b
-
-
-def _pad(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
-    """``v`` zero-padded to ``nb * b`` elements, viewed as (nb, b)."""
-    n = v.numel()
-    if n == nb * b:
-        return v.reshape(nb, b)
-    return torch.cat([v, v.new_zeros(nb * b - n)]).reshape(nb, b)
-
-
-def _per_element(per_block: torch.Tensor, nb: int, b: int, n: int) -> torch.Tensor:
-    return per_block.reshape(nb, 1).expand(nb, b).reshape(-1)[:n]
+# Block layout helpers shared with the kernels' references (one definition).
+_layout = quant_layout
+_pad = quant_pad
+_per_element = quant_per_element
 
 
 def _counts(n: int, nb: int, b: int, dtype, device) -> torch.Tensor:
