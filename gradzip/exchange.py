@@ -33,6 +33,21 @@ if TYPE_CHECKING:
 Exchange = Generator[Round, None, torch.Tensor]
 
 
+def _all_finite(tensors) -> bool:
+    """True when no tensor holds a NaN or Inf. One host sync in the common case: a sum
+    is non-finite whenever an element is (NaN and +-Inf propagate), and summing reads
+    each tensor once without a mask. A non-finite sum of finite values (overflow) is
+    told apart by aminmax, which is exact (about 20x faster on CPU than
+    ``torch.isfinite(t).all()``)."""
+    tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
+        return True
+    ext = [torch.stack(torch.aminmax(t)) for t in tensors]
+    return bool(torch.isfinite(torch.cat(ext)).all())
+
+
 @dataclass
 class Call:
     """One ``Engine.reduce`` call: the tensors, their state, and the means to talk."""
@@ -43,8 +58,16 @@ class Call:
     contexts: list
     memory: ErrorFeedback | None
     out_dtype: torch.dtype
+    #: Where the flat result may be written (DDP's bucket buffer), or None. The
+    #: inputs may alias it: write it only once they have been encoded.
+    dest: torch.Tensor | None = None
     offsets: list = field(init=False)
     _x: dict = field(default_factory=dict, init=False, repr=False)
+    #: Names of tensors summed exactly as they are (no compression, no residual): a
+    #: non-finite input shows in the averaged output, so the engine need not read them.
+    plain: set = field(default_factory=set, init=False, repr=False)
+    #: Names of ``plain`` tensors found non-finite (checked before they were reduced).
+    nonfinite: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -63,6 +86,16 @@ class Call:
     def numel(self) -> int:
         return self.offsets[-1]
 
+    def output(self, zero: bool = False) -> torch.Tensor:
+        """The flat ``out_dtype`` tensor to write this call's result into: ``dest`` when
+        the front end gave one that fits, else a new tensor."""
+        d = self.dest
+        if d is not None and d.dtype == self.out_dtype and d.numel() == self.numel and d.is_contiguous():
+            d = d.view(-1)
+            return d.zero_() if zero else d
+        make = torch.zeros if zero else torch.empty
+        return make(self.numel, dtype=self.out_dtype, device=self.device)
+
     def slice(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
 
@@ -73,6 +106,15 @@ class Call:
             g = self.tensors[i]
             self._x[name] = self.memory.compensate(name, g) if self.memory is not None else g
         return self._x[name]
+
+    def peek(self, i: int) -> torch.Tensor:
+        """What :meth:`x` holds or would return, without compensating a tensor that has no
+        residual (its gradient, widened exactly: the same values and finiteness). For checks
+        that must not decide how an exchange compensates later."""
+        name = self.names[i]
+        if name in self._x or (self.memory is not None and self.memory.residual(name) is not None):
+            return self.x(i)
+        return self.tensors[i]
 
     def commit(self, i: int, sent: torch.Tensor) -> None:
         """Record what tensor ``i`` contributed; with error feedback the rest becomes its residual."""
@@ -92,7 +134,7 @@ class Call:
             self.commit(i, comp.decompress(p))
         return p
 
-    def subset(self, idx: list, *, error_feedback: bool = True) -> "Call":
+    def subset(self, idx: list, *, error_feedback: bool = True, dest: torch.Tensor | None = None) -> "Call":
         """A call over some of the tensors, sharing state (for wrappers such as filters).
 
         ``error_feedback=False`` runs the subset without residuals (for an unbiased
@@ -105,8 +147,11 @@ class Call:
             contexts=[self.contexts[i] for i in idx],
             memory=self.memory if error_feedback else None,
             out_dtype=self.out_dtype,
+            dest=dest,
         )
         sub._x = self._x  # one compensation per tensor per call, seen by parent and subsets
+        sub.plain = self.plain
+        sub.nonfinite = self.nonfinite
         return sub
 
     @contextmanager
@@ -119,13 +164,40 @@ class Call:
             self.comm.stats.add(codec_seconds=time.perf_counter() - t0)
 
 
+def _back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
+    """``dest[:n]`` when the bodies are its consecutive pieces from its start (DDP's
+    bucket gradients as Identity sends them), else None."""
+    if dest is None or not bodies or not dest.is_contiguous():
+        return None
+    flat = dest.view(-1)
+    pos = 0
+    for b in bodies:
+        if b.dtype != flat.dtype or not b.is_contiguous():
+            return None
+        if b.numel() and (b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                          or b.data_ptr() != flat[pos:].data_ptr()):
+            return None
+        pos += b.numel()
+    return flat[:pos]
+
+
 def summable_exchange(comp: "Compressor", call: Call) -> Exchange:
     with call.codec():
         payloads = [call.encode(comp, i) for i in range(len(call.tensors))]
-        if payloads:
-            flat = torch.cat([p.body.reshape(-1) for p in payloads])
-        else:
+        bodies = [p.body.reshape(-1) for p in payloads]
+        # Identity on DDP's bucket: the gradients already lie back to back in the bucket
+        # buffer, which is also where the result goes. Reduce it in place, as DDP does.
+        flat = _back_to_back(bodies, call.dest) if call.memory is None else None
+        if flat is None and payloads:
+            flat = torch.cat(bodies)
+        elif flat is None:
             flat = torch.empty(0, dtype=call.out_dtype, device=call.device)
+        if flat.numel() and not (comp.biased or call.memory is not None) and _sends_itself(payloads, call):
+            # Summed as they are: checked here, before the division and the collective
+            # (which may work in place), instead of by the engine afterwards.
+            call.plain.update(call.names)
+            if not _all_finite([flat]):
+                call.nonfinite += [n for n, b in zip(call.names, bodies) if not _all_finite([b])]
         flat.div_(call.world_size)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
         call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
     yield Round([call.comm.allreduce(flat)], last=True)
@@ -141,10 +213,18 @@ def summable_exchange(comp: "Compressor", call: Call) -> Exchange:
             pos += k
         if in_place and pos == call.numel:
             return flat
-        out = torch.empty(call.numel, dtype=call.out_dtype, device=call.device)
+        out = call.output()
         for i, d in enumerate(decoded):
             out[call.slice(i)] = d
     return out
+
+
+def _sends_itself(payloads, call: Call) -> bool:
+    """Every body is its input's own values (views of the gradients: Identity)."""
+    return all(
+        p.body.numel() == 0 or (p.body.dtype == t.dtype and p.body.data_ptr() == t.data_ptr())
+        for p, t in zip(payloads, call.tensors)
+    )
 
 
 def framed_exchange(comp: "Compressor", call: Call) -> Exchange:
@@ -156,7 +236,11 @@ def framed_exchange(comp: "Compressor", call: Call) -> Exchange:
     with call.codec():
         shapes = [p.shape for p in payloads]
         dtypes = [p.dtype for p in payloads]
-        acc = torch.zeros(call.numel, dtype=accum_dtype(call.out_dtype), device=call.device)
+        acc_dtype = accum_dtype(call.out_dtype)
+        if acc_dtype == call.out_dtype:
+            acc = call.output(zero=True)  # every input was encoded before the first round
+        else:
+            acc = torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
         frames = [unpack_frames(gathered[r], shapes, dtypes) for r in range(call.world_size)]
         for i in range(len(payloads)):
             # Each tensor's peers in fixed rank order: every rank computes the same floats.

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .comm import Round
 from .compressors.base import Compressor
 from .compressors.cast import Identity
+from .wire import accum_dtype
 
 __all__ = ["Policy", "parallel", "expected_rounds"]
 
@@ -366,14 +367,23 @@ class Policy(Compressor):
         return rows
 
     # -- the exchange ----------------------------------------------------------------------
+    @staticmethod
+    def _vote_input(call, i: int) -> torch.Tensor:
+        """A copy of what tensor ``i`` would compress (the codec trial may work in place).
+        Without a residual that is the gradient: no compensation is cached for it, so a
+        plain-allreduce route can still send the gradient itself."""
+        if call.memory is None or call.memory.residual(call.names[i]) is None:
+            return call.tensors[i].detach().to(accum_dtype(call.tensors[i].dtype), copy=True)
+        return call.x(i).detach().clone()
+
     def exchange(self, call):
         count = len(call.tensors)
         if count == 0:
             return torch.empty(0, dtype=call.out_dtype, device=call.device)
         world = self.world_size or call.world_size
         with call.codec():
-            for i in range(count):
-                call.x(i)  # compensate once, here: the sub-calls and the engine's checks share it
+            # No compensation here: each route compensates its own tensors (a plain
+            # allreduce route needs none), and the sub-calls share the parent's cache.
             choice: list[int | None] = []
             undecided = []
             for i in range(count):
@@ -391,7 +401,7 @@ class Policy(Compressor):
                 votes = [
                     int(
                         self.prefers_fallback(
-                            call.x(i).detach().clone(),
+                            self._vote_input(call, i),
                             world,
                             compensated=True,
                             latency_share=call.tensors[i].numel() / call.numel if call.numel else 1.0,
@@ -413,15 +423,21 @@ class Policy(Compressor):
         order = sorted(groups)
         # Unbiased candidates (the plain-allreduce fallback) run without residuals: a
         # tensor's route never changes, so it never had one, and it costs no compensation.
-        subs = [call.subset(groups[g], error_feedback=self.candidates[g].biased) for g in order]
+        whole = len(order) == 1  # one route for the whole call: it may write the call's destination
+        subs = [
+            call.subset(groups[g], error_feedback=self.candidates[g].biased, dest=call.dest if whole else None)
+            for g in order
+        ]
         comps = [self.candidates[g] for g in order]
         hints = [expected_rounds(c) for c in comps]
         longest = max((h for h in hints if h is not None), default=0)
         start = [longest - h if h is not None else 0 for h in hints]
         results = yield from parallel([c.exchange(s) for c, s in zip(comps, subs)], start)
 
+        if whole and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
+            return results[0].view(-1)
         with call.codec():
-            out = torch.empty(call.numel, dtype=call.out_dtype, device=call.device)
+            out = call.output()
             for g, sub, got in zip(order, subs, results):
                 for j, i in enumerate(groups[g]):
                     out[call.slice(i)] = got[sub.slice(j)]

@@ -51,7 +51,7 @@ def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.
     grads = bucket.gradients()
     names = state.names_of(bucket.parameters())
     buf = bucket.buffer()
-    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype)
+    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf)
     if bucket.is_last():
         state.engine.flush()
         state.engine.end_step()

@@ -355,7 +355,7 @@ class PowerSGD(Compressor):
 
         # Last round done (a callback thread): decode only, never communicate.
         with call.codec():
-            out = torch.empty(call.numel, dtype=call.out_dtype, device=dev)
+            out = call.output()  # the inputs were all read before the first round
             pos = 0
             for i in unc:
                 k = call.tensors[i].numel()

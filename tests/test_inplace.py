@@ -1,0 +1,163 @@
+"""Fewer copies: the engine writes into the caller's buffer (DDP's bucket), Identity
+reduces that buffer in place, and large CPU residuals reuse earlier steps' buffers."""
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradzip.compressors import Identity, SignSGD, TopK
+from gradzip.compressors.powersgd import PowerSGD
+from gradzip.costmodel import Link
+from gradzip.engine import Engine
+from gradzip.feedback import _POOL_MIN_BYTES, ErrorFeedback
+from gradzip.hooks import register_hook
+from gradzip.policy import Policy
+
+from .mp_utils import run_ranks
+
+BIG = _POOL_MIN_BYTES // 4 + 5  # float32 elements: pooled
+
+
+# -- buffer reuse ----------------------------------------------------------------------------
+def _cycle(mem: ErrorFeedback, name: str, g: torch.Tensor, sent_frac: float = 0.5) -> torch.Tensor:
+    c = mem.compensate(name, g)
+    mem.update(name, c, c * sent_frac)
+    del c
+    mem.release([name])
+    return mem.residual(name)
+
+
+def test_residual_buffers_are_reused_and_values_are_unchanged():
+    gen = torch.Generator().manual_seed(0)
+    pooled, prev = ErrorFeedback(), None
+    ptrs = set()
+    for _ in range(6):
+        g = torch.randn(BIG, generator=gen)
+        r = _cycle(pooled, "w", g)
+        ptrs.add(r.data_ptr())
+        # the same algorithm without reuse: bit-identical residuals
+        c = g.clone() if prev is None else g + prev
+        prev = c - c * 0.5
+        assert torch.equal(r, prev)
+        del r
+    # compensated input + residual + the previous residual: at most 3 storages in turn
+    assert len(ptrs) <= 3
+
+
+def test_a_kept_residual_is_never_overwritten():
+    mem = ErrorFeedback()
+    gen = torch.Generator().manual_seed(1)
+    kept = [_cycle(mem, "w", torch.randn(BIG, generator=gen)).clone()]
+    held = [mem.residual("w")]  # the caller keeps every residual object
+    for _ in range(4):
+        _cycle(mem, "w", torch.randn(BIG, generator=gen))
+        held.append(mem.residual("w"))
+        kept.append(held[-1].clone())
+    for h, k in zip(held, kept):
+        assert torch.equal(h, k)
+    assert len({h.data_ptr() for h in held}) == len(held)
+
+
+def test_a_view_of_a_residual_keeps_its_storage():
+    mem = ErrorFeedback()
+    gen = torch.Generator().manual_seed(2)
+    views = []
+    for _ in range(4):
+        r = _cycle(mem, "w", torch.randn(BIG, generator=gen))
+        views.append((r.view(-1)[:7], r[:7].clone()))
+        del r
+    for v, k in views:
+        assert torch.equal(v, k)
+
+
+def test_small_and_cuda_like_tensors_are_not_pooled():
+    mem = ErrorFeedback()
+    for _ in range(3):
+        _cycle(mem, "b", torch.randn(10))
+    assert not mem._spare.get("b")
+
+
+# -- in place on the caller's buffer -----------------------------------------------------------
+def _dest_run(rank, world, comp_name):
+    comp = {
+        "identity": Identity(),
+        "policy": Policy(TopK(0.01), auto=True, link=Link(1e15, 0.0), world_size=world),  # all plain allreduce
+        "powersgd": PowerSGD(rank=2),
+        "sign": SignSGD(),
+    }[comp_name]
+    eng = Engine(comp)
+    out = {}
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        buf = torch.randn(6 * 50 + 40, generator=gen)
+        a, b = buf[: 6 * 50].view(6, 50), buf[6 * 50 :]
+        want = buf.clone()
+        fut = eng.reduce(["a", "b"], [a, b], dest=buf)
+        eng.flush()
+        got = fut.wait()
+        eng.end_step()
+        out[step] = {"same_storage": got.data_ptr() == buf.data_ptr(), "got": got.clone(), "input": want}
+    return out
+
+
+def test_identity_reduces_the_destination_in_place():
+    res = run_ranks(_dest_run, 2, "identity", timeout=90)
+    for step in range(3):
+        mean = (res[0][step]["input"] + res[1][step]["input"]) / 2
+        for r in res:
+            assert r[step]["same_storage"]
+            assert torch.allclose(r[step]["got"], mean, rtol=0, atol=1e-6)
+        assert torch.equal(res[0][step]["got"], res[1][step]["got"])
+
+
+def test_policy_whole_plain_route_and_powersgd_write_the_destination():
+    for name in ("policy", "powersgd", "sign"):
+        res = run_ranks(_dest_run, 2, name, timeout=90)
+        for step in range(3):
+            assert all(r[step]["same_storage"] for r in res), name
+            assert torch.equal(res[0][step]["got"], res[1][step]["got"]), name
+        if name == "policy":
+            mean = (res[0][2]["input"] + res[1][2]["input"]) / 2
+            assert torch.allclose(res[0][2]["got"], mean, rtol=0, atol=1e-6)
+
+
+def _nan_in_place(rank, world):
+    eng = Engine(Identity(), on_nonfinite="raise")
+    buf = torch.ones(30)
+    if rank == 1:
+        buf[17] = float("nan")
+    try:
+        fut = eng.reduce(["a", "b"], [buf[:10], buf[10:]], dest=buf)
+        eng.flush()
+        fut.wait()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return "no error"
+
+
+def test_in_place_identity_names_the_rank_and_tensor_with_the_nan():
+    res = run_ranks(_nan_in_place, 2, timeout=90)
+    assert "on another rank" in res[0]
+    assert "['b'] on rank 1" in res[1]
+
+
+def _ddp_bucket(rank, world, use_hook):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    ddp = DDP(model, bucket_cap_mb=1)
+    if use_hook:
+        register_hook(ddp, Identity())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_identity_hook_in_place_is_bit_identical_to_ddp():
+    plain = run_ranks(_ddp_bucket, 2, False)
+    hooked = run_ranks(_ddp_bucket, 2, True)
+    for a, b in zip(plain[0], hooked[0]):
+        assert torch.equal(a, b)
