@@ -400,12 +400,41 @@ from .reference import (  # noqa: E402
     terngrad_encode_reference,
 )
 
-__all__ += ["sign_ef", "qsgd_encode", "terngrad_encode", "decode_add_quant", "philox_uniform"]
+__all__ += ["decode_add_quant", "philox_uniform", "qsgd_encode", "sign_ef", "terngrad_encode", "uses_kernel"]
 
 register_kernel("sign_ef", "triton", (".triton.quant", "sign_ef_triton"), reference=sign_ef_reference)
 register_kernel("qsgd_encode", "triton", (".triton.quant", "qsgd_encode_triton"), reference=qsgd_encode_reference)
 register_kernel("terngrad_encode", "triton", (".triton.quant", "terngrad_encode_triton"), reference=terngrad_encode_reference)
 register_kernel("decode_add_quant", "triton", (".triton.quant", "decode_add_quant_triton"), reference=decode_add_quant_reference)
+
+
+def uses_kernel(op: str, device) -> bool:
+    """Whether a call of ``op`` on ``device`` tensors would go to a kernel backend rather
+    than the reference, by the dispatch rules above, without calling anything.
+
+    True for CUDA tensors when a backend registered for ``op`` is importable and not
+    disabled after an error; with ``GRADZIP_KERNELS=triton|cupy``, when that backend has a
+    kernel for ``op`` and can run on ``device`` (forced Triton on CPU tensors needs
+    ``TRITON_INTERPRET=1``). False for CPU tensors without forcing, for
+    ``GRADZIP_KERNELS=reference``, and where a forced backend cannot run (a call of the op
+    itself would raise :class:`KernelBackendError` there). A kernel may still decline one
+    call (:class:`Unsupported`: dtype, layout); the dispatch then runs the reference, which
+    gives the same result. Callers use this to pick between a kernel path and an
+    eager path whose results differ (the quantizers' random draws). Importing the backend
+    (once, cached) is the only side effect.
+    """
+    device = torch.device(device)
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown op {op!r}")
+    forced = _forced()
+    impls = _REGISTRY.get(op, {})
+    if forced == "reference":
+        return False
+    if forced is not None:
+        return forced in impls and _unusable(forced, device) is None
+    if device.type != "cuda":
+        return False
+    return any((op, b) not in _broken and _unusable(b, device) is None for b in impls)
 
 
 def sign_ef(x: torch.Tensor, residual: torch.Tensor | None = None, *, block: int | None = None, new_residual: bool | None = None):

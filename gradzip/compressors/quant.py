@@ -40,11 +40,27 @@ may send a value far larger than ``c`` (a sign of size ``S_b`` for a tiny
 correctly rounded, off by at most half an ulp of ``r`` (exact wherever
 ``d = 0`` or ``d / c`` lies in ``[1/2, 2]``).
 
-Randomness (QSGD, TernGrad): one uniform draw per element from a generator
-seeded with ``tensor_seed(seed, step, name)`` mixed with the rank, so ranks
-draw independently and a run is reproducible. An element rounds up iff
-``u < frac`` (its fractional level), with probability ``frac`` up to the 2**-24
-grid of float32 draws (2**-53 for float64 tensors): unbiased.
+Randomness (QSGD, TernGrad): one uniform draw per element from a stream
+seeded with ``tensor_seed(seed, step, name)`` mixed with the rank
+(:func:`philox_seed`), so ranks draw independently and a run is reproducible.
+An element rounds up iff ``u < frac`` (its fractional level), with probability
+``frac`` up to the 2**-24 grid of float32 draws (2**-53 for float64 tensors):
+unbiased. The stream depends on the path: the eager torch path draws from a
+``torch.Generator`` with that seed; the kernel path (below) draws Philox4x32-10
+``tl.rand(seed, i)`` on the device. Each path is reproducible and unbiased, but
+a CPU run and a CUDA run draw different numbers, so their frames differ.
+
+Kernel path: for float32/float16/bfloat16 tensors on a device where
+``gradzip.kernels.uses_kernel`` says a kernel would run (CUDA tensors with Triton
+installed, or ``GRADZIP_KERNELS=triton`` with ``TRITON_INTERPRET=1`` on the CPU),
+SignSGD, QSGD and TernGrad encode with ``kernels.sign_ef`` / ``qsgd_encode`` /
+``terngrad_encode``, and every quantizer decodes N peers' frames with one
+``kernels.decode_add_quant`` into a float32 ``out``, after validating the frames
+exactly as the eager decoder does (same errors). Frames keep their format.
+SignSGD's frames and all decoded floats are those of the eager path bit for
+bit; QSGD's norms are the float64 norm rounded once (the eager path's float32
+``vector_norm`` agrees to about 1e-6 relative). float64 tensors, and everything
+on the CPU without forcing, take the eager path.
 """
 from __future__ import annotations
 
@@ -53,6 +69,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import kernels as K
 from ..comm import Round
 from ..kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from ..kernels.reference import quant_layout, quant_pad, quant_per_element
@@ -70,6 +87,7 @@ __all__ = [
     "Int8",
     "qsgd_bits",
     "int8_lanes",
+    "philox_seed",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -104,15 +122,22 @@ def _counts(n: int, nb: int, b: int, dtype, device) -> torch.Tensor:
     return c
 
 
-def _generator(seed: int, ctx: TensorContext, device) -> torch.Generator:
-    """Seeded from (seed, step, name), mixed with the rank (splitmix64 finalizer)."""
+def philox_seed(seed: int, ctx: TensorContext) -> int:
+    """The 63-bit seed of one tensor's draws on one rank: ``tensor_seed(seed, step, name)``
+    mixed with the rank (splitmix64 finalizer). The eager path seeds a ``torch.Generator``
+    with it; the kernel path passes it to ``tl.rand`` (Philox) as the key."""
     x = (tensor_seed(seed, ctx.step, ctx.name) + (int(ctx.rank) + 1) * 0x9E3779B97F4A7C15) & _MASK64
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & _MASK64
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31
-    return torch.Generator(device=device).manual_seed(x & ((1 << 63) - 1))
+    return x & ((1 << 63) - 1)
+
+
+def _generator(seed: int, ctx: TensorContext, device) -> torch.Generator:
+    """Seeded from (seed, step, name), mixed with the rank: :func:`philox_seed`."""
+    return torch.Generator(device=device).manual_seed(philox_seed(seed, ctx))
 
 
 def _uniform(n: int, ctx: TensorContext, seed: int, dtype, device) -> torch.Tensor:
@@ -124,25 +149,131 @@ def _frame(x: torch.Tensor, fmt: int, scales: torch.Tensor, codes: torch.Tensor,
     return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=torch.float32, scale=scale)
 
 
-def _split(payload: Payload, fmt: int, name: str, nb: int, code_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 scales, code bytes) of a frame, after checking its format and length."""
+def _check_frame(payload: Payload, fmt: int, name: str, nb: int, code_bytes: int) -> None:
     if payload.fmt != fmt:
         raise ValueError(f"{name} cannot decode frame format {payload.fmt} (expected {fmt})")
     want = 4 * nb + code_bytes
     if payload.body.numel() != want:
         raise ValueError(f"corrupt {name} frame: {payload.body.numel()} bytes, expected {want}")
+
+
+def _split(payload: Payload, fmt: int, name: str, nb: int, code_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 scales, code bytes) of a frame, after checking its format and length."""
+    _check_frame(payload, fmt, name, nb, code_bytes)
     return from_bytes(payload.body[: 4 * nb], torch.float32), payload.body[4 * nb :]
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel_encode(x: torch.Tensor, op: str) -> bool:
+    """Encode ``x`` with the kernel ``op``? (fp32/fp16/bf16, and dispatch would run a kernel.)"""
+    return x.dtype in _KERNEL_DTYPES and K.uses_kernel(op, x.device)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).contiguous()
+
+
+def _max_codes(codes: list[torch.Tensor], n: int, bits: int) -> torch.Tensor:
+    """int64 tensor: the largest of the first ``n`` ``bits``-bit codes of each packed ``codes``
+    (the padding bits of the last byte ignored, as ``unpack_nbit`` ignores them), bytewise."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    full, tail = divmod(n, per)
+    out = []
+    for code in codes:
+        parts = []
+        if full:
+            head = code[:full]
+            parts += [head.amax()] if bits == 8 else [((head >> (k * bits)) & mask).amax() for k in range(per)]
+        if tail:
+            parts.append(unpack_nbit(code[full : full + 1], tail, bits).amax())
+        out.append(torch.stack(parts).amax().to(torch.int64))
+    return torch.stack(out)
+
+
+def _any_code3(codes: list[torch.Tensor], n: int) -> torch.Tensor:
+    """bool tensor: whether each packed 2-bit ``codes`` holds code 3 among its first ``n``."""
+    full, tail = divmod(n, 4)
+    out = []
+    for code in codes:
+        parts = []
+        if full:
+            head = code[:full]
+            parts.append(((head & (head >> 1)) & 0x55).any())  # both bits of some 2-bit field
+        if tail:
+            parts.append((unpack_nbit(code[full : full + 1], tail, 2) == 3).any())
+        out.append(torch.stack(parts).any())
+    return torch.stack(out)
+
+
 class _Quantizer(Compressor):
+    """Shared decode: the eager ``_decode``, or one ``kernels.decode_add_quant`` for all peers."""
+
     summable = False
+    _kind = ""  # decode_add_quant's kind
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         acc = accum_dtype(payload.dtype)
+        if acc == torch.float32 and self._kernel_decode([payload], payload.body):
+            # -0.0 is the additive identity: -0.0 + d == d bit for bit, signed zeros included.
+            out = torch.full((payload.numel,), -0.0, dtype=torch.float32, device=payload.body.device)
+            self._decode_add([payload], out)
+            return out.to(payload.dtype).reshape(payload.shape)
         return self._decode(payload, acc).to(payload.dtype).reshape(payload.shape)
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
-        out.add_(self._decode(payload, out.dtype))
+        self.accumulate_many([payload], out)
+
+    def accumulate_many(self, payloads, out: torch.Tensor) -> None:
+        """``out += decode(p)`` for every peer's payload in order. On the kernel path (float32
+        ``out``, see the module docstring) the frames are all validated first, then decoded in
+        one pass over ``out``; the floats are the eager path's."""
+        payloads = list(payloads)
+        if out.dtype == torch.float32 and out.is_contiguous() and self._kernel_decode(payloads, out):
+            self._decode_add(payloads, out.view(-1))
+            return
+        for p in payloads:
+            out.add_(self._decode(p, out.dtype))
+
+    def _kernel_decode(self, payloads: list[Payload], like: torch.Tensor) -> bool:
+        n = like.numel()
+        return (
+            bool(payloads)
+            and all(p.numel == n and p.body.device == like.device for p in payloads)
+            and K.uses_kernel("decode_add_quant", like.device)
+        )
+
+    def _decode_add(self, payloads: list[Payload], out: torch.Tensor) -> None:
+        self._check_frames(payloads, out.numel())
+        K.decode_add_quant(out, [p.body for p in payloads], self._kind, **self._decode_kw())
+
+    def _check_frames(self, payloads: list[Payload], n: int) -> None:
+        """Raise the ValueError that the eager decoder, peer by peer, would raise first: the
+        frames' format and length checked in order, the codes of the frames before the first
+        malformed one checked together (one host sync), a bad code in an earlier frame first."""
+        nb, _ = _layout(n, self.block)
+        codes, err = [], None
+        for p in payloads:
+            try:
+                self._check_structure(p, n, nb)
+            except ValueError as e:
+                err = e
+                break
+            codes.append(p.body[4 * nb :])
+        if codes and n:
+            self._check_codes(codes, n)
+        if err is not None:
+            raise err
+
+    def _check_structure(self, payload: Payload, n: int, nb: int) -> None:
+        raise NotImplementedError
+
+    def _check_codes(self, codes: list[torch.Tensor], n: int) -> None:
+        """Raise for the first of ``codes`` (packed code bytes, one per peer) with a bad code."""
+
+    def _decode_kw(self) -> dict:
+        return {"block": self.block}
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -154,7 +285,8 @@ class SignSGD(_Quantizer):
 
     Block ``b`` is sent as ``S_b * sign(x)`` with ``S_b = mean(|x|)`` over the
     block (its own length for the short last block); zero counts as ``+``. Wire:
-    ``FMT_SIGN1``, ``4 * ceil(n / B) + 4 * ceil(n / 32)`` bytes of body.
+    ``FMT_SIGN1``, ``4 * ceil(n / B) + 4 * ceil(n / 32)`` bytes of body. The kernel
+    path (``kernels.sign_ef``) writes the eager path's bytes.
     """
 
     biased = True
@@ -167,6 +299,9 @@ class SignSGD(_Quantizer):
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
+        if _kernel_encode(x, "sign_ef"):  # the same scales and words as below, bit for bit
+            scales, words, _ = K.sign_ef(_flat(x), None, block=self.block, new_residual=False)
+            return _frame(x, FMT_SIGN1, scales, as_bytes(words))
         v = x.reshape(-1).to(accum_dtype(x.dtype))
         n = v.numel()
         nb, b = _layout(n, self.block)
@@ -174,6 +309,11 @@ class SignSGD(_Quantizer):
         total = _pad(v.abs(), nb, b).sum(dim=1, dtype=torch.float64)
         scales = (total / _counts(n, nb, b, torch.float64, v.device)).to(v.dtype)
         return _frame(x, FMT_SIGN1, scales, as_bytes(pack_bits(v < 0)))
+
+    _kind = "sign1"
+
+    def _check_structure(self, payload, n, nb):
+        _check_frame(payload, FMT_SIGN1, "SignSGD", nb, packed_nbytes(n, 1))
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         n = payload.numel
@@ -207,6 +347,13 @@ class QSGD(_Quantizer):
     B = 64 keeps it near 1 for s = 7; with B = 512 and error feedback on, the
     digits MLP of ``gradzip.bench`` diverged (7.8% test accuracy, against 98.1%
     for B = 64). Choose ``block`` below about ``levels ** 2`` when turning it on.
+
+    Randomness: on the eager path (CPU tensors, float64) the draws come from a
+    ``torch.Generator`` seeded with :func:`philox_seed`; on the kernel path
+    (float32/16/bf16 CUDA tensors, see the module docstring) from Philox
+    ``tl.rand`` keyed with the same seed. Each path is reproducible and unbiased,
+    but CPU and CUDA runs draw different numbers (same frame format). A block
+    norm beyond float32's range is sent as 0 on both paths.
     """
 
     biased = False
@@ -225,6 +372,9 @@ class QSGD(_Quantizer):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
         ctx = self._ctx(x, ctx)
+        if _kernel_encode(x, "qsgd_encode"):  # Philox draws; norms beyond float32 sent as 0, as below
+            norms, codes = K.qsgd_encode(_flat(x), self.levels, philox_seed(self.seed, ctx), block=self.block, bits=self.bits)
+            return _frame(x, FMT_QSGD, norms, codes, scale=float(self.levels))
         v = x.reshape(-1).to(accum_dtype(x.dtype))
         n, s = v.numel(), self.levels
         nb, b = _layout(n, self.block)
@@ -241,6 +391,21 @@ class QSGD(_Quantizer):
         lvl.clamp_(max=s)
         code = (s + torch.where(v < 0, -lvl, lvl)).to(torch.uint8)
         return _frame(x, FMT_QSGD, norms, pack_nbit(code, self.bits), scale=float(s))
+
+    _kind = "qsgd"
+
+    def _decode_kw(self) -> dict:
+        return {"block": self.block, "levels": self.levels, "bits": self.bits}
+
+    def _check_structure(self, payload, n, nb):
+        if payload.fmt == FMT_QSGD and payload.scale != self.levels:
+            raise ValueError(f"QSGD frame has levels={payload.scale:g}, this QSGD has levels={self.levels}")
+        _check_frame(payload, FMT_QSGD, "QSGD", nb, packed_nbytes(n, self.bits))
+
+    def _check_codes(self, codes, n):
+        for top in _max_codes(codes, n, self.bits).tolist():
+            if top > 2 * self.levels:
+                raise ValueError(f"corrupt QSGD frame: code {top} > 2 * levels")
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         n, s = payload.numel, self.levels
@@ -266,6 +431,10 @@ class TernGrad(_Quantizer):
     constant block), and the probability is ``min(|x|, S_b) / S_b``: unbiased
     for the clipped tensor, so ``biased`` is true and error feedback defaults on.
     Wire: ``FMT_TERN2``, ``4 * ceil(n / B) + ceil(n / 4)`` bytes of body.
+
+    Randomness: as :class:`QSGD`, a ``torch.Generator`` on the eager path and
+    Philox ``tl.rand`` on the kernel path, both seeded with :func:`philox_seed`:
+    each reproducible and unbiased, but CPU and CUDA runs draw different numbers.
     """
 
     def __init__(self, *, block: int | None = None, clip: float | None = None, seed: int = 0) -> None:
@@ -284,6 +453,9 @@ class TernGrad(_Quantizer):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         self._check_input(x)
         ctx = self._ctx(x, ctx)
+        if _kernel_encode(x, "terngrad_encode"):  # Philox draws
+            scale, codes = K.terngrad_encode(_flat(x), philox_seed(self.seed, ctx), block=self.block, clip=self.clip)
+            return _frame(x, FMT_TERN2, scale, codes)
         v = x.reshape(-1).to(accum_dtype(x.dtype))
         n = v.numel()
         nb, b = _layout(n, self.block)
@@ -299,6 +471,15 @@ class TernGrad(_Quantizer):
         hit = _uniform(n, ctx, self.seed, v.dtype, v.device) < p
         code = torch.where(hit, torch.where(v < 0, 2, 1), 0).to(torch.uint8)
         return _frame(x, FMT_TERN2, scale, pack_nbit(code, 2))
+
+    _kind = "tern2"
+
+    def _check_structure(self, payload, n, nb):
+        _check_frame(payload, FMT_TERN2, "TernGrad", nb, packed_nbytes(n, 2))
+
+    def _check_codes(self, codes, n):
+        if bool(_any_code3(codes, n).any()):
+            raise ValueError("corrupt TernGrad frame: code 3")
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         n = payload.numel
@@ -383,6 +564,15 @@ class Int8(_Quantizer):
         amax = _pad(v.abs(), nb, b).amax(dim=1) if nb else v.new_zeros(0)
         scales = _int8_scales(amax)
         return _frame(x, FMT_INT8, scales, as_bytes(_int8_codes(v, scales, nb, b)))
+
+    _kind = "int8"
+
+    def _check_structure(self, payload, n, nb):
+        _check_frame(payload, FMT_INT8, "Int8", nb, n)
+
+    def _check_codes(self, codes, n):
+        if bool(torch.stack([(from_bytes(c, torch.int8) == -128).any() for c in codes]).any()):
+            raise ValueError("corrupt Int8 frame: code -128")
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         n = payload.numel

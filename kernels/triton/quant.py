@@ -1,14 +1,50 @@
 """Quantizer codecs in Triton: scaled sign with error feedback, QSGD and TernGrad encode
 with on-device Philox draws, and decode-and-accumulate of N peers' quantizer frames.
 
-Block statistics (pass 1, :func:`_block_stats_kernel`): the quantizers' blocks have any
-length ``b`` (``block=None`` is the whole tensor), so pass 1 splits every block into
-segments of ``COLS`` elements that never straddle two blocks, ``ROWS`` segments per
-program, and writes one partial per segment: ``sum |v|`` or ``sum v^2`` in float64
-(``v^2`` of a float32 is exact in float64) and ``max |v|`` as float bits (NaN wins, as in
-``torch.amax``). The partials (``nb * ceil(b / COLS)`` of them) are summed per block by
-torch, and the scales computed from the block totals with the compressors' own
-expressions on ``nb`` numbers.
+Two routes for each encoder, chosen by the launcher (:func:`one_pass_shape`); both give the
+same floats and bytes, so the choice is invisible to callers.
+
+* **One pass** (:func:`_sign_onepass_kernel`, :func:`_qsgd_onepass_kernel`,
+  :func:`_terngrad_onepass_kernel`), taken when a program can own whole blocks: the block
+  length ``b``, rounded up to a power of two ``P``, fits the program tile (``TILE_GPU`` =
+  4096 elements, ``TILE_INTERPRETER`` under the interpreter), and no packed word straddles
+  two blocks: ``b % 32 == 0`` for sign words, ``b % (8 // bits)`` == 0 for code bytes, or the
+  tensor is one block. A program loads ``ROWS = TILE / P`` blocks (fewer when the tensor
+  has fewer) as a ``[ROWS, P / per, per]`` tile, masked to each block's length, reduces the
+  block statistic along the block, computes the float32 scale on the device with the
+  host expression of the two-pass route, writes it, and encodes from the same registers.
+  ``x`` (and the residual) are read once. The usual cases: QSGD's default block 64,
+  SignSGD or TernGrad with ``block`` 1024 or 4096.
+* **Two passes**, everywhere else (a block longer than the tile, e.g. ``block=None`` on a
+  tensor of more than 4096 elements; blocks whose length is not a multiple of the packing;
+  precomputed ``scales``): pass 1 (:func:`_block_stats_kernel`) writes per-segment
+  partials, torch turns them into scales, pass 2 encodes. ``x`` is read twice.
+
+Minimal bytes per element (what any implementation must move; ``B`` the bytes of an ``x``
+element: 4 for fp32, 2 for fp16/bf16; ``b`` the block length; the two-pass route moves
+another ``B`` per element, and for sign with a residual another 4):
+
+=================================  ==============================  ===========================
+encoder                            one pass (the minimum)           two passes
+=================================  ==============================  ===========================
+sign_ef, residual in and out       ``B + 4 + 4 + 1/8 + 4/b``        ``2B + 8 + 4 + 1/8 + 4/b``
+sign_ef, no residual (compressor)  ``B + 1/8 + 4/b``                ``2B + 1/8 + 4/b``
+qsgd_encode (``bits`` per code)    ``B + bits/8 + 4/b``             ``2B + bits/8 + 4/b``
+terngrad_encode                    ``B + 1/4 + 4/b``                ``2B + 1/4 + 4/b``
+=================================  ==============================  ===========================
+
+(fp32, sign with residual, block 1024: 12.13 bytes per element; QSGD s = 7, block 64: 4.56;
+TernGrad, block 1024: 4.25. The two-pass route's ceiling is about the ratio of the two columns
+of copy bandwidth: 60% for sign, 53% for QSGD, 52% for TernGrad.)
+
+Block statistics and scales (both routes): ``sum |v|`` (sign) and ``sum v^2`` (QSGD; TernGrad
+with ``clip``) in float64 (``v^2`` of a float32 is exact in float64), ``max |v|`` as float
+bits (NaN wins, as in ``torch.amax``). Scales: sign ``float32(sum / count)``; QSGD
+``float32(sqrt(sum))``, and 0 where that finite norm exceeds float32's range (the
+compressor's rule: error feedback keeps the block); TernGrad ``max|v|``, with ``clip``
+``min(max|v|, float32(clip * sqrt(sum / count)))`` (``clip`` in float64). On the GPU the
+float64 divide and square root are ``div.rn.f64`` / ``sqrt.rn.f64`` and the conversion
+``cvt.rn.f32.f64``: the host's correctly rounded operations.
 
 Summation order: float64 sums of float32 values are exact, and so equal to torch's in any
 order, whenever a block's values span fewer than ``53 - 24 - ceil(log2 b)`` binades
@@ -19,22 +55,23 @@ reference norm is torch's *float32* ``vector_norm``, whose own order is unspecif
 kernel's norm (float64 sum, ``sqrt``, rounded once) is the more accurate one and agrees
 to about 1e-6 relative; the codes are compared bit for bit given the same norms.
 
-Pass 2 (one read of ``x``, and of the residual): :func:`_sign_encode_kernel` packs
-``v < 0`` 32 to an int32 word and writes ``v - where(v < 0, -S_b, S_b)``;
-:func:`_qsgd_encode_kernel` and :func:`_terngrad_encode_kernel` draw
-``u_i = tl.rand(seed, i)`` (Philox4x32-10 on the element index, reproduced by
-:func:`gradzip.kernels.reference.philox_uniform`) and pack 2, 4 or 8-bit codes into bytes.
+Encoding (both routes): sign packs ``v < 0`` 32 to an int32 word and writes
+``v - where(v < 0, -S_b, S_b)``; QSGD and TernGrad draw ``u_i = tl.rand(seed, i)``
+(Philox4x32-10 on the int64 element index, reproduced by
+:func:`gradzip.kernels.reference.philox_uniform`; the same draws on either route) and pack
+2, 4 or 8-bit codes into bytes.
 
 :func:`_decode_add_quant_kernel`: every peer's frame body (float32 scales, then codes) in
 rank order into one float32 ``out``, loaded and stored once; each element adds each peer's
-value with the reference's expression, so the floats are the reference's.
+value with the reference's expression, so the floats are the reference's. Code values are
+not checked (the compressors validate frames first).
 
 References: ``sign_ef_reference``, ``qsgd_encode_reference``, ``terngrad_encode_reference``,
 ``decode_add_quant_reference`` in :mod:`gradzip.kernels.reference`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -44,7 +81,14 @@ from .. import KERNEL_DTYPES, Unsupported
 from ..reference import QUANT_KINDS, quant_layout
 from . import LAUNCH, check, interpreting
 
-__all__ = ["sign_ef_triton", "qsgd_encode_triton", "terngrad_encode_triton", "decode_add_quant_triton", "block_stats_triton"]
+__all__ = [
+    "block_stats_triton",
+    "decode_add_quant_triton",
+    "one_pass_shape",
+    "qsgd_encode_triton",
+    "sign_ef_triton",
+    "terngrad_encode_triton",
+]
 
 NUM_WARPS = 8
 TILE_GPU = 4096  # elements per program
@@ -143,6 +187,113 @@ def _terngrad_encode_kernel(x_ptr, scales_ptr, out_ptr, n, b, seed, BYTES: tl.co
     tl.store(out_ptr + rows, byte.to(tl.uint8), mask=rows < (n + 3) // 4)
 
 
+# -- one-pass encoders: a program owns whole blocks ------------------------------------------
+#
+# The tile is [ROWS, CHUNKS, PER]: ROWS blocks (row ``i`` is block ``pid * ROWS + i``) of
+# ``CHUNKS * PER`` (a power of two >= b) elements, masked to the block's own length. A chunk of
+# PER elements is one packed word (sign: 32 bits) or one byte of codes (qsgd/tern: 8 // bits).
+# The block statistic is a reduction over axes 2 then 1 of the same registers the codes are
+# computed from, so x (and the residual) are read once. Chunk ``j`` of block ``k`` is word /
+# byte ``k * b // PER + j``: the launcher takes this route only when ``b % PER == 0`` (no word
+# straddles two blocks) or the tensor is one block.
+
+
+@triton.jit
+def _onepass_tile(n, b, nb, ROWS: tl.constexpr, CHUNKS: tl.constexpr, PER: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    chunk = tl.arange(0, CHUNKS)
+    col = tl.arange(0, PER)
+    within = chunk[None, :, None] * PER + col[None, None, :]  # [1, CHUNKS, PER]
+    offs = blk[:, None, None] * b + within  # [ROWS, CHUNKS, PER], int64
+    mask = (blk[:, None, None] < nb) & (within < b) & (offs < n)
+    first = blk[:, None] * b + chunk[None, :] * PER  # [ROWS, CHUNKS]: first element of each chunk
+    cmask = (blk[:, None] < nb) & (chunk[None, :] * PER < b) & (first < n)
+    cidx = blk[:, None] * b // PER + chunk[None, :]  # word / byte index of each chunk
+    count = tl.maximum(tl.minimum(n - blk * b, b), 1).to(tl.float64)  # elements in each block
+    return blk, offs, mask, cidx, cmask, count
+
+
+@triton.jit
+def _isnan(v):
+    """NaN test on float32 bits (exponent all ones, mantissa not zero)."""
+    return (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+
+
+@triton.jit
+def _sign_onepass_kernel(
+    x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, nb,
+    HAS_R: tl.constexpr, WRITE_R: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    blk, offs, mask, widx, wmask, count = _onepass_tile(n, b, nb, ROWS, CHUNKS, 32)
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        v = v + tl.load(r_ptr + offs, mask=mask, other=0.0)
+    # S_b = (float64 sum |v|) / count, rounded once to float32: sign_ef_triton's expression.
+    total = tl.sum(tl.sum(tl.abs(v).to(tl.float64), axis=2), axis=1)
+    scale = (total / count).to(tl.float32)  # f64 `/` is div.rn.f64
+    tl.store(scales_ptr + blk, scale, mask=blk < nb)
+    neg = (v < 0) & mask
+    cols = tl.arange(0, 32)
+    word = tl.sum(neg.to(tl.int32) << cols[None, None, :], axis=2)  # disjoint bits: sum == OR
+    tl.store(words_ptr + widx, word, mask=wmask)
+    if WRITE_R:
+        s = scale[:, None, None]
+        tl.store(rout_ptr + offs, v - tl.where(neg, -s, s), mask=mask)
+
+
+@triton.jit
+def _qsgd_onepass_kernel(x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    blk, offs, mask, cidx, cmask, _count = _onepass_tile(n, b, nb, ROWS, CHUNKS, PER)
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = v.to(tl.float64)
+    wide = tl.sqrt(tl.sum(tl.sum(w * w, axis=2), axis=1))  # f64 sqrt is sqrt.rn.f64
+    # _qsgd_norms: a finite norm beyond float32's range is sent as 0 (error feedback keeps it).
+    # 1.7976931348623157e308 is float64's max: NaN and inf fail `<=`.
+    over = (wide > 3.4028234663852886e38) & (wide <= 1.7976931348623157e308)
+    norm = tl.where(over, 0.0, wide).to(tl.float32)
+    tl.store(norms_ptr + blk, norm, mask=blk < nb)
+    ne = norm[:, None, None]
+    r = tl.where(ne > 0, tl.div_rn(tl.abs(v), tl.where(ne > 0, ne, 1.0)) * s, 0.0)
+    r = tl.minimum(tl.maximum(r, 0.0), s)
+    lo = tl.floor(r)
+    u = tl.rand(seed, offs)
+    lvl = lo + (u < r - lo).to(tl.float32)
+    lvl = tl.minimum(lvl, s)
+    code = (s + tl.where(v < 0, -lvl, lvl)).to(tl.int32)
+    code = tl.where(mask, code, 0)
+    cols = tl.arange(0, PER)
+    byte = tl.sum(code << (cols * BITS)[None, None, :], axis=2)
+    tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
+
+
+@triton.jit
+def _terngrad_onepass_kernel(
+    x_ptr, clip_ptr, scales_ptr, out_ptr, n, b, nb, seed, CLIP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr
+):
+    blk, offs, mask, cidx, cmask, count = _onepass_tile(n, b, nb, ROWS, CHUNKS, 4)
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v| as bits: NaN wins, as torch.amax
+    scale = tl.max(tl.max(bits, axis=2), axis=1).to(tl.float32, bitcast=True)
+    if CLIP:
+        # min(max|v|, float32(clip * sqrt(float64 sum v^2 / count))), NaN propagating.
+        w = v.to(tl.float64)
+        sigma = tl.sqrt(tl.sum(tl.sum(w * w, axis=2), axis=1) / count)
+        c = (tl.load(clip_ptr) * sigma).to(tl.float32)
+        scale = tl.where(_isnan(scale), scale, tl.where(_isnan(c) | (c < scale), c, scale))
+    tl.store(scales_ptr + blk, scale, mask=blk < nb)
+    se = scale[:, None, None]
+    p = tl.where(se > 0, tl.div_rn(tl.abs(v), tl.where(se > 0, se, 1.0)), 0.0)
+    p = tl.minimum(p, 1.0)
+    u = tl.rand(seed, offs)
+    hit = (u < p) & mask
+    code = tl.where(hit, tl.where(v < 0, 2, 1), 0)
+    cols = tl.arange(0, 4)
+    byte = tl.sum(code << (cols * 2)[None, None, :], axis=2)
+    tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
+
+
 @triton.jit
 def _decode_add_quant_kernel(
     out_ptr, base_ptr, soffs_ptr, coffs_ptr, n, b, npeers, levels, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
@@ -234,6 +385,38 @@ def block_stats_triton(
     return total, amax
 
 
+ROUTES = ("auto", "one", "two")
+
+
+def one_pass_shape(n: int, block: int | None, per: int, tile: int | None = None) -> tuple[int, int] | None:
+    """``(ROWS, CHUNKS)`` of the one-pass tile for ``n`` elements in blocks of ``block``, or
+    None where the one-pass route does not apply: a block longer than the tile, or one whose
+    length is not a multiple of ``per`` (elements per packed word or byte: 32 for sign, 8 // bits
+    for the codes) while the tensor has more than one block. ``CHUNKS * per`` is the block
+    length rounded up to a power of two; ``ROWS`` blocks share a program."""
+    T = _tile(tile)
+    nb, b = quant_layout(n, block)
+    if n == 0:
+        return None
+    width = max(triton.next_power_of_2(b), per)
+    if width > T or (nb > 1 and b % per):
+        return None
+    rows = max(1, min(T // width, triton.next_power_of_2(nb)))
+    return rows, width // per
+
+
+def _route(route: str, n: int, block, per: int, tile, scales) -> tuple[int, int] | None:
+    """The one-pass tile shape if this call takes the one-pass route, else None (two passes)."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {list(ROUTES)}, got {route!r}")
+    if route == "two" or scales is not None or n == 0:
+        return None
+    shape = one_pass_shape(n, block, per, tile)
+    if shape is None and route == "one":
+        raise Unsupported(f"no one-pass route for n={n}, block={block} (tile {_tile(tile)}, {per} per word)")
+    return shape
+
+
 def _counts(n: int, nb: int, b: int, device) -> torch.Tensor:
     c = torch.full((nb,), float(b), dtype=torch.float64, device=device)
     if nb:
@@ -249,10 +432,13 @@ def sign_ef_triton(
     new_residual: bool | None = None,
     scales: torch.Tensor | None = None,
     tile: int | None = None,
+    route: str = "auto",
 ):
     """Triton version of :func:`~gradzip.kernels.reference.sign_ef_reference`:
-    ``(scales, words, residual)``. Two passes: block means (skipped when ``scales`` is
-    given), then signs and residual."""
+    ``(scales, words, residual)``. One pass where a program can own whole blocks (see
+    :func:`one_pass_shape`, ``per`` = 32), else two: block means (skipped when ``scales``
+    is given), then signs and residual. ``route`` ``"one"``/``"two"`` forces one (tests,
+    benchmarks); ``"one"`` raises Unsupported where it does not apply."""
     check("x", x, KERNEL_DTYPES)
     if residual is not None:
         check("residual", residual, (torch.float32,), x.device)
@@ -261,6 +447,30 @@ def sign_ef_triton(
     want_r = new_residual if new_residual is not None else residual is not None
     n, dev = x.numel(), x.device
     nb, b = quant_layout(n, block)
+    shape = _route(route, n, block, 32, tile, scales)
+    if shape is not None:
+        rows, chunks = shape
+        scales = torch.empty(nb, dtype=torch.float32, device=dev)
+        words = torch.empty((n + 31) // 32, dtype=torch.int32, device=dev)
+        rout = torch.empty(n, dtype=torch.float32, device=dev) if want_r else None
+        xf = x.reshape(-1)
+        _sign_onepass_kernel[(triton.cdiv(nb, rows),)](
+            xf,
+            residual.reshape(-1) if residual is not None else xf,
+            rout if rout is not None else xf,
+            scales,
+            words,
+            n,
+            b,
+            nb,
+            HAS_R=residual is not None,
+            WRITE_R=want_r,
+            ROWS=rows,
+            CHUNKS=chunks,
+            num_warps=NUM_WARPS,
+            **LAUNCH,
+        )
+        return scales, words, rout
     if scales is None:
         if n:
             total, _ = block_stats_triton(x, residual, b, STAT_SUM_ABS, tile=tile)
@@ -307,8 +517,11 @@ def qsgd_encode_triton(
     bits: int | None = None,
     scales: torch.Tensor | None = None,
     tile: int | None = None,
+    route: str = "auto",
 ):
-    """Triton version of :func:`~gradzip.kernels.reference.qsgd_encode_reference`: ``(norms, packed codes)``."""
+    """Triton version of :func:`~gradzip.kernels.reference.qsgd_encode_reference`: ``(norms, packed codes)``.
+    One pass where a program can own whole blocks (:func:`one_pass_shape`, ``per`` = 8 // bits),
+    else two (norms, then codes); ``route`` as :func:`sign_ef_triton`."""
     check("x", x, KERNEL_DTYPES)
     seed, s = _check_seed(seed), int(levels)
     bits = bits or (2 if 2 * s + 1 <= 4 else 4 if 2 * s + 1 <= 16 else 8)
@@ -316,11 +529,21 @@ def qsgd_encode_triton(
         raise Unsupported(f"levels={s} does not fit {bits}-bit codes")
     n, dev = x.numel(), x.device
     nb, b = quant_layout(n, block)
+    per = 8 // bits
+    shape = _route(route, n, block, per, tile, scales)
+    if shape is not None:
+        rows, chunks = shape
+        norms = torch.empty(nb, dtype=torch.float32, device=dev)
+        out = torch.empty((n + per - 1) // per, dtype=torch.uint8, device=dev)
+        _qsgd_onepass_kernel[(triton.cdiv(nb, rows),)](
+            x.reshape(-1), norms, out, n, b, nb, seed, float(s), BITS=bits, ROWS=rows, CHUNKS=chunks,
+            num_warps=NUM_WARPS, **LAUNCH,
+        )
+        return norms, out
     if scales is None:
         scales = _qsgd_norms(x, nb, b, tile) if n else torch.empty(0, dtype=torch.float32, device=dev)
     else:
         scales = scales.to(device=dev, dtype=torch.float32).contiguous()
-    per = 8 // bits
     out = torch.empty((n + per - 1) // per, dtype=torch.uint8, device=dev)
     if n:
         B = max(1, _tile(tile) // per)
@@ -348,12 +571,28 @@ def terngrad_encode_triton(
     clip: float | None = None,
     scales: torch.Tensor | None = None,
     tile: int | None = None,
+    route: str = "auto",
 ):
-    """Triton version of :func:`~gradzip.kernels.reference.terngrad_encode_reference`: ``(scales, 2-bit codes)``."""
+    """Triton version of :func:`~gradzip.kernels.reference.terngrad_encode_reference`: ``(scales, 2-bit codes)``.
+    One pass where a program can own whole blocks (:func:`one_pass_shape`, ``per`` = 4), else
+    two (scales, then codes); ``route`` as :func:`sign_ef_triton`."""
     check("x", x, KERNEL_DTYPES)
     seed = _check_seed(seed)
     n, dev = x.numel(), x.device
     nb, b = quant_layout(n, block)
+    shape = _route(route, n, block, 4, tile, scales)
+    if shape is not None:
+        rows, chunks = shape
+        scales = torch.empty(nb, dtype=torch.float32, device=dev)
+        out = torch.empty((n + 3) // 4, dtype=torch.uint8, device=dev)
+        # clip travels as a float64 tensor: a Python float argument would be passed as float32.
+        # (torch.full fills on the device: no host-to-device copy; without clip it is not read.)
+        clip_t = scales if clip is None else torch.full((1,), float(clip), dtype=torch.float64, device=dev)
+        _terngrad_onepass_kernel[(triton.cdiv(nb, rows),)](
+            x.reshape(-1), clip_t, scales, out, n, b, nb, seed, CLIP=clip is not None, ROWS=rows, CHUNKS=chunks,
+            num_warps=NUM_WARPS, **LAUNCH,
+        )
+        return scales, out
     if scales is None:
         scales = _terngrad_scales(x, nb, b, clip, tile) if n else torch.empty(0, dtype=torch.float32, device=dev)
     else:
@@ -440,6 +679,21 @@ def _enc_sig(xp, qsgd=True, ni="i32"):
     return sig
 
 
+def _onepass_sig(kind, xp, ni="i32"):
+    if kind == "sign":
+        sig = {"x_ptr": xp, "r_ptr": "*fp32", "rout_ptr": "*fp32", "scales_ptr": "*fp32", "words_ptr": "*i32"}
+    elif kind == "qsgd":
+        sig = {"x_ptr": xp, "norms_ptr": "*fp32", "out_ptr": "*u8"}
+    else:
+        sig = {"x_ptr": xp, "clip_ptr": "*fp64", "scales_ptr": "*fp32", "out_ptr": "*u8"}
+    sig.update(n=ni, b=ni, nb=ni)
+    if kind != "sign":
+        sig["seed"] = "i64"
+    if kind == "qsgd":
+        sig["s"] = "fp32"
+    return sig
+
+
 _DEC_SIG = {"out_ptr": "*fp32", "base_ptr": "*u8", "soffs_ptr": "*i64", "coffs_ptr": "*i64", "n": "i32", "b": "i32", "npeers": "i32", "levels": "fp32"}
 
 AOT_SPECS = [
@@ -454,6 +708,18 @@ AOT_SPECS = [
     _spec(_qsgd_encode_kernel, _enc_sig("*bf16"), {"BITS": 8, "BYTES": TILE_GPU}),
     _spec(_terngrad_encode_kernel, _enc_sig("*fp32", qsgd=False), {"BYTES": TILE_GPU // 4}),
     _spec(_terngrad_encode_kernel, _enc_sig("*bf16", qsgd=False, ni="i64"), {"BYTES": TILE_GPU // 4}, divisible=()),
+    # one-pass routes at TILE_GPU: sign with block 1024 and 4096, QSGD's default block 64 in
+    # 4, 2 and 8 bits, TernGrad with block 1024 (with and without clip).
+    _spec(_sign_onepass_kernel, _onepass_sig("sign", "*fp32"), {"HAS_R": True, "WRITE_R": True, "ROWS": 4, "CHUNKS": 32}, ("n", "b")),
+    _spec(_sign_onepass_kernel, _onepass_sig("sign", "*bf16"), {"HAS_R": False, "WRITE_R": False, "ROWS": 4, "CHUNKS": 32}, ("n", "b")),
+    _spec(
+        _sign_onepass_kernel, _onepass_sig("sign", "*fp16", "i64"), {"HAS_R": True, "WRITE_R": True, "ROWS": 1, "CHUNKS": 128}, ()
+    ),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp32"), {"BITS": 4, "ROWS": 64, "CHUNKS": 32}, ("n", "b")),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*bf16", "i64"), {"BITS": 2, "ROWS": 64, "CHUNKS": 16}, ()),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp16"), {"BITS": 8, "ROWS": 64, "CHUNKS": 64}, ("n", "b")),
+    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*fp32"), {"CLIP": False, "ROWS": 4, "CHUNKS": 256}, ("n", "b")),
+    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*bf16", "i64"), {"CLIP": True, "ROWS": 4, "CHUNKS": 256}, ()),
 ] + [
     _spec(_decode_add_quant_kernel, _DEC_SIG, {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU})
     for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
