@@ -147,6 +147,7 @@ class Engine:
                     memory=self.memory,
                     out_dtype=out_dtype,
                     dest=dest,
+                    name_nonfinite=self.on_nonfinite == "raise",
                 )
                 inner = self.compressor.exchange(call)
             out, bad, local = yield from self._with_nonfinite_flag(inner, call, tensors, seen)
@@ -204,7 +205,7 @@ class Engine:
         flat = _back_to_back([t.reshape(-1) for t in tensors], dest)
         if flat is None:
             flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-        if not _all_finite([flat]):
+        if self.on_nonfinite == "raise" and not _all_finite([flat]):  # else the output shows it
             seen += [n for n, t in zip(names, tensors) if not _all_finite([t])]
         flat.div_(self.comm.world_size)
         nbytes = flat.numel() * flat.element_size()

@@ -68,6 +68,9 @@ class Call:
     plain: set = field(default_factory=set, init=False, repr=False)
     #: Names of ``plain`` tensors found non-finite (checked before they were reduced).
     nonfinite: list = field(default_factory=list, init=False, repr=False)
+    #: Whether the front end reports which tensors were non-finite (``on_nonfinite="raise"``);
+    #: otherwise ``plain`` tensors are not read at all (the averaged output shows a NaN/Inf).
+    name_nonfinite: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -148,6 +151,7 @@ class Call:
             memory=self.memory if error_feedback else None,
             out_dtype=self.out_dtype,
             dest=dest,
+            name_nonfinite=self.name_nonfinite,
         )
         sub._x = self._x  # one compensation per tensor per call, seen by parent and subsets
         sub.plain = self.plain
@@ -196,7 +200,7 @@ def summable_exchange(comp: "Compressor", call: Call) -> Exchange:
             # Summed as they are: checked here, before the division and the collective
             # (which may work in place), instead of by the engine afterwards.
             call.plain.update(call.names)
-            if not _all_finite([flat]):
+            if call.name_nonfinite and not _all_finite([flat]):
                 call.nonfinite += [n for n, b in zip(call.names, bodies) if not _all_finite([b])]
         flat.div_(call.world_size)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
         call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())

@@ -120,24 +120,30 @@ def test_policy_whole_plain_route_and_powersgd_write_the_destination():
             assert torch.allclose(res[0][2]["got"], mean, rtol=0, atol=1e-6)
 
 
-def _nan_in_place(rank, world):
-    eng = Engine(Identity(), on_nonfinite="raise")
+def _nan_in_place(rank, world, policy="raise"):
+    eng = Engine(Identity(), on_nonfinite=policy)
     buf = torch.ones(30)
     if rank == 1:
         buf[17] = float("nan")
     try:
         fut = eng.reduce(["a", "b"], [buf[:10], buf[10:]], dest=buf)
         eng.flush()
-        fut.wait()
+        got = fut.wait()
     except Exception as e:  # noqa: BLE001 - the message is the result
         return str(e)
-    return "no error"
+    return got.clone()
 
 
 def test_in_place_identity_names_the_rank_and_tensor_with_the_nan():
     res = run_ranks(_nan_in_place, 2, timeout=90)
     assert "on another rank" in res[0]
     assert "['b'] on rank 1" in res[1]
+
+
+def test_in_place_identity_skips_a_nan_step_on_every_rank():
+    res = run_ranks(_nan_in_place, 2, "skip", timeout=90)
+    for got in res:
+        assert got.shape == (30,) and bool(got.isnan().all())
 
 
 def _ddp_bucket(rank, world, use_hook):
