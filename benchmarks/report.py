@@ -2,9 +2,9 @@
 
     python benchmarks/report.py
 
-Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json and
-powersgd_cpu_gloo.json, whichever exist; every number in the README's results
-section comes from here.
+Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json,
+step_time_2ranks.json, plan_check.json and powersgd_cpu_gloo.json, whichever
+exist; every number in the README's results section comes from here.
 """
 from __future__ import annotations
 
@@ -63,6 +63,28 @@ def step_time(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_check(doc: dict) -> str:
+    lines = [
+        f"`benchmarks/plan_check.py` (the `gradzip plan` cost model with codec throughputs profiled here, one "
+        f"thread; codec scaled by max(1, ranks / {doc['cores']} cores); machine: {_machine(doc['machine'])})",
+        "",
+        "| ranks | link | method | measured (s) | plan (s) | plan error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['ranks']} | {r['rate']} | {r['method']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} "
+            f"| {100 * r['error']:+.1f}% |"
+        )
+    lines.append("")
+    for world, s in doc["summary"].items():
+        lines.append(
+            f"N={world}: median |error| {100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%, "
+            f"{s['within_15pct']} of {s['rows']} rows within 15%."
+        )
+    return "\n".join(lines)
+
+
 def powersgd(doc: dict) -> str:
     lines = [
         f"`benchmarks/powersgd_step.py` (2 gloo ranks, rank {doc['config'].get('rank', 2)}, one bucket, methods "
@@ -83,6 +105,8 @@ def main() -> None:
     for name, fn in (
         ("accuracy_mnist_2ranks_cpu.json", accuracy),
         ("step_time.json", step_time),
+        ("step_time_2ranks.json", step_time),
+        ("plan_check.json", plan_check),
         ("powersgd_cpu_gloo.json", powersgd),
     ):
         doc = _load(name)
