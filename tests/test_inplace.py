@@ -69,7 +69,7 @@ def test_a_view_of_a_residual_keeps_its_storage():
         assert torch.equal(v, k)
 
 
-def test_small_and_cuda_like_tensors_are_not_pooled():
+def test_small_tensors_are_not_pooled():
     mem = ErrorFeedback()
     for _ in range(3):
         _cycle(mem, "b", torch.randn(10))
