@@ -8,12 +8,18 @@ the gradzip DDP hook for every method, and reports the median step time. The
 cost model predicts
 
     step = compute + codec + allreduce_bytes * 2(N-1)/N / B + allgather_bytes * (N-1) / B
+           + collectives * latency
 
-from quantities measured in the same run: compute (forward + backward of the
-same model with no communication, timed on every rank at the same time),
-codec seconds and the bytes each rank handed to allreduce and to all-gather
+from quantities measured in the same run: compute (the whole training step of the
+same DDP model and optimizer, with a comm hook that returns each bucket untouched:
+forward, backward, DDP's bucket handling and the optimizer step, timed on every
+rank at the same time), codec seconds and the bytes each rank handed to allreduce and to all-gather
 (``stats()``). B is the nominal link rate; for the unshaped run B is the
-bandwidth measured by a timed 64 MB allreduce between the namespaces.
+bandwidth measured by a timed 64 MB allreduce between the namespaces. latency
+is the median time of a one-element allreduce between the idle ranks, and
+collectives the number per step (stats(); DDP's bucket count for plain allreduce).
+Every method, plain allreduce included, runs DDP with gradient_as_bucket_view=True
+(no copies between gradients and buckets; --no-bucket-view for DDP's default).
 Writes benchmarks/results/step_time.json and step_time.png.
 """
 from __future__ import annotations
@@ -45,6 +51,7 @@ def methods(bps: float | None = None, world: int = 4) -> dict:
         "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
         "SignSGD": gz.SignSGD(),
     }
+    m["PowerSGD-1"] = gz.PowerSGD(rank=1)  # the library's default rank
     m["PowerSGD-4"] = gz.PowerSGD(rank=4)
     if bps:
         m["Policy(auto)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=gz.Link(bps, LATENCY_S), world_size=world)
@@ -76,24 +83,48 @@ def worker(a) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=a.pg_timeout))
     comp = methods(a.bps, a.world)[a.method]
+    ddp_kw = {"gradient_as_bucket_view": a.bucket_view}
     model = build_model(a.width, a.depth)
     nparams = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(a.rank)
     x, y = torch.randn(a.batch, 1024, generator=g), torch.randn(a.batch, 1024, generator=g)
 
-    def local_step(m):
-        m.zero_grad(set_to_none=True)
+    def ddp_step(m, o):
+        o.zero_grad(set_to_none=True)
         F.mse_loss(m(x), y).backward()
+        o.step()
 
-    for _ in range(2):  # compute alone, every rank at once (the same CPU contention as in a step)
-        local_step(model)
+    # "compute": the whole step with communication and codec taken out. The same DDP (its
+    # bucket copies) and optimizer, with a hook that returns each bucket as it is, timed on
+    # every rank at once (the same CPU contention as in the real steps).
+    def no_comm(_, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    shadow = torch.nn.parallel.DistributedDataParallel(build_model(a.width, a.depth), **ddp_kw)
+    shadow.register_comm_hook(None, no_comm)
+    shadow_opt = torch.optim.SGD(shadow.parameters(), lr=1e-3)
+    for _ in range(2):
+        ddp_step(shadow, shadow_opt)
     dist.barrier()
     t = []
     for _ in range(3):
         t0 = time.perf_counter()
-        local_step(model)
+        ddp_step(shadow, shadow_opt)
         t.append(time.perf_counter() - t0)
     compute = statistics.median(t)
+    del shadow, shadow_opt
+
+    # Per-collective latency: a one-element allreduce, every rank idle (median of 20).
+    one = torch.zeros(1)
+    dist.barrier()
+    lat = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        dist.all_reduce(one)
+        lat.append(time.perf_counter() - t0)
+    latency = statistics.median(lat)
 
     bw = None
     if a.calibrate:
@@ -105,7 +136,7 @@ def worker(a) -> None:
         dt = time.perf_counter() - t0
         bw = buf.numel() * 4 * 8 * 2 * (a.world - 1) / a.world / dt  # bits/s through the ring formula
 
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kw)
     state = register_hook(ddp, comp) if comp is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     times, snap = [], None
@@ -120,14 +151,18 @@ def worker(a) -> None:
         times.append(time.perf_counter() - t0)
     times = times[a.warmup :]
     out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute, "step_s": statistics.median(times),
-           "step_all_s": times, "calibrated_bps": bw}
+           "step_all_s": times, "calibrated_bps": bw, "collective_latency_s": latency}
     if state is not None:
         end = state.stats()
         k = end["steps"] - snap["steps"]
-        for key in ("bytes_sent", "bytes_allgather", "codec_seconds"):
+        for key in ("bytes_sent", "bytes_allgather", "codec_seconds", "collectives"):
             out[key + "_per_step"] = (end[key] - snap[key]) / k
     else:
-        out.update(bytes_sent_per_step=nparams * 4, bytes_allgather_per_step=0, codec_seconds_per_step=0.0)
+        from gradzip.costmodel import ddp_buckets
+
+        buckets = ddp_buckets([p.numel() * 4 for p in model.parameters()])
+        out.update(bytes_sent_per_step=nparams * 4, bytes_allgather_per_step=0, codec_seconds_per_step=0.0,
+                   collectives_per_step=len(buckets))
     if a.rank == 0:
         with open(a.result, "w") as f:
             json.dump(out, f)
@@ -145,8 +180,9 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
     if bps:
         link = Link(bps, 0.0)
         wire = allreduce_time(reduce_, world, link) + allgather_time(gather, world, link)
-    return {"compute": r["compute_s"], "codec": r["codec_seconds_per_step"], "wire": wire,
-            "total": r["compute_s"] + r["codec_seconds_per_step"] + wire}
+    latency = r.get("collectives_per_step", 0) * r.get("collective_latency_s", 0.0)
+    return {"compute": r["compute_s"], "codec": r["codec_seconds_per_step"], "wire": wire, "latency": latency,
+            "total": r["compute_s"] + r["codec_seconds_per_step"] + wire + latency}
 
 
 def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
@@ -156,7 +192,8 @@ def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--world", str(world),
             "--master", net.address(0), "--port", str(port), "--result", result, "--width", str(a.width),
             "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--pg-timeout", str(a.pg_timeout), "--bps", str(bps or 0)] + (["--calibrate"] if calibrate else [])
+            "--pg-timeout", str(a.pg_timeout), "--bps", str(bps or 0)] + (["--calibrate"] if calibrate else []) \
+        + ([] if a.bucket_view else ["--no-bucket-view"])
     procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(world)]
     deadline = time.time() + a.method_timeout
@@ -195,6 +232,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
+                   help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)")
     p.add_argument("--pg-timeout", type=float, default=300.0)
     p.add_argument("--method-timeout", type=float, default=900.0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
@@ -235,7 +274,8 @@ def main() -> int:
                 row = {"rate": rate, "bps": bps, **r, "model": pred, "model_error": pred["total"] / r["step_s"] - 1}
                 rows.append(row)
                 print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
-                      f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f})  "
+                      f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
+                      f"latency {pred['latency']:.3f})  "
                       f"err {100 * row['model_error']:+6.1f}%  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB",
                       flush=True)
     finally:
@@ -257,7 +297,7 @@ def main() -> int:
                 r["speedup_vs_allreduce"] = base / r["step_s"]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     doc = {"machine": machine(), "ranks": a.ranks, "width": a.width, "depth": a.depth, "batch": a.batch,
-           "steps": a.steps, "warmup": a.warmup, "rows": rows}
+           "steps": a.steps, "warmup": a.warmup, "gradient_as_bucket_view": a.bucket_view, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=2)
     plot(doc, a.out.replace(".json", ".png"))

@@ -12,11 +12,13 @@ collectives it has just launched. The :class:`Communicator` issues every round
 from the thread that calls :meth:`Communicator.submit` / :meth:`flush`, in
 submission order:
 
-* ``submit(p)`` first drives every earlier protocol up to its last round
-  (waiting on their earlier rounds, which have usually finished by then), then
-  starts ``p``;
-* ``flush()`` does the same for all pending protocols; front ends call it after
-  the last bucket of a step;
+* ``submit(p)`` starts ``p`` (its first round). On NCCL it first drives every
+  earlier protocol up to its last round (waiting on their earlier rounds: a
+  device-side wait, which does not hold up the host). On gloo that wait would
+  block the backward pass on the host until every rank had reached the same
+  bucket, so later rounds are deferred to ``flush()`` instead (``defer``);
+* ``flush()`` drives all pending protocols to their last round, in submission
+  order; front ends call it after the last bucket of a step;
 * only the *last* round completes through a future callback, which decodes but
   never communicates.
 
@@ -61,12 +63,18 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> Any:
 class Communicator:
     """Runs collectives on one process group and counts what it hands them."""
 
-    def __init__(self, process_group=None, stats: Stats | None = None) -> None:
+    def __init__(self, process_group=None, stats: Stats | None = None, *, defer: bool | None = None) -> None:
+        """``defer``: issue protocols' later rounds only at :meth:`flush` (the order is
+        still the same on every rank: all first rounds as submitted, then the rest in
+        submission order). ``None``: defer on gloo, where waiting on a round blocks the host."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        if defer is None:
+            defer = dist.get_backend(process_group) == "gloo"
+        self.defer = bool(defer)
         self.stats = stats if stats is not None else Stats()
         self._pending: list[_Pending] = []
 
@@ -100,8 +108,9 @@ class Communicator:
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol) -> torch.futures.Future:
-        """Start a protocol after driving all earlier ones to their last round."""
-        self.flush()
+        """Start a protocol; unless ``defer``, first drive all earlier ones to their last round."""
+        if not self.defer:
+            self.flush()
         job = _Pending(protocol, torch.futures.Future())
         self._advance(job)
         if job.round is not None and not job.round.last:

@@ -110,6 +110,36 @@ class Call:
             self._x[name] = self.memory.compensate(name, g) if self.memory is not None else g
         return self._x[name]
 
+    def x_rows(self, i: int, rows: int, visit) -> torch.Tensor:
+        """:meth:`x` as a ``(shape[0], -1)`` matrix, with ``visit(start, stop, block)`` called
+        on each block of ``rows`` rows in order. A compensation not made yet is made block by
+        block, each visited while it is still in cache (the values are those of :meth:`x`)."""
+        name, g = self.names[i], self.tensors[i]
+        if name not in self._x and self.memory is not None and g.dim() > 0:
+            self._x[name] = self.memory.compensate(name, g, rows=rows, visit=visit)
+            return self._x[name].view(g.shape[0], -1)
+        x = self.x(i)
+        x2 = x.reshape(x.shape[0], -1) if x.dim() else x.reshape(1, -1)
+        for s in range(0, x2.shape[0], rows):
+            visit(s, min(s + rows, x2.shape[0]), x2[s : s + rows])
+        return x2
+
+    def fresh_residual(self, i: int) -> torch.Tensor | None:
+        """A buffer shaped like tensor ``i``'s compensated input for an exchange that computes
+        ``x - sent`` itself (fused with its decode), or None without error feedback. Write it
+        through views; store the buffer itself with :meth:`commit_residual`."""
+        if self.memory is None:
+            return None
+        x = self.x(i)
+        return self.memory.fresh(self.names[i], x.shape, x.dtype, x.device)
+
+    def commit_residual(self, i: int, residual: torch.Tensor) -> None:
+        """Store ``residual`` (from :meth:`fresh_residual`, filled) as tensor ``i``'s new residual."""
+        if self.memory is not None:
+            if residual.shape != self.tensors[i].shape:
+                raise ValueError(f"residual of shape {tuple(residual.shape)} for a tensor of {tuple(self.tensors[i].shape)}")
+            self.memory.set_residual(self.names[i], residual)
+
     def peek(self, i: int) -> torch.Tensor:
         """What :meth:`x` holds or would return, without compensating a tensor that has no
         residual (its gradient, widened exactly: the same values and finiteness). For checks

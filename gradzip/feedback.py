@@ -77,32 +77,65 @@ class ErrorFeedback:
                 self._give(n, c)
 
     # -- the algorithm ----------------------------------------------------------------------
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+    def compensate(self, name: str, grad: torch.Tensor, *, rows: int = 0, visit=None) -> torch.Tensor:
+        """``grad + residual`` in the accumulation dtype (a copy of ``grad`` without a residual).
+
+        With ``visit`` (and ``rows > 0``), the result is written ``rows`` rows of its
+        ``(shape[0], -1)`` view at a time, and ``visit(start, stop, block)`` is called on each
+        block as soon as it is written, while it is still in cache (PowerSGD's first product).
+        The values are the same either way.
+        """
         acc = accum_dtype(grad.dtype)
         r = self.residuals.get(name)
         if r is not None and r.shape != grad.shape:
             raise ValueError(
                 f"residual for {name!r} has shape {tuple(r.shape)}, gradient has {tuple(grad.shape)}"
             )
+        if r is not None and (r.device != grad.device or r.dtype != acc):
+            r = r.to(device=grad.device, dtype=acc)
         buf = self._take(name, grad.shape, acc, grad.device)
-        if r is None:
+        if visit is not None and rows > 0 and grad.dim() > 0:
+            c = buf if buf is not None else torch.empty(grad.shape, dtype=acc, device=grad.device)
+            n = grad.shape[0]
+            g2, c2 = grad.reshape(n, -1), c.view(n, -1)
+            r2 = r.reshape(n, -1) if r is not None else None
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                if r2 is None:
+                    c2[s:e].copy_(g2[s:e])
+                else:  # promotes to ``acc`` before adding: grad.to(acc) + r, bit for bit
+                    torch.add(g2[s:e], r2[s:e], out=c2[s:e])
+                visit(s, e, c2[s:e])
+        elif r is None:
             c = grad.to(acc, copy=True) if buf is None else buf.copy_(grad)
         else:
-            if r.device != grad.device or r.dtype != acc:
-                r = r.to(device=grad.device, dtype=acc)
             c = grad.to(acc) + r if buf is None else torch.add(grad.to(acc), r, out=buf)
         self._compensated[name] = c
         return c
 
+    def fresh(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """An uninitialized contiguous tensor to write ``name``'s next residual into (an
+        earlier step's buffer where one is free); store it, not a view of it, with
+        :meth:`set_residual` (a view keeps its base alive, and the pool never reuses a
+        buffer that something else uses)."""
+        buf = self._take(name, torch.Size(shape), dtype, device)
+        return buf if buf is not None else torch.empty(shape, dtype=dtype, device=device)
+
+    def set_residual(self, name: str, new: torch.Tensor) -> None:
+        old = self.residuals.get(name)
+        self.residuals[name] = new
+        if old is not None and old is not new:
+            self._give(name, old)  # reused once nothing else holds it (the engine's undo copy)
+
     def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         # Never compensated.sub_(): a payload body may alias ``compensated``.
         sent = sent.reshape(compensated.shape)
-        buf = self._take(name, compensated.shape, compensated.dtype, compensated.device)
-        new = compensated - sent if buf is None else torch.sub(compensated, sent, out=buf)
-        old = self.residuals.get(name)
-        self.residuals[name] = new
-        if old is not None:
-            self._give(name, old)  # reused once nothing else holds it (the engine's undo copy)
+        if torch.result_type(compensated, sent) != compensated.dtype:  # a wider ``sent``: keep its precision
+            new = compensated - sent
+        else:
+            new = torch.sub(compensated, sent, out=self.fresh(name, compensated.shape, compensated.dtype,
+                                                              compensated.device))
+        self.set_residual(name, new)
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self.residuals.get(name)

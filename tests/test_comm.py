@@ -28,8 +28,9 @@ def failing(comm):
     raise ValueError("decode failed")
 
 
-def _ordering(rank, world):
-    comm = Communicator()
+def _ordering(rank, world, defer=None):
+    comm = Communicator(defer=defer)
+    assert comm.defer == (True if defer is None else defer)  # gloo: deferred by default
     futs = []
     for i in range(6):
         if rank == 1:
@@ -37,6 +38,8 @@ def _ordering(rank, world):
         msg = torch.full((5 + 3 * i * (rank + 1),), i + rank, dtype=torch.uint8)
         futs.append(comm.submit(allgather_bytes(comm, msg)))
         futs.append(comm.submit(three_rounds(comm, i + rank)))
+        # Deferred: every protocol waits at its first round until flush(); else only the newest.
+        assert comm.pending == (2 * (i + 1) if comm.defer else 1)
     comm.flush()
     assert comm.pending == 0
     vals = [f.wait() for f in futs]
@@ -47,8 +50,9 @@ def _ordering(rank, world):
     return {"vals": vals, "stats": comm.stats.as_dict()}
 
 
-def test_protocols_interleave_in_one_order_on_every_rank():
-    res = run_ranks(_ordering, 2)
+@pytest.mark.parametrize("defer", [None, False])
+def test_protocols_interleave_in_one_order_on_every_rank(defer):
+    res = run_ranks(_ordering, 2, defer) if defer is not None else run_ranks(_ordering, 2)
     for r in res:
         vals = r["vals"]
         for i in range(6):

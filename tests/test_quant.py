@@ -60,6 +60,49 @@ def test_nbit_roundtrip_is_bit_exact(n, nbits):
         assert torch.equal(packed, pack_2bit(codes))
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_numpy_bit_packing_writes_the_torch_words(monkeypatch, n):
+    """CPU tensors pack through numpy's packbits; the words and bits are the shift-and-sum ones."""
+    import gradzip.kernels.bitpack as bp
+
+    bits = torch.rand(n, generator=torch.Generator().manual_seed(n + 1)) < 0.5
+    fast = bp.pack_bits(bits)
+    monkeypatch.setattr(bp, "_NUMPY_BITS", False)
+    slow = bp.pack_bits(bits)
+    assert torch.equal(fast, slow)
+    assert torch.equal(bp.unpack_bits(slow, n), bits)
+
+
+@pytest.mark.parametrize("block", [None, 7, 100])
+@pytest.mark.parametrize("n", [1, 7, 33, 1009, (1 << 16) * 2 + 13])
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
+def test_signsgd_cpu_table_decode_is_the_where_decode(n, block, acc):
+    """The CPU decode (byte table lookup, chunked accumulate) adds exactly +-S_b per element,
+    peer by peer in order: the floats of ``out += where(neg, -s, s)``, signed zeros included."""
+    comp = SignSGD(block=block)
+    g = torch.Generator().manual_seed(n)
+    frames = [comp.compress(torch.randn(n, generator=g, dtype=acc)) for _ in range(3)]
+    out0 = torch.randn(n, generator=g, dtype=acc) * 1e-3
+    out0[0] = -0.0
+
+    def where_decode(p):
+        nb = math.ceil(n / (block or n))
+        b = block or n
+        scales = p.body[: 4 * nb].view(torch.float32).to(acc)
+        neg = unpack_bits(p.body[4 * nb :].view(torch.int32), n)
+        s = scales.repeat_interleave(b)[:n]
+        return torch.where(neg, -s, s)
+
+    want = out0.clone()
+    for p in frames:
+        want.add_(where_decode(p))
+    got = out0.clone()
+    comp.accumulate_many(frames, got)
+    assert torch.equal(got.view(torch.int64 if acc == torch.float64 else torch.int32),
+                       want.view(torch.int64 if acc == torch.float64 else torch.int32))
+    assert torch.equal(comp.decompress(frames[1]).to(acc), where_decode(frames[1]))
+
+
 def test_bit_layouts_are_little_endian():
     bits = torch.zeros(40, dtype=torch.bool)
     bits[[0, 2, 31, 33]] = True

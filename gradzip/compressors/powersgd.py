@@ -67,6 +67,7 @@ import math
 import torch
 
 from ..comm import Round
+from ..wire import accum_dtype
 from .base import Compressor, TensorContext, check_positive, tensor_seed
 
 __all__ = ["PowerSGD", "orthogonalize_"]
@@ -129,6 +130,28 @@ def _matrices(call, idx: list, n: int, m: int, k: int, wd):
     if k == 1:  # MKL's matrix-vector product depends on the alignment of M
         mats = [a if a.data_ptr() % 64 == 0 else a.clone() for a in mats]
     return mats
+
+
+def _block_rows(m: int, elsize: int) -> int:
+    """Rows per block of the fused CPU passes: about 1 MiB (cache-resident between the two
+    operations on it), a multiple of 16 rows so that every block starts 64-byte aligned
+    where the matrix does (MKL's products depend on alignment)."""
+    return max(16, ((1 << 20) // max(m * elsize, 1)) // 16 * 16)
+
+
+def _fusable(call, idx: list, k: int, wd) -> bool:
+    """Fused CPU passes for a group: compensation and ``P^T = Q^T M^T`` block by block, and
+    ``M_hat`` with the residual block by block. Needs the compensated matrices in ``wd``
+    (no cast), and for ``k = 1`` 64-byte aligned ones (MKL's matrix-vector products)."""
+    if call.device.type != "cpu":
+        return False
+    for i in idx:
+        t = call.tensors[i]
+        if (accum_dtype(t.dtype) if call.memory is not None else t.dtype) != wd:
+            return False
+        if k == 1 and call.memory is None and t.data_ptr() % 64:
+            return False
+    return True
 
 
 def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> None:
@@ -323,13 +346,21 @@ class PowerSGD(Compressor):
                 call.commit(i, x)  # sent whole: residual zero
                 pos += x.numel()
             flat[:pos].div_(world)
-            work = []  # per group: (idx, M, P^T)
+            work = []  # per group: (idx, M, P^T, rows of a fused block or 0)
             for ((n, m, k), idx), qb in zip(groups, self._start_qs(call, groups, wd, dev)):
-                mats = _matrices(call, idx, n, m, k, wd)
                 pt = flat[pos : pos + len(idx) * k * n].view(len(idx), k, n)
-                _matmul(qb.transpose(1, 2).contiguous(), mats, pt, transpose_m=True)  # P^T = Q^T M^T
+                qtb = qb.transpose(1, 2).contiguous()
+                rows = _block_rows(m, flat.element_size()) if _fusable(call, idx, k, wd) else 0
+                if rows:  # P^T = Q^T M^T, each block of M's rows as soon as it is compensated
+                    mats = [
+                        call.x_rows(i, rows, lambda s, e, blk, q=qtb[j], p=pt[j]: torch.mm(q, blk.t(), out=p[:, s:e]))
+                        for j, i in enumerate(idx)
+                    ]
+                else:
+                    mats = _matrices(call, idx, n, m, k, wd)
+                    _matmul(qtb, mats, pt, transpose_m=True)  # P^T = Q^T M^T
                 pos += pt.numel()
-                work.append((idx, mats, pt))
+                work.append((idx, mats, pt, rows))
             if track:
                 sq = torch.stack([torch.linalg.vector_norm(call.tensors[i], dtype=wd) ** 2 for i in track])
                 flat[pos:].copy_(sq.div_(world))
@@ -343,7 +374,7 @@ class PowerSGD(Compressor):
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=wd, device=dev)
                 qpos, qts = 0, []
-                for ((n, m, k), idx), (_, mats, pt) in zip(groups, work):
+                for ((n, m, k), idx), (_, mats, pt, _) in zip(groups, work):
                     orthogonalize_(pt.transpose(1, 2), self.eps)  # the columns of P
                     qt = qflat[qpos : qpos + len(idx) * k * m].view(len(idx), k, m)
                     _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M
@@ -363,9 +394,12 @@ class PowerSGD(Compressor):
                 pos += k
             if work:
                 qflat.div_(world)
-            for ((n, m, k), idx), (_, _, pt), qt in zip(groups, work, qts if work else []):
+            for ((n, m, k), idx), (_, mats, pt, rows), qt in zip(groups, work, qts if work else []):
                 for j, i in enumerate(idx):
                     dst = out[call.slice(i)].view(n, m)
+                    if rows:
+                        self._decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
+                        continue
                     mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
                     _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
                     if mhat is not dst:
@@ -374,3 +408,25 @@ class PowerSGD(Compressor):
                     if self.warm_start:
                         call.contexts[i].store["q"] = qt[j].t().contiguous()
         return out
+
+    def _decode_rows(self, call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor,
+                     rows: int) -> None:
+        """``dst = P Q^T`` and the residual ``x - P Q^T`` (with error feedback), ``rows`` rows
+        at a time: each block of ``M_hat`` is still in cache when it is subtracted. The same
+        floats as the unfused product and ``ErrorFeedback.update``."""
+        n, m = dst.shape
+        buf = call.fresh_residual(i)
+        res = buf.view(n, m) if buf is not None else None
+        tmp = None if dst.dtype == x.dtype else torch.empty(min(rows, n), m, dtype=x.dtype)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            mh = dst[s:e] if tmp is None else tmp[: e - s]
+            _low_rank_product(pt[:, s:e], qt, mh)
+            if tmp is not None:
+                dst[s:e].copy_(mh)
+            if res is not None:
+                torch.sub(x[s:e], mh, out=res[s:e])
+        if buf is not None:
+            call.commit_residual(i, buf)
+        if self.warm_start:
+            call.contexts[i].store["q"] = qt.t().contiguous()
