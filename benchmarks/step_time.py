@@ -53,8 +53,10 @@ def methods(bps: float | None = None, world: int = 4) -> dict:
     }
     m["PowerSGD-1"] = gz.PowerSGD(rank=1)  # the library's default rank
     m["PowerSGD-4"] = gz.PowerSGD(rank=4)
-    if bps:
-        m["Policy(auto)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=gz.Link(bps, LATENCY_S), world_size=world)
+    if bps:  # per layer: the default compressor or plain allreduce, whichever the cost model finds faster
+        link = gz.Link(bps, LATENCY_S)
+        m["Policy(auto)"] = gz.Policy(gz.PowerSGD(rank=4), auto=True, link=link, world_size=world)
+        m["Policy(auto,TopK)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=link, world_size=world)
     return m
 
 
@@ -230,8 +232,8 @@ def main() -> int:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=1, help="hidden width x width layers (default: ~25M parameters)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
                    help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)")
     p.add_argument("--pg-timeout", type=float, default=300.0)
