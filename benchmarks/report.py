@@ -49,7 +49,9 @@ def accuracy(doc: dict) -> str:
 def step_time(doc: dict) -> str:
     lines = [
         f"`benchmarks/step_time.py` ({doc['ranks']} ranks in network namespaces, MLP of "
-        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {doc['steps']} steps; "
+        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {doc['steps']} steps"
+        f"{' after ' + str(doc['warmup']) + ' warm-up' if 'warmup' in doc else ''}"
+        f"{', DDP gradient_as_bucket_view' if doc.get('gradient_as_bucket_view') else ''}; "
         f"machine: {_machine(doc['machine'])})",
         "",
         "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce |",

@@ -22,7 +22,12 @@ Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffer
 and are orthogonalized as one batch. On GPUs their products are one ``bmm`` over
 a stack of the ``M``'s (fewer kernel launches); on CPU one ``mm`` per matrix,
 because MKL loops over a batch anyway and the stack would be one more copy of the
-gradients. A tensor's result must not depend on which tensors share its call:
+gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
+1 MiB, :func:`_block_rows`): each block of ``M`` is compensated (``g + r``) and
+multiplied into ``P^T`` while in cache, and each block of ``M_hat`` is written and
+subtracted from ``M`` for the residual while in cache (``Call.x_rows``,
+``Call.fresh_residual``); the values are those of the unfused passes up to the
+blocking of the products. A tensor's result must not depend on which tensors share its call:
 DDP rebuilds its buckets, so a resumed run can group them differently from the
 unbroken one (tested on CPU). On CPU (MKL) a matrix-vector product (``k = 1``)
 depends on the memory alignment of ``M``, so ``M`` is then copied to 64-byte
