@@ -300,11 +300,12 @@ _SIGN_CHUNK = 1 << 16  # elements decoded per step of a CPU accumulate (a 256 KB
 
 
 def _sign_values(code: torch.Tensor, scales: torch.Tensor, nb: int, b: int, n: int, acc,
-                 out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
-    """Elements ``start .. start + len`` (a multiple of 8 from ``start``, or to ``n``) of a SIGN1
-    frame as ``+-S_b`` in ``acc``, by table lookup of the code bytes. ``+-1 * S_b`` is exact:
-    the values of ``torch.where(neg, -s, s)``."""
-    stop = n if out is None else min(n, start + out.numel())
+                 out: torch.Tensor | None = None, start: int = 0, count: int | None = None) -> torch.Tensor:
+    """Elements ``start .. start + count`` (``start`` a multiple of 8; default: to ``n``) of a
+    SIGN1 frame as ``+-S_b`` in ``acc``, by table lookup of the code bytes, written into
+    ``out`` (at least ``count`` rounded up to 8 elements) when given. ``+-1 * S_b`` is
+    exact: the values of ``torch.where(neg, -s, s)``."""
+    stop = n if count is None else min(n, start + count)
     lut = _SIGN_LUT.to(acc)
     if nb == 1:
         lut = lut * scales[0].to(acc)
@@ -368,12 +369,12 @@ class SignSGD(_Quantizer):
         nb, b = _layout(n, self.block)
         frames = [_split(p, FMT_SIGN1, "SignSGD", nb, packed_nbytes(n, 1)) for p in payloads]
         flat = out.view(-1)
-        scratch = torch.empty(min(_SIGN_CHUNK, max(n, 8)) + 8, dtype=out.dtype)
+        scratch = torch.empty(min(_SIGN_CHUNK, n + 7) // 8 * 8 + 8, dtype=out.dtype)
         for start in range(0, n, _SIGN_CHUNK):
             stop = min(n, start + _SIGN_CHUNK)
             for scales, code in frames:
-                vals = _sign_values(code, scales, nb, b, n, out.dtype, out=scratch[: stop - start + 8], start=start)
-                flat[start:stop].add_(vals[: stop - start])
+                vals = _sign_values(code, scales, nb, b, n, out.dtype, out=scratch, start=start, count=stop - start)
+                flat[start:stop].add_(vals)
 
     def _decode(self, payload: Payload, acc: torch.dtype) -> torch.Tensor:
         n = payload.numel
