@@ -29,7 +29,7 @@ NBITS = (2, 4, 8)
 _WORD = 32
 # CPU tensors pack and unpack through numpy's packbits/unpackbits (bit order "little":
 # element 8k + j is bit j of byte k, so 4 bytes read little-endian are the int32 word):
-# the same words, 100x faster than the int64 shift-and-sum below on 16M elements.
+# the same words, without the int64 temporaries of the shift-and-sum below.
 _NUMPY_BITS = sys.byteorder == "little"
 
 

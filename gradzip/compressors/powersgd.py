@@ -159,6 +159,26 @@ def _fusable(call, idx: list, k: int, wd) -> bool:
     return True
 
 
+def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+    """``dst = P Q^T`` and the residual ``x - P Q^T`` (with error feedback), ``rows`` rows
+    at a time: each block of ``M_hat`` is still in cache when it is subtracted. The same
+    floats as the unfused product and ``ErrorFeedback.update``."""
+    n, m = dst.shape
+    buf = call.fresh_residual(i)
+    res = buf.view(n, m) if buf is not None else None
+    tmp = None if dst.dtype == x.dtype else torch.empty(min(rows, n), m, dtype=x.dtype)
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        mh = dst[s:e] if tmp is None else tmp[: e - s]
+        _low_rank_product(pt[:, s:e], qt, mh)
+        if tmp is not None:
+            dst[s:e].copy_(mh)
+        if res is not None:
+            torch.sub(x[s:e], mh, out=res[s:e])
+    if buf is not None:
+        call.commit_residual(i, buf)
+
+
 def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> None:
     """``out[j] = a[j] @ M_j`` (or ``M_j^T``): one ``bmm`` on a stack, one ``mm`` per matrix on CPU."""
     if isinstance(mats, torch.Tensor):
@@ -403,35 +423,13 @@ class PowerSGD(Compressor):
                 for j, i in enumerate(idx):
                     dst = out[call.slice(i)].view(n, m)
                     if rows:
-                        self._decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
-                        continue
-                    mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
-                    _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
-                    if mhat is not dst:
-                        dst.copy_(mhat)
-                    call.commit(i, mhat.view(call.tensors[i].shape))
+                        _decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
+                    else:
+                        mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
+                        _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
+                        if mhat is not dst:
+                            dst.copy_(mhat)
+                        call.commit(i, mhat.view(call.tensors[i].shape))
                     if self.warm_start:
                         call.contexts[i].store["q"] = qt[j].t().contiguous()
         return out
-
-    def _decode_rows(self, call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor,
-                     rows: int) -> None:
-        """``dst = P Q^T`` and the residual ``x - P Q^T`` (with error feedback), ``rows`` rows
-        at a time: each block of ``M_hat`` is still in cache when it is subtracted. The same
-        floats as the unfused product and ``ErrorFeedback.update``."""
-        n, m = dst.shape
-        buf = call.fresh_residual(i)
-        res = buf.view(n, m) if buf is not None else None
-        tmp = None if dst.dtype == x.dtype else torch.empty(min(rows, n), m, dtype=x.dtype)
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            mh = dst[s:e] if tmp is None else tmp[: e - s]
-            _low_rank_product(pt[:, s:e], qt, mh)
-            if tmp is not None:
-                dst[s:e].copy_(mh)
-            if res is not None:
-                torch.sub(x[s:e], mh, out=res[s:e])
-        if buf is not None:
-            call.commit_residual(i, buf)
-        if self.warm_start:
-            call.contexts[i].store["q"] = qt.t().contiguous()

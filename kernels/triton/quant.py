@@ -146,6 +146,33 @@ def _sign_encode_kernel(x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, HAS
 
 
 @triton.jit
+def _qsgd_codes(v, ne, mask, offs, seed, s):
+    """QSGD.compress's codes of ``v`` (float32) against its block norm ``ne``, zero where
+    masked; shared by the two-pass and one-pass encoders (any broadcastable shapes)."""
+    # where(ne > 0, |v| / ne * s, 0).clamp(0, s), each op rounded in float32. Division is
+    # div_rn: Triton's `/` lowers to the approximate div.full.f32 on the GPU.
+    r = tl.where(ne > 0, tl.div_rn(tl.abs(v), tl.where(ne > 0, ne, 1.0)) * s, 0.0)
+    r = tl.minimum(tl.maximum(r, 0.0), s)
+    lo = tl.floor(r)
+    u = tl.rand(seed, offs)
+    lvl = lo + (u < r - lo).to(tl.float32)
+    lvl = tl.minimum(lvl, s)
+    code = (s + tl.where(v < 0, -lvl, lvl)).to(tl.int32)
+    return tl.where(mask, code, 0)
+
+
+@triton.jit
+def _tern_codes(v, se, mask, offs, seed):
+    """TernGrad.compress's 2-bit codes of ``v`` against its block scale ``se`` (0, 1 = +, 2 = -),
+    zero where masked; shared by the two-pass and one-pass encoders."""
+    p = tl.where(se > 0, tl.div_rn(tl.abs(v), tl.where(se > 0, se, 1.0)), 0.0)
+    p = tl.minimum(p, 1.0)
+    u = tl.rand(seed, offs)
+    hit = (u < p) & mask
+    return tl.where(hit, tl.where(v < 0, 2, 1), 0)
+
+
+@triton.jit
 def _qsgd_encode_kernel(x_ptr, norms_ptr, out_ptr, n, b, seed, s, BITS: tl.constexpr, BYTES: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     pid = tl.program_id(0).to(tl.int64)
@@ -155,16 +182,7 @@ def _qsgd_encode_kernel(x_ptr, norms_ptr, out_ptr, n, b, seed, s, BITS: tl.const
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     ne = tl.load(norms_ptr + offs // b, mask=mask, other=0.0)
-    # QSGD.compress: where(ne > 0, |v| / ne * s, 0).clamp(0, s), each op rounded in float32.
-    # Division is div_rn: Triton's `/` lowers to the approximate div.full.f32 on the GPU.
-    r = tl.where(ne > 0, tl.div_rn(tl.abs(v), tl.where(ne > 0, ne, 1.0)) * s, 0.0)
-    r = tl.minimum(tl.maximum(r, 0.0), s)
-    lo = tl.floor(r)
-    u = tl.rand(seed, offs)
-    lvl = lo + (u < r - lo).to(tl.float32)
-    lvl = tl.minimum(lvl, s)
-    code = (s + tl.where(v < 0, -lvl, lvl)).to(tl.int32)
-    code = tl.where(mask, code, 0)
+    code = _qsgd_codes(v, ne, mask, offs, seed, s)
     byte = tl.sum(code << (cols * BITS)[None, :], axis=1)
     tl.store(out_ptr + rows, byte.to(tl.uint8), mask=rows < (n + PER - 1) // PER)
 
@@ -178,11 +196,7 @@ def _terngrad_encode_kernel(x_ptr, scales_ptr, out_ptr, n, b, seed, BYTES: tl.co
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     se = tl.load(scales_ptr + offs // b, mask=mask, other=0.0)
-    p = tl.where(se > 0, tl.div_rn(tl.abs(v), tl.where(se > 0, se, 1.0)), 0.0)
-    p = tl.minimum(p, 1.0)
-    u = tl.rand(seed, offs)
-    hit = (u < p) & mask
-    code = tl.where(hit, tl.where(v < 0, 2, 1), 0)
+    code = _tern_codes(v, se, mask, offs, seed)
     byte = tl.sum(code << (cols * 2)[None, :], axis=1)
     tl.store(out_ptr + rows, byte.to(tl.uint8), mask=rows < (n + 3) // 4)
 
@@ -254,15 +268,7 @@ def _qsgd_onepass_kernel(x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.
     over = (wide > 3.4028234663852886e38) & (wide <= 1.7976931348623157e308)
     norm = tl.where(over, 0.0, wide).to(tl.float32)
     tl.store(norms_ptr + blk, norm, mask=blk < nb)
-    ne = norm[:, None, None]
-    r = tl.where(ne > 0, tl.div_rn(tl.abs(v), tl.where(ne > 0, ne, 1.0)) * s, 0.0)
-    r = tl.minimum(tl.maximum(r, 0.0), s)
-    lo = tl.floor(r)
-    u = tl.rand(seed, offs)
-    lvl = lo + (u < r - lo).to(tl.float32)
-    lvl = tl.minimum(lvl, s)
-    code = (s + tl.where(v < 0, -lvl, lvl)).to(tl.int32)
-    code = tl.where(mask, code, 0)
+    code = _qsgd_codes(v, norm[:, None, None], mask, offs, seed, s)
     cols = tl.arange(0, PER)
     byte = tl.sum(code << (cols * BITS)[None, None, :], axis=2)
     tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
@@ -283,12 +289,7 @@ def _terngrad_onepass_kernel(
         c = (tl.load(clip_ptr) * sigma).to(tl.float32)
         scale = tl.where(_isnan(scale), scale, tl.where(_isnan(c) | (c < scale), c, scale))
     tl.store(scales_ptr + blk, scale, mask=blk < nb)
-    se = scale[:, None, None]
-    p = tl.where(se > 0, tl.div_rn(tl.abs(v), tl.where(se > 0, se, 1.0)), 0.0)
-    p = tl.minimum(p, 1.0)
-    u = tl.rand(seed, offs)
-    hit = (u < p) & mask
-    code = tl.where(hit, tl.where(v < 0, 2, 1), 0)
+    code = _tern_codes(v, scale[:, None, None], mask, offs, seed)
     cols = tl.arange(0, 4)
     byte = tl.sum(code << (cols * 2)[None, None, :], axis=2)
     tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
