@@ -461,8 +461,8 @@ def _check_seed(seed) -> int:
 
 
 def qsgd_encode(x: torch.Tensor, levels: int, seed: int, *, block: int | None = 64, bits: int | None = None):
-    """QSGD encode with Philox draws ``u_i = philox_uniform(seed, n)[i]`` (``tl.rand`` on the
-    GPU): ``(float32 norms, packed codes)``. See :func:`~gradzip.kernels.reference.qsgd_encode_reference`."""
+    """QSGD encode with Philox draws ``u_i = philox_uniform(seed, n)[i]`` (``tl.rand4x`` on the
+    GPU, one Philox evaluation per four elements): ``(float32 norms, packed codes)``. See :func:`~gradzip.kernels.reference.qsgd_encode_reference`."""
     _check_float("x", x)
     if x.dtype == torch.float64:
         raise TypeError("qsgd_encode works in float32")

@@ -271,15 +271,21 @@ def sampled_topk_reference(
     return idx
 
 
-# -- Philox4x32-10: the counter-based RNG of ``tl.rand``, in torch -------------------------------
+# -- Philox4x32-10: the counter-based RNG of ``tl.rand`` / ``tl.rand4x``, in torch ----------------
 #
-# ``tl.rand(seed, offset)`` (triton/language/random.py) runs Philox4x32 for 10 rounds on the
-# counter (offset_lo, offset_hi, 0, 0) with the key (seed_lo, seed_hi) (the seed as uint64,
-# split into 32-bit halves; offset as uint64 likewise) and keeps the first output word c0.
-# That uint32 is bitcast to int32, mapped x -> ~x where negative (so into [0, 2**31)), converted
-# to float32 (round to nearest even) and multiplied in float32 by 4.6566127342e-10 (float32),
-# the largest scale with (2**31 - 1) * scale < 1. :func:`philox_uniform` does the same with
-# int64 tensors holding uint32 values, so it gives the same floats bit for bit.
+# ``tl.randint4x(seed, offset)`` (triton/language/random.py) runs Philox4x32 for 10 rounds on
+# the counter (offset_lo, offset_hi, 0, 0) with the key (seed_lo, seed_hi) (the seed as uint64,
+# split into 32-bit halves; offset as uint64 likewise) and returns the four output words;
+# ``tl.randint`` keeps the first. ``tl.rand`` / ``tl.rand4x`` bitcast each uint32 to int32, map
+# x -> ~x where negative (so into [0, 2**31)), convert to float32 (round to nearest even) and
+# multiply in float32 by 4.6566127342e-10 (float32), the largest scale with
+# (2**31 - 1) * scale < 1.
+#
+# gradzip's quantizer kernels draw element ``i``'s uniform from word ``i % 4`` of the counter
+# ``i // 4`` (``tl.rand4x(seed, i // 4)``): one Philox evaluation serves four elements, a
+# quarter of the integer work of ``tl.rand(seed, i)`` (TernGrad's one-pass encoder on an H100:
+# 0.319 -> 0.167 ms at 64M elements; docs/kernels_h100.md). :func:`philox_uniform` computes
+# the same floats bit for bit with int64 tensors holding uint32 values.
 
 _M32 = 0xFFFFFFFF
 _PHILOX_KEY_A = 0x9E3779B9
@@ -322,12 +328,18 @@ def philox_randint(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 
 
 def philox_uniform(seed: int, n: int, device=None, *, offset: int = 0) -> torch.Tensor:
-    """``tl.rand(seed, offset + arange(n))`` bit for bit: ``n`` float32 draws in [0, 1).
+    """``n`` float32 draws in [0, 1) for the elements ``offset .. offset + n - 1``: element ``i``
+    takes word ``i % 4`` of ``tl.rand4x(seed, i // 4)``, bit for bit.
 
     The draws take the values ``k * 4.6566127342e-10`` (float32, rounded) for an integer
     ``k`` in [0, 2**31), so ``P(u < p) = p`` up to float32 rounding (about 2**-24).
     """
-    x = philox_randint(seed, torch.arange(offset, offset + n, dtype=torch.int64, device=device))
+    first = offset // 4
+    q = torch.arange(first, (offset + n + 3) // 4, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(q)
+    words = philox4x32(seed, q & _M32, (q >> 32) & _M32, zero, zero)
+    start = offset - 4 * first
+    x = torch.stack(words, dim=1).reshape(-1)[start : start + n]
     x = torch.where(x >= 1 << 31, _M32 - x, x)  # int32 bitcast, then ~x where negative
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=device)
 

@@ -2,7 +2,7 @@
 decode-and-accumulate of quantizer frames) against their references.
 
 * The torch Philox4x32-10 matches Random123's known-answer vectors and, under
-  TRITON_INTERPRET=1, ``tl.rand`` / ``tl.randint`` bit for bit.
+  TRITON_INTERPRET=1, ``tl.rand4x`` / ``tl.randint`` bit for bit.
 * Each reference is the compressor's own arithmetic: with ``_uniform`` swapped for the
   Philox draws, ``QSGD.compress`` / ``TernGrad.compress`` give the reference's bytes, and
   ``SignSGD.compress`` + ``decompress`` the sign reference's scales, words and residual.
@@ -87,18 +87,23 @@ def test_philox_uniform_is_in_0_1_and_uniform():
 
 
 @interp
-def test_philox_uniform_is_tl_rand_bit_for_bit():
+def test_philox_uniform_is_tl_rand4x_bit_for_bit():
+    """Element i's draw is word i % 4 of tl.rand4x(seed, i // 4), at any start (``base``, aligned
+    or not); tl.randint's word is the first one."""
     import triton.language as tl
 
     @triton.jit
     def draw(u_ptr, i_ptr, seed, base, n, B: tl.constexpr):
         offs = base + tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
         m = offs < base + n
-        tl.store(u_ptr + offs - base, tl.rand(seed, offs), mask=m)
+        u0, u1, u2, u3 = tl.rand4x(seed, offs // 4)
+        lane = offs % 4
+        u = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
+        tl.store(u_ptr + offs - base, u, mask=m)
         tl.store(i_ptr + offs - base, tl.randint(seed, offs), mask=m)
 
     n = 3001
-    for seed, base in [(0, 0), (1, 0), (0x5EED, 0), (2**40 + 7, 0), (2**63 - 1, 0), (977, 2**33 + 5)]:
+    for seed, base in [(0, 0), (1, 0), (0x5EED, 3), (2**40 + 7, 0), (2**63 - 1, 1), (977, 2**33 + 5)]:
         u, i = torch.empty(n), torch.empty(n, dtype=torch.int32)
         draw[(triton.cdiv(n, 1024),)](u, i, seed, base, n, B=1024)
         assert torch.equal(bits(u), bits(R.philox_uniform(seed, n, offset=base))), seed
@@ -471,9 +476,12 @@ def test_compiled_one_pass_routes_match_two_pass(n):
             assert ulps(one[0].cpu(), two[0].cpu()) <= 1 and torch.equal(one[1], two[1])
             want = R.sign_ef_reference(x.cpu(), r.cpu(), block=block, scales=one[0].cpu())
             assert torch.equal(bits(one[2].cpu()), bits(want[2]))
-        one = qsgd_encode_triton(x, 7, 5, block=64, route="one")
-        two = qsgd_encode_triton(x, 7, 5, block=64, route="two")
-        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        for block in (64, 250):  # rows on a multiple of 4 (quads of draws), and not
+            one = qsgd_encode_triton(x, 7, 5, block=block, route="one")
+            two = qsgd_encode_triton(x, 7, 5, block=block, route="two")
+            assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+            want = R.qsgd_encode_reference(x.cpu(), 7, 5, block=block, scales=one[0].cpu())[1]
+            assert torch.equal(one[1].cpu(), want), block
         for clip in (None, 2.0):
             one = terngrad_encode_triton(x, 6, block=1024, clip=clip, route="one")
             two = terngrad_encode_triton(x, 6, block=1024, clip=clip, route="two")

@@ -7,7 +7,8 @@ same floats and bytes, so the choice is invisible to callers.
 * **One pass** (:func:`_sign_onepass_kernel`, :func:`_qsgd_onepass_kernel`,
   :func:`_terngrad_onepass_kernel`), taken when a program can own whole blocks: the block
   length ``b``, rounded up to a power of two ``P``, fits the program tile (``TILE_GPU`` =
-  4096 elements, ``TILE_INTERPRETER`` under the interpreter), and no packed word straddles
+  4096 elements, ``TILE_INTERPRETER`` under the interpreter; QSGD and TernGrad use 2048-element
+  tiles of 4 warps where their blocks fit, see ``CODES_TILE_GPU``), and no packed word straddles
   two blocks: ``b % 32 == 0`` for sign words, ``b % (8 // bits)`` == 0 for code bytes, or the
   tensor is one block. A program loads ``ROWS = TILE / P`` blocks (fewer when the tensor
   has fewer) as a ``[ROWS, P / per, per]`` tile, masked to each block's length, reduces the
@@ -56,10 +57,12 @@ kernel's norm (float64 sum, ``sqrt``, rounded once) is the more accurate one and
 to about 1e-6 relative; the codes are compared bit for bit given the same norms.
 
 Encoding (both routes): sign packs ``v < 0`` 32 to an int32 word and writes
-``v - where(v < 0, -S_b, S_b)``; QSGD and TernGrad draw ``u_i = tl.rand(seed, i)``
-(Philox4x32-10 on the int64 element index, reproduced by
+``v - where(v < 0, -S_b, S_b)``; QSGD and TernGrad draw ``u_i`` = word ``i % 4`` of
+``tl.rand4x(seed, i // 4)`` (Philox4x32-10 on the int64 counter ``i // 4``, reproduced by
 :func:`gradzip.kernels.reference.philox_uniform`; the same draws on either route) and pack
-2, 4 or 8-bit codes into bytes.
+2, 4 or 8-bit codes into bytes. One Philox evaluation serves four consecutive elements
+(:func:`_uniform_quads`) wherever a tile's rows start on a multiple of 4; elsewhere each
+element evaluates its own counter and keeps its word (:func:`_uniform_each`, same draws).
 
 :func:`_decode_add_quant_kernel`: every peer's frame body (float32 scales, then codes) in
 rank order into one float32 ``out``, loaded and stored once; each element adds each peer's
@@ -92,6 +95,13 @@ __all__ = [
 
 NUM_WARPS = 8
 TILE_GPU = 4096  # elements per program
+# QSGD's and TernGrad's one-pass encoders on the GPU: 2048-element tiles of 4 warps (blocks of
+# up to 2048; longer ones up to TILE_GPU keep the 8-warp tile). They issue far more
+# instructions per element than the sign encoder (Philox draws, correctly rounded divides)
+# and hold about 100 registers a thread; the smaller tile measured faster on an H100
+# (benchmarks/kernel_tune.py; docs/kernels_h100.md).
+CODES_TILE_GPU = 2048
+CODES_WARPS_GPU = 4
 TILE_INTERPRETER = 16384
 _F32_MAX = 3.4028234663852886e38
 
@@ -127,7 +137,21 @@ def _block_stats_kernel(
 
 
 @triton.jit
-def _sign_encode_kernel(x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, HAS_R: tl.constexpr, WRITE_R: tl.constexpr, WORDS: tl.constexpr):
+def _block_of(offs, first, b, WIDE: tl.constexpr):
+    """``offs // b`` for a two-pass tile whose first element is ``first``. ``WIDE``: blocks are
+    at least as long as the tile, so it meets at most one boundary and one division per
+    program does (an int64 division per element costs tens of instructions)."""
+    if WIDE:
+        blk0 = first // b
+        return blk0 + (offs >= (blk0 + 1) * b).to(tl.int64)
+    else:
+        return offs // b
+
+
+@triton.jit
+def _sign_encode_kernel(
+    x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, HAS_R: tl.constexpr, WRITE_R: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr
+):
     pid = tl.program_id(0).to(tl.int64)
     w = pid * WORDS + tl.arange(0, WORDS)
     cols = tl.arange(0, 32)
@@ -141,20 +165,37 @@ def _sign_encode_kernel(x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, HAS
     word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)
     tl.store(words_ptr + w, word, mask=w < (n + 31) // 32)
     if WRITE_R:
-        s = tl.load(scales_ptr + offs // b, mask=mask, other=0.0)
+        s = tl.load(scales_ptr + _block_of(offs, pid * WORDS * 32, b, WIDE), mask=mask, other=0.0)
         tl.store(rout_ptr + offs, v - tl.where(neg, -s, s), mask=mask)
 
 
 @triton.jit
-def _qsgd_codes(v, ne, mask, offs, seed, s):
-    """QSGD.compress's codes of ``v`` (float32) against its block norm ``ne``, zero where
-    masked; shared by the two-pass and one-pass encoders (any broadcastable shapes)."""
+def _uniform_quads(seed, q):
+    """The draws of elements ``4q .. 4q + 3``: shape ``q.shape + [2, 2]``, which flattens to
+    element order (word ``i % 4`` of ``tl.rand4x(seed, i // 4)``)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, q)
+    return tl.join(tl.join(u0, u2), tl.join(u1, u3))
+
+
+@triton.jit
+def _uniform_each(seed, offs):
+    """The same draws for any ``offs``, one Philox evaluation per element (rows that do not
+    start on a multiple of 4)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, offs // 4)
+    lane = offs % 4
+    return tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
+
+
+@triton.jit
+def _qsgd_codes(v, ne, mask, u, s):
+    """QSGD.compress's codes of ``v`` (float32) against its block norm ``ne`` with the draws
+    ``u``, zero where masked; shared by the two-pass and one-pass encoders (any broadcastable
+    shapes)."""
     # where(ne > 0, |v| / ne * s, 0).clamp(0, s), each op rounded in float32. Division is
     # div_rn: Triton's `/` lowers to the approximate div.full.f32 on the GPU.
     r = tl.where(ne > 0, tl.div_rn(tl.abs(v), tl.where(ne > 0, ne, 1.0)) * s, 0.0)
     r = tl.minimum(tl.maximum(r, 0.0), s)
     lo = tl.floor(r)
-    u = tl.rand(seed, offs)
     lvl = lo + (u < r - lo).to(tl.float32)
     lvl = tl.minimum(lvl, s)
     code = (s + tl.where(v < 0, -lvl, lvl)).to(tl.int32)
@@ -162,18 +203,26 @@ def _qsgd_codes(v, ne, mask, offs, seed, s):
 
 
 @triton.jit
-def _tern_codes(v, se, mask, offs, seed):
-    """TernGrad.compress's 2-bit codes of ``v`` against its block scale ``se`` (0, 1 = +, 2 = -),
-    zero where masked; shared by the two-pass and one-pass encoders."""
+def _tern_codes(v, se, mask, u):
+    """TernGrad.compress's 2-bit codes of ``v`` against its block scale ``se`` (0, 1 = +, 2 = -)
+    with the draws ``u``, zero where masked; shared by the two-pass and one-pass encoders."""
     p = tl.where(se > 0, tl.div_rn(tl.abs(v), tl.where(se > 0, se, 1.0)), 0.0)
     p = tl.minimum(p, 1.0)
-    u = tl.rand(seed, offs)
     hit = (u < p) & mask
     return tl.where(hit, tl.where(v < 0, 2, 1), 0)
 
 
 @triton.jit
-def _qsgd_encode_kernel(x_ptr, norms_ptr, out_ptr, n, b, seed, s, BITS: tl.constexpr, BYTES: tl.constexpr):
+def _tile_uniforms(seed, pid, BYTES: tl.constexpr, PER: tl.constexpr):
+    """The draws of the two-pass encoders' tile ``[BYTES, PER]`` (elements ``pid * BYTES * PER``
+    onward, contiguous; ``BYTES * PER`` a multiple of 4)."""
+    Q: tl.constexpr = BYTES * PER // 4
+    q = pid * Q + tl.arange(0, Q)
+    return tl.reshape(_uniform_quads(seed, q), [BYTES, PER])
+
+
+@triton.jit
+def _qsgd_encode_kernel(x_ptr, norms_ptr, out_ptr, n, b, seed, s, BITS: tl.constexpr, BYTES: tl.constexpr, WIDE: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BYTES + tl.arange(0, BYTES)
@@ -181,22 +230,22 @@ def _qsgd_encode_kernel(x_ptr, norms_ptr, out_ptr, n, b, seed, s, BITS: tl.const
     offs = rows[:, None] * PER + cols[None, :]
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    ne = tl.load(norms_ptr + offs // b, mask=mask, other=0.0)
-    code = _qsgd_codes(v, ne, mask, offs, seed, s)
+    ne = tl.load(norms_ptr + _block_of(offs, pid * BYTES * PER, b, WIDE), mask=mask, other=0.0)
+    code = _qsgd_codes(v, ne, mask, _tile_uniforms(seed, pid, BYTES, PER), s)
     byte = tl.sum(code << (cols * BITS)[None, :], axis=1)
     tl.store(out_ptr + rows, byte.to(tl.uint8), mask=rows < (n + PER - 1) // PER)
 
 
 @triton.jit
-def _terngrad_encode_kernel(x_ptr, scales_ptr, out_ptr, n, b, seed, BYTES: tl.constexpr):
+def _terngrad_encode_kernel(x_ptr, scales_ptr, out_ptr, n, b, seed, BYTES: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BYTES + tl.arange(0, BYTES)
     cols = tl.arange(0, 4)
     offs = rows[:, None] * 4 + cols[None, :]
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    se = tl.load(scales_ptr + offs // b, mask=mask, other=0.0)
-    code = _tern_codes(v, se, mask, offs, seed)
+    se = tl.load(scales_ptr + _block_of(offs, pid * BYTES * 4, b, WIDE), mask=mask, other=0.0)
+    code = _tern_codes(v, se, mask, _tile_uniforms(seed, pid, BYTES, 4))
     byte = tl.sum(code << (cols * 2)[None, :], axis=1)
     tl.store(out_ptr + rows, byte.to(tl.uint8), mask=rows < (n + 3) // 4)
 
@@ -229,6 +278,20 @@ def _onepass_tile(n, b, nb, ROWS: tl.constexpr, CHUNKS: tl.constexpr, PER: tl.co
 
 
 @triton.jit
+def _onepass_uniforms(seed, blk, b, offs, ROWS: tl.constexpr, CHUNKS: tl.constexpr, PER: tl.constexpr, QUAD: tl.constexpr):
+    """The draws of the one-pass tile ``[ROWS, CHUNKS, PER]``. ``QUAD``: every row starts on a
+    multiple of 4 (``b % 4 == 0``, or one block) and ``CHUNKS * PER >= 4``, so each row's
+    draws are whole quads of Philox words; else one evaluation per element."""
+    if QUAD:
+        W: tl.constexpr = CHUNKS * PER // 4
+        q = (blk * b // 4)[:, None] + tl.arange(0, W)[None, :]  # [ROWS, W]
+        u = tl.reshape(_uniform_quads(seed, q), [ROWS, CHUNKS, PER])
+    else:
+        u = _uniform_each(seed, offs)
+    return u
+
+
+@triton.jit
 def _isnan(v):
     """NaN test on float32 bits (exponent all ones, mantissa not zero)."""
     return (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
@@ -257,7 +320,9 @@ def _sign_onepass_kernel(
 
 
 @triton.jit
-def _qsgd_onepass_kernel(x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
+def _qsgd_onepass_kernel(
+    x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, QUAD: tl.constexpr
+):
     PER: tl.constexpr = 8 // BITS
     blk, offs, mask, cidx, cmask, _count = _onepass_tile(n, b, nb, ROWS, CHUNKS, PER)
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -268,7 +333,8 @@ def _qsgd_onepass_kernel(x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.
     over = (wide > 3.4028234663852886e38) & (wide <= 1.7976931348623157e308)
     norm = tl.where(over, 0.0, wide).to(tl.float32)
     tl.store(norms_ptr + blk, norm, mask=blk < nb)
-    code = _qsgd_codes(v, norm[:, None, None], mask, offs, seed, s)
+    u = _onepass_uniforms(seed, blk, b, offs, ROWS, CHUNKS, PER, QUAD)
+    code = _qsgd_codes(v, norm[:, None, None], mask, u, s)
     cols = tl.arange(0, PER)
     byte = tl.sum(code << (cols * BITS)[None, None, :], axis=2)
     tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
@@ -276,7 +342,8 @@ def _qsgd_onepass_kernel(x_ptr, norms_ptr, out_ptr, n, b, nb, seed, s, BITS: tl.
 
 @triton.jit
 def _terngrad_onepass_kernel(
-    x_ptr, clip_ptr, scales_ptr, out_ptr, n, b, nb, seed, CLIP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr
+    x_ptr, clip_ptr, scales_ptr, out_ptr, n, b, nb, seed,
+    CLIP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, QUAD: tl.constexpr,
 ):
     blk, offs, mask, cidx, cmask, count = _onepass_tile(n, b, nb, ROWS, CHUNKS, 4)
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -289,7 +356,8 @@ def _terngrad_onepass_kernel(
         c = (tl.load(clip_ptr) * sigma).to(tl.float32)
         scale = tl.where(_isnan(scale), scale, tl.where(_isnan(c) | (c < scale), c, scale))
     tl.store(scales_ptr + blk, scale, mask=blk < nb)
-    code = _tern_codes(v, scale[:, None, None], mask, offs, seed)
+    u = _onepass_uniforms(seed, blk, b, offs, ROWS, CHUNKS, 4, QUAD)
+    code = _tern_codes(v, scale[:, None, None], mask, u)
     cols = tl.arange(0, 4)
     byte = tl.sum(code << (cols * 2)[None, None, :], axis=2)
     tl.store(out_ptr + cidx, byte.to(tl.uint8), mask=cmask)
@@ -418,6 +486,21 @@ def _route(route: str, n: int, block, per: int, tile, scales) -> tuple[int, int]
     return shape
 
 
+def _quad(nb: int, b: int, width: int) -> bool:
+    """Whether the one-pass tile draws whole Philox quads (see :func:`_onepass_uniforms`)."""
+    return (nb == 1 or b % 4 == 0) and width >= 4
+
+
+def _codes_tile(tile: int | None, block: int | None, n: int) -> tuple[int | None, int]:
+    """``(tile, num_warps)`` for QSGD's and TernGrad's one-pass route: the caller's tile with
+    NUM_WARPS, or on the GPU the smallest of CODES_TILE_GPU .. TILE_GPU that holds a block."""
+    if tile is not None or interpreting():
+        return tile, NUM_WARPS
+    b = quant_layout(n, block)[1]
+    t = min(TILE_GPU, max(CODES_TILE_GPU, triton.next_power_of_2(b)))
+    return t, CODES_WARPS_GPU if t <= CODES_TILE_GPU else NUM_WARPS
+
+
 def _counts(n: int, nb: int, b: int, device) -> torch.Tensor:
     c = torch.full((nb,), float(b), dtype=torch.float64, device=device)
     if nb:
@@ -496,6 +579,7 @@ def sign_ef_triton(
             HAS_R=residual is not None,
             WRITE_R=want_r,
             WORDS=W,
+            WIDE=b >= W * 32,
             num_warps=NUM_WARPS,
             **LAUNCH,
         )
@@ -531,14 +615,15 @@ def qsgd_encode_triton(
     n, dev = x.numel(), x.device
     nb, b = quant_layout(n, block)
     per = 8 // bits
-    shape = _route(route, n, block, per, tile, scales)
+    one_tile, warps = _codes_tile(tile, block, n)
+    shape = _route(route, n, block, per, one_tile, scales)
     if shape is not None:
         rows, chunks = shape
         norms = torch.empty(nb, dtype=torch.float32, device=dev)
         out = torch.empty((n + per - 1) // per, dtype=torch.uint8, device=dev)
         _qsgd_onepass_kernel[(triton.cdiv(nb, rows),)](
             x.reshape(-1), norms, out, n, b, nb, seed, float(s), BITS=bits, ROWS=rows, CHUNKS=chunks,
-            num_warps=NUM_WARPS, **LAUNCH,
+            QUAD=_quad(nb, b, chunks * per), num_warps=warps, **LAUNCH,
         )
         return norms, out
     if scales is None:
@@ -549,7 +634,8 @@ def qsgd_encode_triton(
     if n:
         B = max(1, _tile(tile) // per)
         _qsgd_encode_kernel[(triton.cdiv(out.numel(), B),)](
-            x.reshape(-1), scales, out, n, b, seed, float(s), BITS=bits, BYTES=B, num_warps=NUM_WARPS, **LAUNCH
+            x.reshape(-1), scales, out, n, b, seed, float(s), BITS=bits, BYTES=B, WIDE=b >= B * per,
+            num_warps=NUM_WARPS, **LAUNCH,
         )
     return scales, out
 
@@ -581,7 +667,8 @@ def terngrad_encode_triton(
     seed = _check_seed(seed)
     n, dev = x.numel(), x.device
     nb, b = quant_layout(n, block)
-    shape = _route(route, n, block, 4, tile, scales)
+    one_tile, warps = _codes_tile(tile, block, n)
+    shape = _route(route, n, block, 4, one_tile, scales)
     if shape is not None:
         rows, chunks = shape
         scales = torch.empty(nb, dtype=torch.float32, device=dev)
@@ -591,7 +678,7 @@ def terngrad_encode_triton(
         clip_t = scales if clip is None else torch.full((1,), float(clip), dtype=torch.float64, device=dev)
         _terngrad_onepass_kernel[(triton.cdiv(nb, rows),)](
             x.reshape(-1), clip_t, scales, out, n, b, nb, seed, CLIP=clip is not None, ROWS=rows, CHUNKS=chunks,
-            num_warps=NUM_WARPS, **LAUNCH,
+            QUAD=_quad(nb, b, chunks * 4), num_warps=warps, **LAUNCH,
         )
         return scales, out
     if scales is None:
@@ -602,7 +689,7 @@ def terngrad_encode_triton(
     if n:
         B = max(1, _tile(tile) // 4)
         _terngrad_encode_kernel[(triton.cdiv(out.numel(), B),)](
-            x.reshape(-1), scales, out, n, b, seed, BYTES=B, num_warps=NUM_WARPS, **LAUNCH
+            x.reshape(-1), scales, out, n, b, seed, BYTES=B, WIDE=b >= B * 4, num_warps=NUM_WARPS, **LAUNCH
         )
     return scales, out
 
@@ -701,14 +788,14 @@ AOT_SPECS = [
     _spec(_block_stats_kernel, _stats_sig("*fp32"), {"HAS_R": True, "STAT": STAT_SUM_ABS, "ROWS": 1, "COLS": TILE_GPU}),
     _spec(_block_stats_kernel, _stats_sig("*bf16"), {"HAS_R": False, "STAT": STAT_SUM_SQ, "ROWS": 64, "COLS": 64}),
     _spec(_block_stats_kernel, _stats_sig("*fp16"), {"HAS_R": False, "STAT": STAT_MAX_SUM_SQ, "ROWS": 4, "COLS": 1024}, divisible=()),
-    _spec(_sign_encode_kernel, _sign_sig("*fp32"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32}),
-    _spec(_sign_encode_kernel, _sign_sig("*bf16", "i64"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32}, divisible=()),
-    _spec(_sign_encode_kernel, _sign_sig("*fp16"), {"HAS_R": False, "WRITE_R": False, "WORDS": TILE_GPU // 32}),
-    _spec(_qsgd_encode_kernel, _enc_sig("*fp32"), {"BITS": 4, "BYTES": TILE_GPU // 2}),
-    _spec(_qsgd_encode_kernel, _enc_sig("*fp16", ni="i64"), {"BITS": 2, "BYTES": TILE_GPU // 4}, divisible=()),
-    _spec(_qsgd_encode_kernel, _enc_sig("*bf16"), {"BITS": 8, "BYTES": TILE_GPU}),
-    _spec(_terngrad_encode_kernel, _enc_sig("*fp32", qsgd=False), {"BYTES": TILE_GPU // 4}),
-    _spec(_terngrad_encode_kernel, _enc_sig("*bf16", qsgd=False, ni="i64"), {"BYTES": TILE_GPU // 4}, divisible=()),
+    _spec(_sign_encode_kernel, _sign_sig("*fp32"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": False}),
+    _spec(_sign_encode_kernel, _sign_sig("*bf16", "i64"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": True}, divisible=()),
+    _spec(_sign_encode_kernel, _sign_sig("*fp16"), {"HAS_R": False, "WRITE_R": False, "WORDS": TILE_GPU // 32, "WIDE": True}),
+    _spec(_qsgd_encode_kernel, _enc_sig("*fp32"), {"BITS": 4, "BYTES": TILE_GPU // 2, "WIDE": True}),
+    _spec(_qsgd_encode_kernel, _enc_sig("*fp16", ni="i64"), {"BITS": 2, "BYTES": TILE_GPU // 4, "WIDE": False}, divisible=()),
+    _spec(_qsgd_encode_kernel, _enc_sig("*bf16"), {"BITS": 8, "BYTES": TILE_GPU, "WIDE": True}),
+    _spec(_terngrad_encode_kernel, _enc_sig("*fp32", qsgd=False), {"BYTES": TILE_GPU // 4, "WIDE": True}),
+    _spec(_terngrad_encode_kernel, _enc_sig("*bf16", qsgd=False, ni="i64"), {"BYTES": TILE_GPU // 4, "WIDE": False}, divisible=()),
     # one-pass routes at TILE_GPU: sign with block 1024 and 4096, QSGD's default block 64 in
     # 4, 2 and 8 bits, TernGrad with block 1024 (with and without clip).
     _spec(_sign_onepass_kernel, _onepass_sig("sign", "*fp32"), {"HAS_R": True, "WRITE_R": True, "ROWS": 4, "CHUNKS": 32}, ("n", "b")),
@@ -716,11 +803,11 @@ AOT_SPECS = [
     _spec(
         _sign_onepass_kernel, _onepass_sig("sign", "*fp16", "i64"), {"HAS_R": True, "WRITE_R": True, "ROWS": 1, "CHUNKS": 128}, ()
     ),
-    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp32"), {"BITS": 4, "ROWS": 64, "CHUNKS": 32}, ("n", "b")),
-    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*bf16", "i64"), {"BITS": 2, "ROWS": 64, "CHUNKS": 16}, ()),
-    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp16"), {"BITS": 8, "ROWS": 64, "CHUNKS": 64}, ("n", "b")),
-    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*fp32"), {"CLIP": False, "ROWS": 4, "CHUNKS": 256}, ("n", "b")),
-    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*bf16", "i64"), {"CLIP": True, "ROWS": 4, "CHUNKS": 256}, ()),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp32"), {"BITS": 4, "ROWS": 64, "CHUNKS": 32, "QUAD": True}, ("n", "b")),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*bf16", "i64"), {"BITS": 2, "ROWS": 64, "CHUNKS": 16, "QUAD": False}, ()),
+    _spec(_qsgd_onepass_kernel, _onepass_sig("qsgd", "*fp16"), {"BITS": 8, "ROWS": 64, "CHUNKS": 64, "QUAD": True}, ("n", "b")),
+    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*fp32"), {"CLIP": False, "ROWS": 4, "CHUNKS": 256, "QUAD": True}, ("n", "b")),
+    _spec(_terngrad_onepass_kernel, _onepass_sig("tern", "*bf16", "i64"), {"CLIP": True, "ROWS": 4, "CHUNKS": 256, "QUAD": False}, ()),
 ] + [
     _spec(_decode_add_quant_kernel, _DEC_SIG, {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU})
     for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
