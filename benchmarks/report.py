@@ -3,8 +3,8 @@
     python benchmarks/report.py
 
 Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json,
-step_time_2ranks.json, plan_check.json and powersgd_cpu_gloo.json, whichever
-exist; every number in the README's results section comes from here.
+step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json and
+kernels_nvidia-h100-80gb-hbm3.json, whichever exist; every number in the README's results section comes from here.
 """
 from __future__ import annotations
 
@@ -103,6 +103,28 @@ def powersgd(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def kernels(doc: dict) -> str:
+    """The GPU kernel benchmark at its largest size: time, GB/s over minimal bytes, share of copy."""
+    n = max(r["n"] for r in doc["results"])
+    lines = [
+        f"`python benchmarks/kernels.py` on {doc['device']} (torch {doc['torch']}, triton {doc['triton']}, "
+        f"cupy {doc['cupy']}; {doc['date'][:10]}); copy bandwidth {doc['copy_bandwidth_gbps']:.0f} GB/s "
+        f"(read + write); n = {n:,} float32 elements, GB/s over the minimal bytes of each op",
+        "",
+        "| kernel | backend | route | ms | GB/s | % of copy | × torch eager |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in doc["results"]:
+        if r["n"] != n:
+            continue
+        lines.append(
+            f"| {r['kernel']} | {r['backend']} | {r.get('route', '')} | {r['kernel_ms']:.3f} | {r['gbps']:.0f} "
+            f"| {100 * r['fraction_of_copy']:.1f}% | {r['speedup_vs_reference']:.1f} |"
+        )
+    lines += ["", "Goals (issue 5): " + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in doc["goals"].items() if v is not None)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name, fn in (
         ("accuracy_mnist_2ranks_cpu.json", accuracy),
@@ -110,6 +132,7 @@ def main() -> None:
         ("step_time_2ranks.json", step_time),
         ("plan_check.json", plan_check),
         ("powersgd_cpu_gloo.json", powersgd),
+        ("kernels_nvidia-h100-80gb-hbm3.json", kernels),
     ):
         doc = _load(name)
         if doc is not None:
