@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def methods(bps: float | None = None, world: int = 4) -> dict:
 
     m = {
         "allreduce": None,  # plain DDP, no hook
+        "Identity": gz.Identity(),  # plain allreduce through gradzip's hook: the engine's own cost
         "FP16": gz.FP16(),
         "TopK-1%": gz.TopK(ratio=0.01),
         "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
@@ -253,7 +255,11 @@ def main() -> int:
         return 2
     names = list(methods(1e9, a.ranks))
     if a.methods:
-        names = [m for m in a.methods.split(",") if m]
+        # commas inside parentheses belong to the name: "Policy(auto,TopK)"
+        names = [m for m in re.split(r",(?![^()]*\))", a.methods) if m]
+        unknown = sorted(set(names) - set(methods(1e9, a.ranks)))
+        if unknown:
+            p.error(f"unknown methods {unknown}; known: {list(methods(1e9, a.ranks))}")
     if "allreduce" in names:  # first: it calibrates the unshaped link
         names.remove("allreduce")
         names.insert(0, "allreduce")
