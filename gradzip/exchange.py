@@ -215,6 +215,19 @@ def _back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
     return flat[:pos]
 
 
+def _cat_target(bodies, call: Call) -> torch.Tensor | None:
+    """``call.dest`` as the buffer to concatenate the bodies into, where it fits (their dtype,
+    exactly their length) and none of them lies in it; else None (a new tensor)."""
+    d = call.dest
+    n = sum(b.numel() for b in bodies)
+    if d is None or d.numel() != n or not d.is_contiguous() or any(b.dtype != d.dtype for b in bodies):
+        return None
+    st = d.untyped_storage().data_ptr()
+    if any(b.numel() and b.untyped_storage().data_ptr() == st for b in bodies):
+        return None
+    return d.view(-1)
+
+
 def summable_exchange(comp: "Compressor", call: Call) -> Exchange:
     with call.codec():
         payloads = [call.encode(comp, i) for i in range(len(call.tensors))]
@@ -223,7 +236,7 @@ def summable_exchange(comp: "Compressor", call: Call) -> Exchange:
         # buffer, which is also where the result goes. Reduce it in place, as DDP does.
         flat = _back_to_back(bodies, call.dest) if call.memory is None else None
         if flat is None and payloads:
-            flat = torch.cat(bodies)
+            flat = torch.cat(bodies, out=_cat_target(bodies, call))
         elif flat is None:
             flat = torch.empty(0, dtype=call.out_dtype, device=call.device)
         if flat.numel() and not (comp.biased or call.memory is not None) and _sends_itself(payloads, call):

@@ -234,6 +234,11 @@ class Policy(Compressor):
                 cands.append(c)
         self.candidates = cands
         self.biased = any(c.biased for c in cands)
+        # Where a call splits across routes, the routes' results land in a buffer kept per
+        # call (by its tensor names) and reused every step: a fresh allocation of that size
+        # costs page faults on its first writes each step on CPU (see _scratch_for).
+        self._scratch: dict = {}
+        self._scratch_busy: set = set()
 
     # -- description -----------------------------------------------------------------------
     def config(self) -> dict:
@@ -424,9 +429,33 @@ class Policy(Compressor):
         # Unbiased candidates (the plain-allreduce fallback) run without residuals: a
         # tensor's route never changes, so it never had one, and it costs no compensation.
         whole = len(order) == 1  # one route for the whole call: it may write the call's destination
+        key = None if whole else (tuple(call.names), call.out_dtype, call.device)
+        scratch = None if whole else self._scratch_for(key, call)
+        try:
+            return (yield from self._run_routes(call, groups, order, whole, scratch))
+        finally:
+            self._scratch_busy.discard(key)
+
+    def _scratch_for(self, key, call) -> torch.Tensor | None:
+        """This call's reusable buffer for its routes' results (``call.numel`` elements), or
+        None if another call with the same tensors is still using it."""
+        if key in self._scratch_busy:
+            return None
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() != call.numel:
+            buf = self._scratch[key] = torch.empty(call.numel, dtype=call.out_dtype, device=call.device)
+        self._scratch_busy.add(key)
+        return buf
+
+    def _run_routes(self, call, groups, order, whole, scratch):
+        dests, pos = [], 0
+        for g in order:
+            n = sum(call.tensors[i].numel() for i in groups[g])
+            dests.append(call.dest if whole else None if scratch is None else scratch[pos : pos + n])
+            pos += n
         subs = [
-            call.subset(groups[g], error_feedback=self.candidates[g].biased, dest=call.dest if whole else None)
-            for g in order
+            call.subset(groups[g], error_feedback=self.candidates[g].biased, dest=d)
+            for g, d in zip(order, dests)
         ]
         comps = [self.candidates[g] for g in order]
         hints = [expected_rounds(c) for c in comps]

@@ -167,3 +167,18 @@ def test_identity_hook_in_place_is_bit_identical_to_ddp():
     hooked = run_ranks(_ddp_bucket, 2, True)
     for a, b in zip(plain[0], hooked[0]):
         assert torch.equal(a, b)
+
+
+def test_cat_target_uses_dest_only_when_it_fits_and_holds_no_body():
+    from types import SimpleNamespace
+
+    from gradzip.exchange import _cat_target
+
+    a, b = torch.randn(3), torch.randn(4)
+    dest = torch.empty(7)
+    assert _cat_target([a, b], SimpleNamespace(dest=dest)).data_ptr() == dest.data_ptr()
+    assert _cat_target([a, b], SimpleNamespace(dest=None)) is None
+    assert _cat_target([a, b], SimpleNamespace(dest=torch.empty(8))) is None  # not exactly their length
+    assert _cat_target([a.half(), b.half()], SimpleNamespace(dest=dest)) is None  # another dtype
+    assert _cat_target([dest[4:], dest[:3]], SimpleNamespace(dest=dest)) is None  # bodies lie in it
+    assert _cat_target([a, b], SimpleNamespace(dest=torch.empty(14)[::2])) is None  # not contiguous

@@ -211,13 +211,14 @@ def _engine_mix(rank, world, steps):
     pol = make_policy()
     eng = Engine(pol)
     parts = {"PowerSGD": Engine(PowerSGD(rank=2)), "TopK": Engine(TopK(0.05)), "Identity": Engine(Identity())}
-    got, ref = [], []
+    got, ref, scratch = [], [], []
     for s in range(steps):
         gr = grads(rank, s)
         futs = [eng.reduce(b, [gr[n] for n in b]) for b in BUCKETS]  # three calls in flight
         eng.flush()
         eng.end_step()
         got.append([f.wait() for f in futs])
+        scratch.append(({k[0]: v.data_ptr() for k, v in pol._scratch.items()}, set(pol._scratch_busy)))
         # the same tensors through one engine per compressor, call by call
         outs = []
         for b in BUCKETS:
@@ -253,6 +254,7 @@ def _engine_mix(rank, world, steps):
     return {
         "got": got,
         "ref": ref,
+        "scratch": scratch,
         "residuals": residuals,
         "part_residuals": part_res,
         "x": x,
@@ -288,6 +290,11 @@ def test_engine_policy_equals_its_parts_on_two_ranks():
             else:
                 assert torch.equal(v, r["part_residuals"][n]), n
     assert all(torch.equal(a, b) for a, b in zip(res[0]["got"][-1], res[1]["got"][-1]))
+    # calls split across routes keep one results buffer each, reused every step, released after
+    for r in res:
+        ptrs = [p for p, _ in r["scratch"]]
+        assert set(ptrs[0]) == {tuple(BUCKETS[0]), tuple(BUCKETS[1])}  # emb.weight alone: one route
+        assert all(p == ptrs[0] for p in ptrs) and all(not busy for _, busy in r["scratch"])
     # first step, computed here from what each rank sends
     g = [grads(r, 0) for r in range(2)]
     for b, out in zip(BUCKETS, res[0]["got"][0]):
