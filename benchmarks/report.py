@@ -3,8 +3,9 @@
     python benchmarks/report.py
 
 Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json,
-step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json and
-kernels_nvidia-h100-80gb-hbm3.json, whichever exist; every number in the README's results section comes from here.
+step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json,
+overhead_2ranks.json, overhead_4ranks.json and kernels_nvidia-h100-80gb-hbm3.json,
+whichever exist; every number in the README's results section comes from here.
 """
 from __future__ import annotations
 
@@ -103,6 +104,26 @@ def powersgd(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def overhead(doc: dict) -> str:
+    """Hook overhead against plain DDP, interleaved rounds (benchmarks/overhead.py)."""
+    lines = [
+        f"`sudo python benchmarks/overhead.py --ranks {doc['ranks']} --rounds {doc['rounds']}` "
+        f"({doc['ranks']} ranks, link {doc['rate']}, {doc['steps']} timed steps a run, "
+        f"machine: {_machine(doc['machine'])})",
+        "",
+        "| method | step s per round | vs DDP, median | range |",
+        "|---|---|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        steps = ", ".join(f"{t:.3f}" for t in r["step_s"])
+        lines.append(
+            f"| {r['method']} | {steps} | {100 * (r['median_ratio'] - 1):+.1f}% "
+            f"| {100 * (r['min_ratio'] - 1):+.1f}% .. {100 * (r['max_ratio'] - 1):+.1f}% |"
+        )
+    lines += ["", "(DDP's own row: each round against the median of its rounds, the noise floor.)"]
+    return "\n".join(lines)
+
+
 def kernels(doc: dict) -> str:
     """The GPU kernel benchmark at its largest size: time, GB/s over minimal bytes, share of copy."""
     n = max(r["n"] for r in doc["results"])
@@ -132,6 +153,8 @@ def main() -> None:
         ("step_time_2ranks.json", step_time),
         ("plan_check.json", plan_check),
         ("powersgd_cpu_gloo.json", powersgd),
+        ("overhead_2ranks.json", overhead),
+        ("overhead_4ranks.json", overhead),
         ("kernels_nvidia-h100-80gb-hbm3.json", kernels),
     ):
         doc = _load(name)
