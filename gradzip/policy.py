@@ -434,7 +434,8 @@ class Policy(Compressor):
         try:
             return (yield from self._run_routes(call, groups, order, whole, scratch))
         finally:
-            self._scratch_busy.discard(key)
+            if scratch is not None:  # only the call that holds the buffer frees it
+                self._scratch_busy.discard(key)
 
     def _scratch_for(self, key, call) -> torch.Tensor | None:
         """This call's reusable buffer for its routes' results (``call.numel`` elements), or

@@ -186,6 +186,25 @@ def test_policy_exchange_equals_its_parts_in_a_dry_run():
     assert "q" in stores["emb.weight"]  # per-tensor state went through the sub-call
 
 
+def test_results_buffer_is_held_by_one_call_at_a_time():
+    """A second call with the same tensors, while the first holds the buffer, gets none (its
+    routes allocate), and finishing it leaves the first call's hold in place."""
+    from types import SimpleNamespace
+
+    pol = Policy(TopK(0.1), min_numel=50)
+    call = SimpleNamespace(numel=10, out_dtype=torch.float32, device=torch.device("cpu"))
+    key = (("a", "b"), torch.float32, torch.device("cpu"))
+    first = pol._scratch_for(key, call)
+    assert first is not None and first.numel() == 10 and key in pol._scratch_busy
+    assert pol._scratch_for(key, call) is None and key in pol._scratch_busy
+    pol._scratch_busy.discard(key)
+    again = pol._scratch_for(key, call)
+    assert again.data_ptr() == first.data_ptr()  # reused
+    bigger = SimpleNamespace(numel=12, out_dtype=torch.float32, device=torch.device("cpu"))
+    pol._scratch_busy.discard(key)
+    assert pol._scratch_for(key, bigger).numel() == 12
+
+
 # -- 2 gloo ranks: the engine -----------------------------------------------------------------
 SHAPES = {
     "emb.weight": (24, 32),
