@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernels import copy_bandwidth  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -51,10 +54,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     n = args.n
     x = torch.randn(n, device=dev, generator=g)
-    src = torch.empty(256 << 20, device=dev)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6
-    del src, dst
+    copy_gbps = copy_bandwidth(bench, dev, 256 << 20)[0]
     rows = []
 
     def record(name, ms, nbytes, **kw):

@@ -84,6 +84,18 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def copy_bandwidth(bench, device, elems: int) -> tuple:
+    """``(GB/s, bytes, ms)`` of a device-to-device copy of ``elems`` float32 values, counting
+    bytes read plus bytes written; ``bench(fn)`` returns fn's time in ms."""
+    import torch
+
+    src = torch.empty(elems, dtype=torch.float32, device=device).uniform_(generator=torch.Generator(device=device).manual_seed(0))
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    nbytes = 2 * src.numel() * 4
+    return nbytes / ms / 1e6, nbytes, ms
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     import torch
@@ -148,12 +160,7 @@ def main(argv=None) -> int:
     # 1. copy bandwidth
     copy_elems = max(sizes) if use_cuda else 4 << 20
     copy_elems = max(copy_elems, 1 << 20)
-    src = torch.empty(copy_elems, dtype=torch.float32, device=device).uniform_(generator=torch.Generator(device=device).manual_seed(0))
-    dst = torch.empty_like(src)
-    copy_ms = bench(lambda: dst.copy_(src))
-    copy_bytes = 2 * src.numel() * 4
-    copy_gbps = copy_bytes / copy_ms / 1e6
-    del src, dst
+    copy_gbps, copy_bytes, copy_ms = copy_bandwidth(bench, device, copy_elems)
     print(f"device: {dev_name}   copy bandwidth: {copy_gbps:.1f} GB/s ({copy_bytes / 1e9:.2f} GB moved in {copy_ms:.3f} ms)")
 
     results = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 
@@ -29,26 +28,15 @@ import step_time as st  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rate", default="none", choices=list(st.RATES))
     p.add_argument("--methods", default="allreduce,Identity,Policy(auto,TopK),Policy(auto)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--depth", type=int, default=1)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--pg-timeout", type=float, default=300.0)
-    p.add_argument("--method-timeout", type=float, default=900.0)
+    st.add_run_args(p, steps=20)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    a.bucket_view = True
-    names = [m for m in re.split(r",(?![^()]*\))", a.methods) if m]
-    known = st.methods(1e9, a.ranks)
-    if "allreduce" not in names or set(names) - set(known):
-        p.error(f"methods must include allreduce and come from {list(known)}")
-    names.remove("allreduce")
-    names.insert(0, "allreduce")
+    names = st.parse_methods(p, a.methods, a.ranks)
+    if names[0] != "allreduce":
+        p.error("--methods must include allreduce: the others are compared with it")
 
     import netns as net
 
@@ -81,7 +69,7 @@ def main(argv=None) -> int:
         print(f"{m:<18} vs DDP: median {100 * (statistics.median(ratios) - 1):+5.1f}%  "
               f"range {100 * (min(ratios) - 1):+5.1f}% .. {100 * (max(ratios) - 1):+5.1f}%")
     doc = {"machine": machine(), "ranks": a.ranks, "rate": a.rate, "bps": bps, "rounds": a.rounds, "steps": a.steps,
-           "warmup": a.warmup, "width": a.width, "depth": a.depth, "batch": a.batch, "gradient_as_bucket_view": True,
+           "warmup": a.warmup, "width": a.width, "depth": a.depth, "batch": a.batch, "gradient_as_bucket_view": a.bucket_view,
            "note": "allreduce's ratios are its rounds over their own median: the noise floor", "rows": rows}
     out = a.out or os.path.join(HERE, "results", f"overhead_{a.ranks}ranks.json")
     with open(out, "w") as f:

@@ -217,6 +217,34 @@ def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
     return out
 
 
+def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """The options of one timed run of a method (shared with benchmarks/overhead.py)."""
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=1, help="hidden width x width layers (default: ~25M parameters)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
+                   help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)")
+    p.add_argument("--pg-timeout", type=float, default=300.0)
+    p.add_argument("--method-timeout", type=float, default=900.0)
+
+
+def parse_methods(p: argparse.ArgumentParser, text: str, ranks: int) -> list:
+    """Method names from ``--methods``, allreduce first (it calibrates the unshaped link).
+    Commas inside parentheses belong to the name: ``Policy(auto,TopK)``."""
+    known = list(methods(1e9, ranks))
+    names = [m for m in re.split(r",(?![^()]*\))", text) if m]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        p.error(f"unknown methods {unknown}; known: {known}")
+    if "allreduce" in names:
+        names.remove("allreduce")
+        names.insert(0, "allreduce")
+    return names
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -228,18 +256,9 @@ def main() -> int:
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bps", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit,none")
     p.add_argument("--methods", default="", help="comma-separated subset")
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--depth", type=int, default=1, help="hidden width x width layers (default: ~25M parameters)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
-                   help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)")
-    p.add_argument("--pg-timeout", type=float, default=300.0)
-    p.add_argument("--method-timeout", type=float, default=900.0)
+    add_run_args(p, steps=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
     p.add_argument("--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest")
     a = p.parse_args()
@@ -253,16 +272,7 @@ def main() -> int:
     if why:
         print(f"step_time.py: {why}", file=sys.stderr)
         return 2
-    names = list(methods(1e9, a.ranks))
-    if a.methods:
-        # commas inside parentheses belong to the name: "Policy(auto,TopK)"
-        names = [m for m in re.split(r",(?![^()]*\))", a.methods) if m]
-        unknown = sorted(set(names) - set(methods(1e9, a.ranks)))
-        if unknown:
-            p.error(f"unknown methods {unknown}; known: {list(methods(1e9, a.ranks))}")
-    if "allreduce" in names:  # first: it calibrates the unshaped link
-        names.remove("allreduce")
-        names.insert(0, "allreduce")
+    names = parse_methods(p, a.methods, a.ranks) if a.methods else list(methods(1e9, a.ranks))
     rates = a.rates.split(",")
     for r in rates:
         if r not in RATES:

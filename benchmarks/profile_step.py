@@ -1,0 +1,83 @@
+"""Where one rank's training step spends its time, for one method (cProfile; CPU, no root).
+
+    python benchmarks/profile_step.py "Policy(auto)" [--steps 5] [--top 18]
+
+One gloo rank (world size 1), the step_time.py model (25.2M parameters) under DDP with
+``gradient_as_bucket_view=True`` and gradzip's hook for the method (``allreduce``: no hook).
+The method is built by ``step_time.methods`` as if for ``--ranks`` ranks on a link of
+``--bps`` bits/s, so Policy(auto) chooses routes as it would there. With one rank the
+collectives cost almost nothing, so what is left is the host work of the step and the
+codec. Prints the mean wall time per step, then the functions with the most time spent
+in them.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import step_time as st  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("method")
+    p.add_argument("--ranks", type=int, default=4, help="world size the method is configured for")
+    p.add_argument("--bps", type=float, default=5.2e9, help="link the method is configured for (bits/s)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top", type=int, default=18)
+    a = p.parse_args(argv)
+    known = st.methods(a.bps, a.ranks)
+    if a.method not in known:
+        p.error(f"unknown method {a.method!r}; known: {list(known)}")
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradzip.hooks import register_hook
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    try:
+        model = st.build_model(4096, 1)
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        if known[a.method] is not None:
+            register_hook(ddp, known[a.method])
+        x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(0))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            ddp(x).square().mean().backward()
+            opt.step()
+
+        for _ in range(a.warmup):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        wall = (time.perf_counter() - t0) / a.steps
+        prof.disable()
+        print(f"{a.method}: {1e3 * wall:.1f} ms/step (mean of {a.steps}, profiled)")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(a.top)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
