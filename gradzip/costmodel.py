@@ -31,8 +31,8 @@ counts in a real run (size exchanges, headers and padding included).
 
 Plain DDP (``method=None``) is one allreduce of each bucket's gradients and no
 codec. gradzip methods add the engine's 4-byte non-finite flag allreduce per
-bucket (:data:`ENGINE_FLAG_BYTES`); the first step's configuration check is
-left out (it happens once).
+bucket (:data:`ENGINE_FLAG_BYTES`; none where the bucket is summed as it is);
+the first step's configuration check is left out (it happens once).
 """
 from __future__ import annotations
 
@@ -269,6 +269,9 @@ class DryRun:
     codec_seconds: float
     rounds: int
     out: torch.Tensor | None = None
+    #: Every tensor was summed as it is (``Call.plain``, known after the first round): the
+    #: engine then sends no non-finite flag for the call.
+    plain: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -318,19 +321,23 @@ def dry_run(
         out_dtype=tensors[0].dtype if tensors else torch.float32,
     )
     gen = comp.exchange(call)
-    rounds, out = 0, None
+    rounds, out, plain = 0, None, None
     try:
         while True:
             rnd = next(gen)
             rounds += 1
+            if plain is None:
+                plain = bool(names) and call.plain.issuperset(names)
             if rnd.last and not decode:
                 break
             comm.complete()
     except StopIteration as stop:
         out = stop.value
+        if plain is None:
+            plain = bool(names) and call.plain.issuperset(names)
     finally:
         gen.close()
-    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out)
+    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, bool(plain))
 
 
 # -- codec profile -------------------------------------------------------------------------
@@ -664,6 +671,7 @@ class WireCache:
         self.probe_worlds = probe_worlds
         self._logs: dict = {}
         self._invariant: dict = {}
+        self._plain: dict = {}
         self.dry_runs = 0
 
     def _run(self, comp, shapes, dtype, world, ef, seed) -> list:
@@ -671,9 +679,18 @@ class WireCache:
         if key not in self._logs:
             xs = [_sample(s, dtype, seed=seed + j) for j, s in enumerate(shapes)]
             names = [f"p{seed + j}" for j in range(len(shapes))]
-            self._logs[key] = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False).collectives
+            run = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False)
+            self._logs[key] = run.collectives
+            self._plain[key[:3]] = run.plain
             self.dry_runs += 1
         return self._logs[key]
+
+    def plain(self, comp, shapes, *, error_feedback=None, dtype=torch.float32) -> bool:
+        """Whether a call of ``comp`` on ``shapes`` sums every tensor as it is (no engine
+        flag); from the dry runs :meth:`collectives` made (call it first)."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        ef = comp.biased if error_feedback is None else bool(error_feedback)
+        return self._plain[(CodecProfile.key(comp, ef), shapes, str(dtype))]
 
     def collectives(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> list:
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -712,8 +729,10 @@ def step_cost(
     ``method=None`` is plain DDP. A :class:`gradzip.policy.Policy` is costed per
     bucket by its partition: each group's collectives come from a dry run of the
     sub-compressor on the group, each tensor's codec from the sub-compressor's fit
-    (with error feedback on for every tensor when the policy is biased, as the
-    engine runs it). On one rank the step is ``compute_s`` alone.
+    (with error feedback on for the biased sub-compressors of a biased policy: the
+    policy runs its unbiased routes, such as plain allreduce, without residuals). A
+    bucket whose call sums every tensor as it is (``DryRun.plain``) sends no engine
+    flag. On one rank the step is ``compute_s`` alone.
     """
     from .policy import Policy  # noqa: PLC0415 - policy imports this module
 
@@ -734,7 +753,6 @@ def step_cost(
         if method is None:
             colls.append(Collective("allreduce", sum(_nbytes(layers[i][1], dtype) for i in b)))
             continue
-        colls.append(Collective("allreduce", ENGINE_FLAG_BYTES, control=True))
         if isinstance(method, Policy):
             ef = method.biased
             parts: dict[int, list[int]] = {}
@@ -748,11 +766,17 @@ def step_cost(
         else:
             ef = method.biased
             groups = [(method, b)]
+        plain = True
         for comp, idx in groups:
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
-            colls += cache.collectives(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
-            fit = profile.fit(comp, ef)
+            shapes = [layers[i][1] for i in idx]
+            gef = ef and not (isinstance(method, Policy) and not comp.biased)  # as Policy runs its routes
+            colls += cache.collectives(comp, shapes, world, error_feedback=gef, dtype=dtype, seed=idx[0])
+            plain = plain and cache.plain(comp, shapes, error_feedback=gef, dtype=dtype)
+            fit = profile.fit(comp, gef)
             codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
+        if not plain:  # the engine's flag (a bucket summed as it is needs none; see gradzip.engine)
+            colls.append(Collective("allreduce", ENGINE_FLAG_BYTES, control=True))
     wire = wire_time(colls, world, link)
     detail = {"tensors_per_compressor": groups_used} if isinstance(method, Policy) else {}
     return StepCost(

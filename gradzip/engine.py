@@ -12,7 +12,9 @@ Safety nets, all decided identically on every rank:
   and a hash of the parameter layout when the front end gave one). A mismatch
   raises ``ValueError`` naming the differing field, on every rank.
 * **Non-finite gradients.** Every call adds a one-element allreduce(MAX) of
-  "this rank saw a NaN/Inf" to its first round. If any rank saw one (or the
+  "this rank saw a NaN/Inf" to its first round, except a call that sums every
+  tensor as it is (Identity): there a NaN/Inf on any rank shows in the average,
+  which every rank checks anyway. If any rank saw one (or the
   average itself overflows the gradient's dtype), the call's
   result is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as
   it would without compression) or every rank raises ``FloatingPointError``
@@ -185,6 +187,19 @@ class Engine:
             idx = [i for i in range(len(tensors)) if call.names[i] not in call.plain]
             if not _all_finite([call.peek(i) for i in idx]):
                 local += [call.names[i] for i in idx if not _all_finite([call.peek(i)])]
+        if call is not None and call.names and call.plain.issuperset(call.names):
+            # Every tensor is being summed as it is (Identity, a policy's plain route): a
+            # non-finite input on any rank makes the average non-finite on every rank, and
+            # the output check below sees it, so the flag collective would tell nothing new.
+            # (Which tensors are plain follows from the configuration: the same on every rank.)
+            if rnd is None:
+                return out, False, local
+            while True:
+                yield rnd
+                try:
+                    rnd = next(inner)
+                except StopIteration as stop:
+                    return stop.value, False, local
         if local:
             flag.fill_(1)
         work = self.comm.allreduce(flag, op=dist.ReduceOp.MAX, control=True)

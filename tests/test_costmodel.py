@@ -207,6 +207,12 @@ def test_step_cost_hand_computed():
     assert topk.codec_s == pytest.approx(codec, rel=1e-12)
     assert topk.total_s == pytest.approx(0.05 + codec + wire, rel=1e-12)
 
+    # Identity sums the bucket as it is: DDP's bytes and collectives, no engine flag
+    prof.add(Identity(), CodecFit(1e-6, 0.0), error_feedback=False)
+    ident = step_cost(Identity(), layers, 4, link, 0.05, prof)
+    assert ident.bytes_per_rank == nbytes and ident.collectives == 1 and ident.wire_s == ddp.wire_s
+    assert ident.codec_s == pytest.approx(2e-6)
+
     one = step_cost(TopK(0.01), layers, 1, link, 0.05, prof)
     assert one.total_s == 0.05 and one.efficiency == 1.0
     with pytest.raises(KeyError, match="no entry for FP16"):
@@ -218,7 +224,7 @@ def test_step_cost_hand_computed():
 # -- the auto policy's choices ------------------------------------------------------------------
 AUTO_FITS = {
     (TopK(0.01), True): CodecFit(50e-6, 5e-9),
-    (Identity(), True): CodecFit(5e-6, 1e-10),
+    (Identity(), False): CodecFit(5e-6, 1e-10),  # the policy runs plain routes without residuals
 }
 
 

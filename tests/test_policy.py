@@ -260,7 +260,7 @@ def _engine_mix(rank, world, steps):
     slow_codec = CodecFit(10.0 if rank else 1e-6, 0.0)
     prof = CodecProfile(measure_missing=False)
     prof.add(TopK(0.01), slow_codec, error_feedback=True)
-    prof.add(Identity(), CodecFit(1e-6, 0.0), error_feedback=True)
+    prof.add(Identity(), CodecFit(1e-6, 0.0), error_feedback=False)
     auto = Engine(Policy(TopK(0.01), auto=True, link=Link(1e8, 1e-4), profile=prof))
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(rank))
     auto_out, collectives = [], []
@@ -330,8 +330,9 @@ def test_engine_policy_equals_its_parts_on_two_ranks():
     expected = (res[0]["x"].reshape(-1) / 2) + (res[1]["x"].reshape(-1) / 2)
     for r in res:
         assert all(torch.equal(o, expected) for o in r["auto"])
-        # step 1: config check (2) + vote + flag + payload; step 2: flag + payload
-        assert r["auto_collectives"] == [5, 7]
+        # step 1: config check (2) + vote + flag + payload (the route is not known when the
+        # flag goes out); step 2: the payload alone (a call summed as it is sends no flag)
+        assert r["auto_collectives"] == [5, 6]
 
 
 # -- 2 gloo ranks: the DDP hook, many small buckets ----------------------------------------------

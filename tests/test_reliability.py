@@ -82,6 +82,44 @@ def test_nonfinite_gradient_raises_on_every_rank_with_raise_policy():
     assert "FloatingPointError" in res[1]["error"] and "on rank 1" in res[1]["error"]
 
 
+def _plain_call(rank, world, policy):
+    """Identity sums the gradient as it is: no flag collective, and a NaN still counts."""
+    eng = Engine(gz.Identity(), on_nonfinite=policy)
+    log = {}
+
+    def step(t):
+        fut = eng.reduce(["w"], [t])
+        eng.flush()
+        eng.end_step()
+        return fut.wait()
+
+    step(torch.ones(5))  # the first call also checks the configuration
+    before = eng.stats()["collectives"]
+    log["out"] = step(torch.full((5,), float(rank + 1)))
+    log["collectives"] = eng.stats()["collectives"] - before
+    bad = torch.ones(5)
+    if rank == 1:
+        bad[2] = float("nan")
+    try:
+        log["bad_out"] = step(bad)
+    except FloatingPointError as exc:
+        log["error"] = str(exc)
+    return log
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_plain_calls_send_no_flag_and_still_catch_nonfinite(policy):
+    res = run_ranks(_plain_call, 2, policy)
+    for r in range(2):
+        assert res[r]["collectives"] == 1  # the gradients' allreduce alone
+        assert torch.equal(res[r]["out"], torch.full((5,), 1.5))
+        if policy == "skip":
+            assert torch.isnan(res[r]["bad_out"]).all()  # all NaN on both ranks, not only element 2
+    if policy == "raise":
+        assert "on another rank" in res[0]["error"]
+        assert "on rank 1" in res[1]["error"] and "'w'" in res[1]["error"]
+
+
 # -- 2. Config mismatch ----------------------------------------------------------------
 def _mismatch(rank, world):
     errors = {}
