@@ -50,7 +50,7 @@ def accuracy(doc: dict) -> str:
 def step_time(doc: dict) -> str:
     lines = [
         f"`benchmarks/step_time.py` ({doc['ranks']} ranks in network namespaces, MLP of "
-        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {doc['steps']} steps"
+        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {'/'.join(map(str, doc['steps'])) if isinstance(doc['steps'], list) else doc['steps']} steps"
         f"{' after ' + str(doc['warmup']) + ' warm-up' if 'warmup' in doc else ''}"
         f"{', DDP gradient_as_bucket_view' if doc.get('gradient_as_bucket_view') else ''}; "
         f"machine: {_machine(doc['machine'])})",
@@ -105,23 +105,29 @@ def powersgd(doc: dict) -> str:
 
 
 def overhead(doc: dict) -> str:
-    """Hook overhead against plain DDP, interleaved rounds (benchmarks/overhead.py)."""
+    """Hook overhead against plain DDP, step by step in pairs (benchmarks/overhead.py)."""
     lines = [
-        f"`sudo python benchmarks/overhead.py --ranks {doc['ranks']} --rounds {doc['rounds']}` "
-        f"({doc['ranks']} ranks, link {doc['rate']}, {doc['steps']} timed steps a run, "
-        f"machine: {_machine(doc['machine'])})",
+        f"`sudo python benchmarks/overhead.py --ranks {doc['ranks']} --steps {doc['cycles']}` "
+        f"({doc['ranks']} ranks, link {doc['rate']}, {doc['cycles']} cycles of one step per model in random order "
+        f"after {doc['warmup']} warm-up, MLP width {doc['width']}; machine: {_machine(doc['machine'])})",
         "",
-        "| method | step s per round | vs DDP, median | range |",
-        "|---|---|---:|---:|",
+        "| method | median step (s) | vs plain DDP in the same cycle, median | 95% interval |",
+        "|---|---:|---:|---:|",
+        f"| plain DDP | {_median(doc['allreduce_step_s']):.3f} | | |",
     ]
     for r in doc["rows"]:
-        steps = ", ".join(f"{t:.3f}" for t in r["step_s"])
+        lo, hi = r["ci95"]
         lines.append(
-            f"| {r['method']} | {steps} | {100 * (r['median_ratio'] - 1):+.1f}% "
-            f"| {100 * (r['min_ratio'] - 1):+.1f}% .. {100 * (r['max_ratio'] - 1):+.1f}% |"
+            f"| {r['method']} | {r['step_s_median']:.3f} | {100 * (r['median_ratio'] - 1):+.1f}% "
+            f"| {100 * (lo - 1):+.1f}% .. {100 * (hi - 1):+.1f}% |"
         )
-    lines += ["", "(DDP's own row: each round against the median of its rounds, the noise floor.)"]
     return "\n".join(lines)
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def kernels(doc: dict) -> str:

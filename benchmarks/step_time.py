@@ -13,7 +13,7 @@ cost model predicts
 from quantities measured in the same run: compute (the whole training step of the
 same DDP model and optimizer, with a comm hook that returns each bucket untouched:
 forward, backward, DDP's bucket handling and the optimizer step, timed on every
-rank at the same time), codec seconds and the bytes each rank handed to allreduce and to all-gather
+rank at the same time, one such step just before each timed step), codec seconds and the bytes each rank handed to allreduce and to all-gather
 (``stats()``). B is the nominal link rate; for the unshaped run B is the
 bandwidth measured by a timed 64 MB allreduce between the namespaces. latency
 is the median time of a one-element allreduce between the idle ranks, and
@@ -109,16 +109,6 @@ def worker(a) -> None:
     shadow = torch.nn.parallel.DistributedDataParallel(build_model(a.width, a.depth), **ddp_kw)
     shadow.register_comm_hook(None, no_comm)
     shadow_opt = torch.optim.SGD(shadow.parameters(), lr=1e-3)
-    for _ in range(2):
-        ddp_step(shadow, shadow_opt)
-    dist.barrier()
-    t = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        ddp_step(shadow, shadow_opt)
-        t.append(time.perf_counter() - t0)
-    compute = statistics.median(t)
-    del shadow, shadow_opt
 
     # Per-collective latency: a one-element allreduce, every rank idle (median of 20).
     one = torch.zeros(1)
@@ -143,19 +133,24 @@ def worker(a) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kw)
     state = register_hook(ddp, comp) if comp is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    times, snap = [], None
+    # Each timed step is paired with a timed step of the shadow model just before it, so
+    # compute is measured under the same conditions (caches, the other ranks' load).
+    times, shadow_times, snap = [], [], None
     for s in range(a.warmup + a.steps):
         if s == a.warmup and state is not None:
             snap = state.stats()
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
+        ddp_step(shadow, shadow_opt)
+        shadow_times.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ddp_step(ddp, opt)
         times.append(time.perf_counter() - t0)
-    times = times[a.warmup :]
+    times, shadow_times = times[a.warmup :], shadow_times[a.warmup :]
+    compute = statistics.median(shadow_times)
     out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute, "step_s": statistics.median(times),
-           "step_all_s": times, "calibrated_bps": bw, "collective_latency_s": latency}
+           "step_all_s": times, "compute_all_s": shadow_times, "calibrated_bps": bw, "collective_latency_s": latency}
     if state is not None:
         end = state.stats()
         k = end["steps"] - snap["steps"]
@@ -189,6 +184,25 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
             "total": r["compute_s"] + r["codec_seconds_per_step"] + wire + latency}
 
 
+def launch(net, world: int, argv: list, timeout: float, what: str) -> None:
+    """Run ``argv`` as ranks 0..world-1 (``--rank i`` appended), each in its namespace; raise
+    RuntimeError naming ``what`` if one fails or they are not all done within ``timeout`` s."""
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(world)]
+    deadline = time.time() + timeout
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what}: ranks did not finish in {timeout:.0f}s") from None
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(l[-2000:] for l in logs))
+
+
 def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
     port = 29000 + int(time.time() * 1000) % 20000
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -198,23 +212,22 @@ def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
             "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
             "--pg-timeout", str(a.pg_timeout), "--bps", str(bps or 0)] + (["--calibrate"] if calibrate else []) \
         + ([] if a.bucket_view else ["--no-bucket-view"])
-    procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(world)]
-    deadline = time.time() + a.method_timeout
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"{method} at {rate_name}: ranks did not finish in {a.method_timeout}s")
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{method} at {rate_name} failed:\n" + "\n".join(l[-2000:] for l in logs))
+    launch(net, world, argv, a.method_timeout, f"{method} at {rate_name}")
     with open(result) as f:
         out = json.load(f)
     os.unlink(result)
     return out
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The hidden options the driver passes to each rank (shared with benchmarks/overhead.py)."""
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--master", default="", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    p.add_argument("--bps", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
 def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
@@ -247,15 +260,9 @@ def parse_methods(p: argparse.ArgumentParser, text: str, ranks: int) -> list:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
-    p.add_argument("--master", default="", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    add_worker_args(p)
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--bps", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--rates", default="100mbit,1gbit,none")
     p.add_argument("--methods", default="", help="comma-separated subset")
     add_run_args(p, steps=5)
@@ -289,7 +296,8 @@ def main() -> int:
                 if bps is None:
                     bps = r["calibrated_bps"]
                 pred = model_time(r, a.ranks, bps)
-                row = {"rate": rate, "bps": bps, **r, "model": pred, "model_error": pred["total"] / r["step_s"] - 1}
+                row = {"rate": rate, "bps": bps, "steps": a.steps, **r, "model": pred,
+                       "model_error": pred["total"] / r["step_s"] - 1}
                 rows.append(row)
                 print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
                       f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
@@ -315,7 +323,7 @@ def main() -> int:
                 r["speedup_vs_allreduce"] = base / r["step_s"]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     doc = {"machine": machine(), "ranks": a.ranks, "width": a.width, "depth": a.depth, "batch": a.batch,
-           "steps": a.steps, "warmup": a.warmup, "gradient_as_bucket_view": a.bucket_view, "rows": rows}
+           "steps": sorted({r.get("steps", a.steps) for r in rows}), "warmup": a.warmup, "gradient_as_bucket_view": a.bucket_view, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=2)
     plot(doc, a.out.replace(".json", ".png"))
