@@ -326,18 +326,15 @@ def dry_run(
         while True:
             rnd = next(gen)
             rounds += 1
-            if plain is None:
-                plain = bool(names) and call.plain.issuperset(names)
+            plain = call.all_plain if plain is None else plain  # as the engine decides: after round 1
             if rnd.last and not decode:
                 break
             comm.complete()
     except StopIteration as stop:
         out = stop.value
-        if plain is None:
-            plain = bool(names) and call.plain.issuperset(names)
     finally:
         gen.close()
-    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, bool(plain))
+    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, call.all_plain if plain is None else plain)
 
 
 # -- codec profile -------------------------------------------------------------------------
@@ -671,28 +668,25 @@ class WireCache:
         self.probe_worlds = probe_worlds
         self._logs: dict = {}
         self._invariant: dict = {}
-        self._plain: dict = {}
         self.dry_runs = 0
 
-    def _run(self, comp, shapes, dtype, world, ef, seed) -> list:
+    def _run(self, comp, shapes, dtype, world, ef, seed) -> tuple:
         key = (CodecProfile.key(comp, ef), shapes, str(dtype), world)
         if key not in self._logs:
             xs = [_sample(s, dtype, seed=seed + j) for j, s in enumerate(shapes)]
             names = [f"p{seed + j}" for j in range(len(shapes))]
             run = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False)
-            self._logs[key] = run.collectives
-            self._plain[key[:3]] = run.plain
+            self._logs[key] = (run.collectives, run.plain)
             self.dry_runs += 1
         return self._logs[key]
 
-    def plain(self, comp, shapes, *, error_feedback=None, dtype=torch.float32) -> bool:
-        """Whether a call of ``comp`` on ``shapes`` sums every tensor as it is (no engine
-        flag); from the dry runs :meth:`collectives` made (call it first)."""
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        ef = comp.biased if error_feedback is None else bool(error_feedback)
-        return self._plain[(CodecProfile.key(comp, ef), shapes, str(dtype))]
-
     def collectives(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> list:
+        """The collectives of a call of ``comp`` on ``shapes`` among ``world`` ranks."""
+        return self.call(comp, shapes, world, error_feedback=error_feedback, dtype=dtype, seed=seed)[0]
+
+    def call(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> tuple:
+        """``(collectives, plain)`` of a call of ``comp`` on ``shapes`` among ``world`` ranks;
+        ``plain``: every tensor summed as it is (``DryRun.plain``: the engine sends no flag)."""
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         ef = comp.biased if error_feedback is None else bool(error_feedback)
         if self.probe_worlds is None or world == 1:
@@ -754,7 +748,6 @@ def step_cost(
             colls.append(Collective("allreduce", sum(_nbytes(layers[i][1], dtype) for i in b)))
             continue
         if isinstance(method, Policy):
-            ef = method.biased
             parts: dict[int, list[int]] = {}
             bucket_numel = sum(math.prod(layers[i][1]) for i in b)
             for i in b:
@@ -764,16 +757,17 @@ def step_cost(
                 parts.setdefault(method.index_of(comp), []).append(i)
             groups = [(method.candidates[g], parts[g]) for g in sorted(parts)]
         else:
-            ef = method.biased
             groups = [(method, b)]
         plain = True
         for comp, idx in groups:
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
-            shapes = [layers[i][1] for i in idx]
-            gef = ef and not (isinstance(method, Policy) and not comp.biased)  # as Policy runs its routes
-            colls += cache.collectives(comp, shapes, world, error_feedback=gef, dtype=dtype, seed=idx[0])
-            plain = plain and cache.plain(comp, shapes, error_feedback=gef, dtype=dtype)
-            fit = profile.fit(comp, gef)
+            # Error feedback as the engine runs it: for biased compressors, and within a policy
+            # for its biased routes only (its unbiased routes run without residuals).
+            ef = comp.biased
+            got, alone = cache.call(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
+            colls += got
+            plain = plain and alone
+            fit = profile.fit(comp, ef)
             codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
         if not plain:  # the engine's flag (a bucket summed as it is needs none; see gradzip.engine)
             colls.append(Collective("allreduce", ENGINE_FLAG_BYTES, control=True))

@@ -187,26 +187,21 @@ class Engine:
             idx = [i for i in range(len(tensors)) if call.names[i] not in call.plain]
             if not _all_finite([call.peek(i) for i in idx]):
                 local += [call.names[i] for i in idx if not _all_finite([call.peek(i)])]
-        if call is not None and call.names and call.plain.issuperset(call.names):
-            # Every tensor is being summed as it is (Identity, a policy's plain route): a
-            # non-finite input on any rank makes the average non-finite on every rank, and
-            # the output check below sees it, so the flag collective would tell nothing new.
-            # (Which tensors are plain follows from the configuration: the same on every rank.)
-            if rnd is None:
-                return out, False, local
-            while True:
-                yield rnd
-                try:
-                    rnd = next(inner)
-                except StopIteration as stop:
-                    return stop.value, False, local
-        if local:
-            flag.fill_(1)
-        work = self.comm.allreduce(flag, op=dist.ReduceOp.MAX, control=True)
-        if rnd is None:
-            yield Round([work], last=True)
+        # A call whose tensors are all summed as they are (Identity, a policy's plain route)
+        # needs no flag: a non-finite input on any rank makes the average non-finite on every
+        # rank, which the output check sees. (Which tensors are plain follows from the
+        # configuration, so every rank decides alike.)
+        work = None
+        if call is None or not call.all_plain:
+            if local:
+                flag.fill_(1)
+            work = self.comm.allreduce(flag, op=dist.ReduceOp.MAX, control=True)
+        if rnd is None:  # the exchange sent nothing: the flag goes alone
+            if work is not None:
+                yield Round([work], last=True)
             return out, bool(flag.item()), local
-        rnd = Round(rnd.works + [work], rnd.last)
+        if work is not None:
+            rnd = Round(rnd.works + [work], rnd.last)
         while True:
             yield rnd
             try:

@@ -99,6 +99,12 @@ class Call:
         make = torch.zeros if zero else torch.empty
         return make(self.numel, dtype=self.out_dtype, device=self.device)
 
+    @property
+    def all_plain(self) -> bool:
+        """Every tensor of the call is summed as it is (see ``plain``; decided once the
+        exchange has run its first round). The engine then sends no non-finite flag."""
+        return bool(self.names) and self.plain.issuperset(self.names)
+
     def slice(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
 

@@ -324,7 +324,7 @@ class Policy(Compressor):
                 world_size,
                 self.link,
                 prof,
-                error_feedback=self.biased and c.biased,  # as _run_routes runs the route
+                error_feedback=c.biased,  # as _run_routes runs the route
                 sample_is_compensated=compensated,
                 latency_share=latency_share,
             )

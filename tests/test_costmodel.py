@@ -94,6 +94,10 @@ def test_dry_run_bytes_are_the_real_exchange():
     assert torch.allclose(d.out, comp.decompress(comp.compress(x)).reshape(-1))
     assert [c.nbytes for c in dry_run(Identity(), [x], world_size=4).collectives] == [40000]
     assert [c.nbytes for c in dry_run(FP16(), [x], world_size=4).collectives] == [20000]
+    # the engine's flag rule: only a call that sums its tensors as they are goes without one
+    assert dry_run(Identity(), [x], world_size=4).plain and dry_run(Identity(), [x], world_size=4, decode=False).plain
+    assert not dry_run(FP16(), [x], world_size=4).plain and not dry_run(TopK(0.01), [x], world_size=4).plain
+    assert not dry_run(Identity(), [x], world_size=4, error_feedback=True).plain
     # PowerSGD rank 2 of a 100x100 matrix: P (100x2) then Q (100x2), fp32
     p = dry_run(PowerSGD(rank=2), [x], world_size=4)
     assert [c.nbytes for c in p.collectives] == [800, 800] and p.rounds == 2
