@@ -40,22 +40,6 @@ AA = "allreduce'"  # the second plain DDP model
 TORCH_HOOK = "torch allreduce_hook"  # PyTorch's own Python comm hook doing DDP's allreduce
 
 
-def calibrate_bps(world: int) -> float:
-    """Link bandwidth (bits/s through the ring formula) from a timed 64 MB allreduce."""
-    import torch
-    import torch.distributed as dist
-
-    buf = torch.ones(16 * 2**20)
-    dist.all_reduce(buf)
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(buf)
-    dt = time.perf_counter() - t0
-    t = torch.tensor([buf.numel() * 4 * 8 * 2 * (world - 1) / world / dt], dtype=torch.float64)
-    dist.broadcast(t, 0)  # every rank builds Policy(auto) from the same figure
-    return float(t.item())
-
-
 def worker(a) -> None:
     import datetime
 
@@ -68,7 +52,7 @@ def worker(a) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=a.pg_timeout))
-    bps = a.bps or calibrate_bps(a.world)
+    bps = a.bps or st.calibrate_bps(a.world)
     comps = st.methods(bps, a.world)
     names = a.method_list.split("|")
     g = torch.Generator().manual_seed(a.rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -113,7 +114,7 @@ def overhead(doc: dict) -> str:
         "",
         "| method | median step (s) | vs plain DDP in the same cycle, median | 95% interval |",
         "|---|---:|---:|---:|",
-        f"| plain DDP | {_median(doc['allreduce_step_s']):.3f} | | |",
+        f"| plain DDP | {statistics.median(doc['allreduce_step_s']):.3f} | | |",
     ]
     for r in doc["rows"]:
         lo, hi = r["ci95"]
@@ -122,12 +123,6 @@ def overhead(doc: dict) -> str:
             f"| {100 * (lo - 1):+.1f}% .. {100 * (hi - 1):+.1f}% |"
         )
     return "\n".join(lines)
-
-
-def _median(xs) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def kernels(doc: dict) -> str:

@@ -74,6 +74,23 @@ def build_model(width: int, depth: int):
 
 
 # -- one rank ----------------------------------------------------------------------------
+def calibrate_bps(world: int) -> float:
+    """Link bandwidth in bits/s through the ring formula, from a timed 64 MB allreduce
+    (rank 0's figure, broadcast: every rank builds Policy(auto) from the same one)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(16 * 2**20)
+    dist.all_reduce(buf)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(buf)
+    dt = time.perf_counter() - t0
+    bps = torch.tensor([buf.numel() * 4 * 8 * 2 * (world - 1) / world / dt], dtype=torch.float64)
+    dist.broadcast(bps, 0)
+    return float(bps.item())
+
+
 def worker(a) -> None:
     import datetime
 
@@ -120,15 +137,7 @@ def worker(a) -> None:
         lat.append(time.perf_counter() - t0)
     latency = statistics.median(lat)
 
-    bw = None
-    if a.calibrate:
-        buf = torch.ones(16 * 2**20)  # 64 MB
-        dist.all_reduce(buf)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        dt = time.perf_counter() - t0
-        bw = buf.numel() * 4 * 8 * 2 * (a.world - 1) / a.world / dt  # bits/s through the ring formula
+    bw = calibrate_bps(a.world) if a.calibrate else None
 
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kw)
     state = register_hook(ddp, comp) if comp is not None else None
