@@ -56,13 +56,16 @@ def step_time(doc: dict) -> str:
         f"{', DDP gradient_as_bucket_view' if doc.get('gradient_as_bucket_view') else ''}; "
         f"machine: {_machine(doc['machine'])})",
         "",
-        "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce "
+        "| CPU s/step: step / compute / codec |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
+        cpu = (f"{r['step_cpu_s']:.3f} / {r['compute_cpu_s']:.3f} / {r['codec_cpu_seconds_per_step']:.3f}"
+               if "step_cpu_s" in r else "")
         lines.append(
             f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} | {100 * r['model_error']:+.1f}% "
-            f"| {r['bytes_sent_per_step'] / 1e6:.3f} | {r.get('speedup_vs_allreduce', float('nan')):.2f}× |"
+            f"| {r['bytes_sent_per_step'] / 1e6:.3f} | {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {cpu} |"
         )
     return "\n".join(lines)
 

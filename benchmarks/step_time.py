@@ -20,6 +20,10 @@ is the median time of a one-element allreduce between the idle ranks, and
 collectives the number per step (stats(); DDP's bucket count for plain allreduce).
 Every method, plain allreduce included, runs DDP with gradient_as_bucket_view=True
 (no copies between gradients and buckets; --no-bucket-view for DDP's default).
+Codec seconds include the engine's non-finite checks (gradzip's own work outside the
+collectives). Each row also records CPU time: the process CPU time (all threads) of
+each timed step and of its compute step, and the codec blocks' thread CPU time. With
+more ranks than cores the ranks share the cores, and these show where the wall time went.
 Writes benchmarks/results/step_time.json and step_time.png.
 """
 from __future__ import annotations
@@ -144,33 +148,40 @@ def worker(a) -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     # Each timed step is paired with a timed step of the shadow model just before it, so
     # compute is measured under the same conditions (caches, the other ranks' load).
-    times, shadow_times, snap = [], [], None
+    # Process CPU time (all threads) of each step too: with more ranks than cores the step is
+    # bound by the CPU the ranks need, not only by the wall time each phase takes.
+    times, shadow_times, cpus, shadow_cpus, snap = [], [], [], [], None
     for s in range(a.warmup + a.steps):
         if s == a.warmup and state is not None:
             snap = state.stats()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ddp_step(shadow, shadow_opt)
         shadow_times.append(time.perf_counter() - t0)
+        shadow_cpus.append(time.process_time() - c0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ddp_step(ddp, opt)
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     times, shadow_times = times[a.warmup :], shadow_times[a.warmup :]
+    cpus, shadow_cpus = cpus[a.warmup :], shadow_cpus[a.warmup :]
     compute = statistics.median(shadow_times)
     out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute, "step_s": statistics.median(times),
-           "step_all_s": times, "compute_all_s": shadow_times, "calibrated_bps": bw, "collective_latency_s": latency}
+           "step_cpu_s": statistics.median(cpus), "compute_cpu_s": statistics.median(shadow_cpus),
+           "step_all_s": times, "compute_all_s": shadow_times, "step_cpu_all_s": cpus, "compute_cpu_all_s": shadow_cpus,
+           "calibrated_bps": bw, "collective_latency_s": latency}
     if state is not None:
         end = state.stats()
         k = end["steps"] - snap["steps"]
-        for key in ("bytes_sent", "bytes_allgather", "codec_seconds", "collectives"):
+        for key in ("bytes_sent", "bytes_allgather", "codec_seconds", "codec_cpu_seconds", "collectives"):
             out[key + "_per_step"] = (end[key] - snap[key]) / k
     else:
         from gradzip.costmodel import ddp_buckets
 
         buckets = ddp_buckets([p.numel() * 4 for p in model.parameters()])
         out.update(bytes_sent_per_step=nparams * 4, bytes_allgather_per_step=0, codec_seconds_per_step=0.0,
-                   collectives_per_step=len(buckets))
+                   codec_cpu_seconds_per_step=0.0, collectives_per_step=len(buckets))
     if a.rank == 0:
         with open(a.result, "w") as f:
             json.dump(out, f)
@@ -311,7 +322,9 @@ def main() -> int:
                 print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
                       f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
                       f"latency {pred['latency']:.3f})  "
-                      f"err {100 * row['model_error']:+6.1f}%  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB",
+                      f"err {100 * row['model_error']:+6.1f}%  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB  "
+                      f"cpu: step {r['step_cpu_s']:.3f} compute {r['compute_cpu_s']:.3f} "
+                      f"codec {r['codec_cpu_seconds_per_step']:.3f}",
                       flush=True)
     finally:
         net.down()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .comm import Communicator, Round, allgather_bytes
 from .compressors.base import Compressor, TensorContext
-from .exchange import Call, _all_finite, _back_to_back
+from .exchange import Call, _all_finite, _back_to_back, codec_time
 from .feedback import ErrorFeedback
 from .stats import Stats
 
@@ -156,7 +156,8 @@ class Engine:
             # Finite inputs can still average to more than the output dtype holds (an
             # overflowing float16 gradient). Every rank holds the same ``out``, so every
             # rank decides alike without talking.
-            bad = bad or not _all_finite([out])
+            with codec_time(self.stats_):
+                bad = bad or not _all_finite([out])
             if bad:
                 with self._lock:
                     self._nonfinite = True
@@ -185,8 +186,9 @@ class Engine:
         local = list(call.nonfinite) if call is not None else seen
         if call is not None:
             idx = [i for i in range(len(tensors)) if call.names[i] not in call.plain]
-            if not _all_finite([call.peek(i) for i in idx]):
-                local += [call.names[i] for i in idx if not _all_finite([call.peek(i)])]
+            with codec_time(self.stats_):
+                if not _all_finite([call.peek(i) for i in idx]):
+                    local += [call.names[i] for i in idx if not _all_finite([call.peek(i)])]
         # A call whose tensors are all summed as they are (Identity, a policy's plain route)
         # needs no flag: a non-finite input on any rank makes the average non-finite on every
         # rank, which the output check sees. (Which tensors are plain follows from the

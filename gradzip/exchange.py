@@ -194,14 +194,20 @@ class Call:
         sub.nonfinite = self.nonfinite
         return sub
 
-    @contextmanager
     def codec(self):
-        """Time a block as codec work."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.comm.stats.add(codec_seconds=time.perf_counter() - t0)
+        """Time a block as codec work (see :func:`codec_time`)."""
+        return codec_time(self.comm.stats)
+
+
+@contextmanager
+def codec_time(stats):
+    """Book a block's wall clock and this thread's CPU time as codec seconds in ``stats``:
+    gradzip's own work outside the collectives (the engine's checks included)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        stats.add(codec_seconds=time.perf_counter() - t0, codec_cpu_seconds=time.thread_time() - c0)
 
 
 def _back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:

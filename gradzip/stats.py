@@ -17,6 +17,8 @@ Bytes are counted by :mod:`gradzip.comm` from the tensors it hands to
 Times are wall-clock seconds: ``codec_seconds`` in compress/decompress and error
 feedback, ``comm_seconds`` summed over collectives from launch to completion
 (collectives run asynchronously, so this can overlap compute and each other).
+``codec_cpu_seconds`` is the CPU time of the threads in those codec blocks: below
+``codec_seconds`` when a codec thread waits for a core (more busy threads than cores).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ _FIELDS = (
     "bytes_payload",
     "collectives",
     "codec_seconds",
+    "codec_cpu_seconds",
     "comm_seconds",
 )
 
@@ -49,6 +52,7 @@ class Stats:
         self.bytes_payload = 0
         self.collectives = 0
         self.codec_seconds = 0.0
+        self.codec_cpu_seconds = 0.0
         self.comm_seconds = 0.0
 
     def add(self, **kw) -> None:
