@@ -59,7 +59,8 @@ def main() -> int:
             comp = methods(r["bps"], world)[r["method"]]
             if comp is not None and hasattr(comp, "profile") and callable(comp.profile):
                 comp._profile = profile  # Policy(auto): cost with the same profile
-            sc = step_cost(comp, layers, world, link, r["compute_s"], profile)
+            # the compute the step waited for (the slowest rank's; rank 0's in rows that predate it)
+            sc = step_cost(comp, layers, world, link, r.get("compute_slowest_s", r["compute_s"]), profile)
             pred = sc.compute_s + share * sc.codec_s + sc.wire_s
             row = {"ranks": world, "rate": r["rate"], "method": r["method"], "measured_s": r["step_s"],
                    "compute_s": sc.compute_s, "codec_s": sc.codec_s, "cpu_share": share, "wire_s": sc.wire_s,

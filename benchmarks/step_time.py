@@ -13,7 +13,9 @@ cost model predicts
 from quantities measured in the same run: compute (the whole training step of the
 same DDP model and optimizer, with a comm hook that returns each bucket untouched:
 forward, backward, DDP's bucket handling and the optimizer step, timed on every
-rank at the same time, one such step just before each timed step), codec seconds and the bytes each rank handed to allreduce and to all-gather
+rank at the same time, one such step just before each timed step; a step waits for
+its slowest rank, so compute is the median over steps of the slowest rank's time;
+each row also keeps rank 0's own, ``compute_s``, and the model error with it), codec seconds and the bytes each rank handed to allreduce and to all-gather
 (``stats()``). B is the nominal link rate; for the unshaped run B is the
 bandwidth measured by a timed 64 MB allreduce between the namespaces. latency
 is the median time of a one-element allreduce between the idle ranks, and
@@ -167,7 +169,13 @@ def worker(a) -> None:
     times, shadow_times = times[a.warmup :], shadow_times[a.warmup :]
     cpus, shadow_cpus = cpus[a.warmup :], shadow_cpus[a.warmup :]
     compute = statistics.median(shadow_times)
-    out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute, "step_s": statistics.median(times),
+    # Every rank ends a step at the same collectives, so a step waits for its slowest rank's
+    # compute: the model's compute is the median over steps of the slowest rank's compute step.
+    slowest = torch.tensor(shadow_times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute,
+           "compute_slowest_s": statistics.median(slowest.tolist()), "compute_slowest_all_s": slowest.tolist(),
+           "step_s": statistics.median(times),
            "step_cpu_s": statistics.median(cpus), "compute_cpu_s": statistics.median(shadow_cpus),
            "step_all_s": times, "compute_all_s": shadow_times, "step_cpu_all_s": cpus, "compute_cpu_all_s": shadow_cpus,
            "calibrated_bps": bw, "collective_latency_s": latency}
@@ -200,8 +208,10 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
         link = Link(bps, 0.0)
         wire = allreduce_time(reduce_, world, link) + allgather_time(gather, world, link)
     latency = r.get("collectives_per_step", 0) * r.get("collective_latency_s", 0.0)
-    return {"compute": r["compute_s"], "codec": r["codec_seconds_per_step"], "wire": wire, "latency": latency,
-            "total": r["compute_s"] + r["codec_seconds_per_step"] + wire + latency}
+    compute = r.get("compute_slowest_s", r["compute_s"])  # rows before 2026-11-23's last runs: rank 0's
+    rest = r["codec_seconds_per_step"] + wire + latency
+    return {"compute": compute, "codec": r["codec_seconds_per_step"], "wire": wire, "latency": latency,
+            "total": compute + rest, "total_rank0_compute": r["compute_s"] + rest}
 
 
 def launch(net, world: int, argv: list, timeout: float, what: str) -> None:
@@ -288,10 +298,21 @@ def main() -> int:
     add_run_args(p, steps=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
     p.add_argument("--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: write the rows of these step_time.py results (a later file's row wins) to --out")
     a = p.parse_args()
     if a.worker:
         worker(a)
         return 0
+    if a.merge:
+        rows = {}
+        for path in a.merge:
+            with open(path) as f:
+                doc = json.load(f)
+            if doc["ranks"] != a.ranks:
+                p.error(f"{path} has {doc['ranks']} ranks, not --ranks {a.ranks}")
+            rows.update({(r["rate"], r["method"]): r for r in doc["rows"]})
+        return write(a, list(rows.values()), list(dict.fromkeys(rate for rate, _ in rows)))
 
     import netns as net
 
@@ -317,17 +338,24 @@ def main() -> int:
                     bps = r["calibrated_bps"]
                 pred = model_time(r, a.ranks, bps)
                 row = {"rate": rate, "bps": bps, "steps": a.steps, **r, "model": pred,
-                       "model_error": pred["total"] / r["step_s"] - 1}
+                       "model_error": pred["total"] / r["step_s"] - 1,
+                       "model_error_rank0_compute": pred["total_rank0_compute"] / r["step_s"] - 1}
                 rows.append(row)
                 print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
                       f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
                       f"latency {pred['latency']:.3f})  "
-                      f"err {100 * row['model_error']:+6.1f}%  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB  "
+                      f"err {100 * row['model_error']:+6.1f}% (rank 0's compute: "
+                      f"{100 * row['model_error_rank0_compute']:+6.1f}%)  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB  "
                       f"cpu: step {r['step_cpu_s']:.3f} compute {r['compute_cpu_s']:.3f} "
                       f"codec {r['codec_cpu_seconds_per_step']:.3f}",
                       flush=True)
     finally:
         net.down()
+    return write(a, rows, rates)
+
+
+def write(a, rows: list, rates: list) -> int:
+    """Write ``rows`` (merged into --out's with --update) with their speed-ups to --out and its plot."""
     from gradzip.bench import machine
 
     if a.update and os.path.exists(a.out):
