@@ -15,9 +15,10 @@ same DDP model and optimizer, with a comm hook that returns each bucket untouche
 forward, backward, DDP's bucket handling and the optimizer step, timed on every
 rank at the same time, one such step just before each timed step; a step waits for
 its slowest rank, so compute is the median over steps of the slowest rank's time;
-each row also keeps rank 0's own, ``compute_s``, and the model error with it), codec seconds and the bytes each rank handed to allreduce and to all-gather
-(``stats()``). B is the nominal link rate; for the unshaped run B is the
-bandwidth measured by a timed 64 MB allreduce between the namespaces. latency
+each row also keeps rank 0's own, ``compute_s``, and the model error with it), codec
+seconds and the bytes each rank handed to allreduce and to all-gather (``stats()``).
+B is the nominal link rate; for the unshaped run B is the bandwidth measured by a
+timed 64 MB allreduce between the namespaces. latency
 is the median time of a one-element allreduce between the idle ranks, and
 collectives the number per step (stats(); DDP's bucket count for plain allreduce).
 Every method, plain allreduce included, runs DDP with gradient_as_bucket_view=True

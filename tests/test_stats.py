@@ -1,10 +1,12 @@
-"""Stats: codec blocks book wall-clock and CPU time; old state dicts still load."""
+"""Stats: codec blocks book wall-clock and CPU time (the engine's checks included); old state dicts still load."""
 import time
 
 import torch
 
 from gradzip.exchange import codec_time
 from gradzip.stats import Stats
+
+from .mp_utils import run_ranks
 
 
 def test_codec_blocks_book_wall_and_thread_cpu_time():
@@ -26,10 +28,41 @@ def test_codec_time_is_booked_when_the_block_raises():
     stats = Stats()
     try:
         with codec_time(stats):
+            time.sleep(0.02)
             raise ValueError("boom")
     except ValueError:
         pass
-    assert stats.codec_seconds > 0 and stats.as_dict()["codec_cpu_seconds"] >= 0
+    assert stats.codec_seconds >= 0.015
+
+
+def _engine_checks(rank, world):
+    import gradzip as gz
+    import gradzip.engine as engine_mod
+    from gradzip.engine import Engine
+
+    real, calls = engine_mod._all_finite, []
+
+    def slow_check(tensors):  # each of the engine's non-finite checks takes 30 ms more
+        calls.append(1)
+        time.sleep(0.03)
+        return real(tensors)
+
+    engine_mod._all_finite = slow_check
+    try:
+        eng = Engine(gz.TopK(ratio=0.1))
+        fut = eng.reduce(["w"], [torch.randn(1000)])
+        eng.flush()
+        eng.end_step()
+        fut.wait()
+    finally:
+        engine_mod._all_finite = real
+    return len(calls), eng.stats()["codec_seconds"]
+
+
+def test_engine_non_finite_checks_are_booked_as_codec_time():
+    (calls, codec), = run_ranks(_engine_checks, 1)
+    assert calls == 2  # the compensated input (before the first round) and the average
+    assert codec >= 0.9 * 0.03 * calls
 
 
 def test_state_dict_round_trip_and_old_state_without_cpu_field():
