@@ -6,37 +6,28 @@
     state = register_hook(ddp_model, gz.Threshold(tau=1e-3, policy="adaptive"))
     state.stats()   # bytes counted at the collectives, ratio, codec/comm time
 
-Importing gradzip never imports triton or cupy.
+A method is a codec (``gz.TopK``, ``gz.SignSGD``, ...: a pure tensor <-> payload
+transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
+``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
+builds one from its spec. Importing gradzip never imports triton or cupy.
 """
 from . import schedules
-from .compressors import (
-    BF16,
-    FP16,
-    QSGD,
-    Compressor,
-    Filter,
-    Identity,
-    Int8,
-    PowerSGD,
-    RandomK,
-    SignSGD,
-    TensorContext,
-    TernGrad,
-    Threshold,
-    TopK,
-)
+from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
 from .costmodel import Link
 from .engine import Engine
 from .local_sgd import LocalSGD
 from .optim import DistributedOptimizer
 from .policy import Policy
+from .protocols import AllGather, Allreduce, Filter, Int8Allreduce, PowerSGD, Protocol
+from .registry import parse
 from .stats import Stats
 from .wire import Payload
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "Compressor",
+    "Codec",
+    "Protocol",
     "TensorContext",
     "Payload",
     "Identity",
@@ -49,13 +40,17 @@ __all__ = [
     "QSGD",
     "TernGrad",
     "Int8",
+    "Allreduce",
+    "AllGather",
+    "Int8Allreduce",
     "Filter",
     "PowerSGD",
+    "Policy",
     "Engine",
     "Stats",
     "DistributedOptimizer",
     "LocalSGD",
     "schedules",
-    "Policy",
     "Link",
+    "parse",
 ]

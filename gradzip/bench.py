@@ -21,10 +21,8 @@ import gzip
 import importlib.util
 import json
 import os
-import platform
 import queue as _queue
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,68 +32,50 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .compressors import (
-    BF16,
-    FP16,
-    QSGD,
-    Compressor,
-    Filter,
-    Identity,
-    Int8,
-    PowerSGD,
-    RandomK,
-    SignSGD,
-    TernGrad,
-    Threshold,
-    TopK,
-)
+from .codecs.base import Codec
+from .hooks import register_hook
+from .machine import machine
+from .protocols.base import Protocol
+from .registry import Spec, parse_list, register_value
+
+register_value("DDP", None)  # plain DDP: no hook
 
 
 @dataclass
 class Method:
-    """One row of the benchmark: a DDP hook compressor, or local SGD."""
+    """One row of the benchmark: a DDP hook running a codec or protocol, plain DDP
+    (``method=None``), or a front end such as local SGD (a :class:`~gradzip.registry.Spec`)."""
 
     name: str
-    compressor: Compressor | None = None  # None: plain DDP, no hook
-    local_sgd: dict | None = None  # LocalSGD keyword arguments instead of DDP
-    error_feedback: bool | None = None  # None: on for biased compressors
+    method: Codec | Protocol | Spec | None = None
+    error_feedback: bool | None = None  # None: on for biased methods
 
     def describe(self) -> str:
-        if self.local_sgd is not None:
-            return f"LocalSGD({', '.join(f'{k}={v!r}' for k, v in self.local_sgd.items())})"
-        if self.compressor is None:
+        if self.method is None:
             return "plain DDP"
         ef = "" if self.error_feedback is None else f" (error_feedback={self.error_feedback})"
-        return repr(self.compressor) + ef
+        return repr(self.method) + ef
+
+
+#: The demo's methods, in the method grammar (``gradzip.registry``); the baseline first.
+DEFAULT_METHODS = (
+    "Identity, FP16, Threshold(policy='adaptive'), TopK(0.01), RandomK(0.1), SignSGD, QSGD, TernGrad, Int8,"
+    " Filter(TopK(0.01)), PowerSGD(rank=2), LocalSGD(period=8)"
+)
+
+
+def parse_methods(spec: str) -> dict[str, Method]:
+    """``"Identity, TopK(ratio=0.01), LocalSGD(period=8)"`` to ``{label: Method}``, labels as
+    written; ``Identity`` (the baseline for the accuracy delta) is put first, added if missing."""
+    methods = {label: Method(label, m) for label, m in parse_list(spec).items()}
+    if "Identity" not in methods:
+        methods = {"Identity": Method("Identity", parse_list("Identity")["Identity"]), **methods}
+    base = methods.pop("Identity")
+    return {"Identity": base, **methods}
 
 
 def default_methods() -> dict[str, Method]:
-    """The demo's methods. The uncompressed baseline comes first."""
-    methods = [
-        Method("Identity", Identity()),
-        Method("FP16", FP16()),
-        Method("Threshold", Threshold(tau=1e-3, policy="adaptive")),  # DL4J's adaptive defaults
-        Method("TopK", TopK(ratio=0.01)),
-        Method("RandomK", RandomK(ratio=0.1)),
-        Method("SignSGD", SignSGD()),
-        Method("QSGD", QSGD()),
-        Method("TernGrad", TernGrad()),
-        Method("Int8", Int8()),
-        Method("Filter(TopK)", Filter(TopK(ratio=0.01))),
-        Method("PowerSGD", PowerSGD(rank=2)),
-        Method("LocalSGD", local_sgd={"period": 8}),
-    ]
-    return {m.name: m for m in methods}
-
-
-def extra_methods() -> dict[str, Method]:
-    """Selectable with --methods, not in the default set."""
-    return {
-        "BF16": Method("BF16", BF16()),
-        "Int8(AR)": Method("Int8(AR)", Int8(allreduce=True)),
-        "QSGD+EF": Method("QSGD+EF", QSGD(), error_feedback=True),
-        "TernGrad+EF": Method("TernGrad+EF", TernGrad(), error_feedback=True),
-    }
+    return parse_methods(DEFAULT_METHODS)
 
 
 @dataclass
@@ -211,9 +191,7 @@ def init_worker(rank: int, world: int, port: int, threads: int = 1, timeout_s: f
 
 
 def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=None) -> dict:
-    """Train cfg's model on this rank's shard with ``method`` (a Method, a Compressor, or None)."""
-    from gradzip.hooks import register_hook
-
+    """Train cfg's model on this rank's shard with ``method`` (a Method, a codec/protocol, or None)."""
     if not isinstance(method, Method):
         method = Method("", method)
     device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{rank}")
@@ -221,18 +199,18 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
     if cfg.train_limit:
         xtr, ytr = xtr[: cfg.train_limit], ytr[: cfg.train_limit]
     model = make_model(cfg, data).to(device)
-    if method.local_sgd is not None:
-        from gradzip.local_sgd import LocalSGD
-
+    local = isinstance(method.method, Spec)
+    if local:  # a front end that wraps the optimizer (local SGD): no DDP
         net, state = model, None
-        opt = LocalSGD(torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum), model, **method.local_sgd)
+        inner = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        opt = method.method.cls(inner, model, *method.method.args, **method.method.kwargs)
         stats_of = opt.stats
     else:
         kw = {"device_ids": [rank]} if device.type == "cuda" else {}
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, **kw)
         state = None
-        if method.compressor is not None:
-            state = register_hook(net, method.compressor, error_feedback=method.error_feedback)
+        if method.method is not None:
+            state = register_hook(net, method.method, error_feedback=method.error_feedback)
         opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         stats_of = state.stats if state is not None else None
     shard_x, shard_y = xtr[rank::world], ytr[rank::world]
@@ -250,7 +228,7 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
             steps += 1
             if on_step is not None:
                 on_step(steps)
-    if method.local_sgd is not None:
+    if local:
         opt.synchronize()  # end on the averaged model
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -353,28 +331,6 @@ def format_table(rows: list[dict]) -> str:
             f"{100 * r['accuracy']:>9.2f}%{100 * r['delta_accuracy']:>+12.2f}{1000 * r['seconds_per_step']:>10.2f}"
         )
     return "\n".join(lines)
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 CSV_FIELDS = [

@@ -12,7 +12,7 @@ states into M new ones:
 
 Sums are taken in float64 and rounded once to the residual's dtype; with M a
 power of two, ``preserve="sum"`` is then exact with respect to that rounded sum.
-Compressor state that must match across ranks (PowerSGD's Q, shared seeds) and
+Codec state that must match across ranks (PowerSGD's Q, shared seeds) and
 per-rank state (adaptive thresholds) are taken from old rank 0; the step counter
 is the old ranks' common step.
 """
@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import torch
 
+import gradzip.args as args
+
 
 def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> list[dict]:
     if not states:
         raise ValueError("states must hold at least one state_dict")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer in [1, inf), got {world_size!r}")
-    if preserve not in ("sum", "update"):
-        raise ValueError(f"preserve must be one of ['sum', 'update'], got {preserve!r}")
+    world_size = args.integer("world_size", world_size, 1)
+    args.choice("preserve", preserve, ("sum", "update"))
     first = states[0]
     for r, s in enumerate(states[1:], 1):
-        for key in ("version", "compressor", "error_feedback", "step"):
+        for key in ("version", "method", "error_feedback", "step"):
             if s.get(key) != first.get(key):
                 raise ValueError(f"state of rank {r} differs from rank 0 in {key!r}: {s.get(key)!r} vs {first.get(key)!r}")
         if set(s["residuals"]) != set(first["residuals"]):
@@ -45,7 +45,7 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
         out.append(
             {
                 "version": first["version"],
-                "compressor": dict(first["compressor"]),
+                "method": dict(first["method"]),
                 "error_feedback": first["error_feedback"],
                 "step": first["step"],
                 "residuals": {k: v.clone() for k, v in residuals.items()},

@@ -4,26 +4,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import bench, plan
+
 
 def _bench(args) -> int:
-    from . import bench
-
     cfg = bench.BenchConfig(dataset=args.dataset, workers=args.workers, epochs=args.epochs, seed=args.seed,
                             device=args.device)
     if args.quick:
         cfg.epochs = cfg.epochs or {"mnist": 1, "digits": 5}[args.dataset]
-    known = {**bench.default_methods(), **bench.extra_methods()}
-    methods = bench.default_methods()
-    if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in known]
-        if unknown:
-            print(f"unknown methods {unknown}; choose from {list(known)}", file=sys.stderr)
-            return 2
-        if "Identity" not in wanted:
-            wanted.insert(0, "Identity")  # the baseline for Δ accuracy
-        wanted.sort(key=lambda m: m != "Identity")
-        methods = {m: known[m] for m in dict.fromkeys(wanted)}
+    try:
+        plan.import_plugins(args.plugins)
+        methods = bench.parse_methods(args.methods or bench.DEFAULT_METHODS)
+    except (ValueError, TypeError, ImportError) as exc:
+        print(f"gradzip bench: {exc}", file=sys.stderr)
+        return 2
     print(
         f"gradzip bench: {cfg.dataset}, {cfg.workers} {'nccl' if cfg.device == 'cuda' else 'gloo'} ranks, "
         f"{cfg.resolved_epochs()} epochs, batch {cfg.batch_size}/rank, {len(methods)} methods: {', '.join(methods)}",
@@ -59,8 +53,6 @@ def _bench(args) -> int:
 
 
 def _plan(args) -> int:
-    from . import plan
-
     return plan.run(args)
 
 
@@ -74,14 +66,16 @@ def main(argv=None) -> int:
     b.add_argument("--quick", action="store_true", help="a short run: 1 epoch of MNIST (5 of digits)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
-    b.add_argument("--methods", default="", help="comma-separated methods (default: the default set)")
+    b.add_argument("--methods", default="",
+                   help="comma-separated methods in the method grammar, e.g. \"TopK(ratio=0.001), PowerSGD(rank=1)\" "
+                        f"(default: {bench.DEFAULT_METHODS})")
+    b.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
+                   help="import a module that defines more methods (repeatable)")
     b.add_argument("--out", default="bench_out", help="folder for results.json/csv and pareto.png ('' to skip)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=_bench)
-    from .plan import add_arguments as plan_arguments
-
     pl = sub.add_parser("plan", help="predict step time and scaling efficiency per method and world size")
-    plan_arguments(pl)
+    plan.add_arguments(pl)
     pl.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)

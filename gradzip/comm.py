@@ -37,6 +37,11 @@ import torch.distributed as dist
 from .stats import Stats
 
 
+#: The engine's per-call non-finite flag: one int32, allreduce MAX.
+FLAG_DTYPE = torch.int32
+FLAG_BYTES = 4
+
+
 @dataclass
 class Round:
     works: list

@@ -1,44 +1,51 @@
-"""The engine every front end shares: compress with error feedback, communicate, decode.
+"""The engine every front end shares: run a method's protocol with error feedback and the safety nets.
 
 A front end (DDP hook, DistributedOptimizer, local SGD) hands the engine a list
 of named tensors and gets back a future of their average over the ranks, as
-one flat tensor. The engine owns the per-tensor state: residuals, compressor
-state and the step counter, and its ``state_dict()`` is what survives a restart.
-
-Safety nets, all decided identically on every rank:
+one flat tensor. The engine owns the per-tensor state (residuals, codec state,
+the step counter), and its ``state_dict()`` is what survives a restart. It alone
+owns the safety nets, all decided identically on every rank:
 
 * **Config check.** The first call of an engine all-gathers a description of the
-  configuration (compressor config, error feedback, start_iter, on_nonfinite,
+  configuration (the method's config, error feedback, start_iter, on_nonfinite,
   and a hash of the parameter layout when the front end gave one). A mismatch
   raises ``ValueError`` naming the differing field, on every rank.
-* **Non-finite gradients.** Every call adds a one-element allreduce(MAX) of
-  "this rank saw a NaN/Inf" to its first round, except a call that sums every
-  tensor as it is (Identity): there a NaN/Inf on any rank shows in the average,
-  which every rank checks anyway. If any rank saw one (or the
-  average itself overflows the gradient's dtype), the call's
-  result is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as
-  it would without compression) or every rank raises ``FloatingPointError``
-  (``"raise"``). Either way, when the step ends, the residuals and compressor
-  state of every tensor touched in that step are put back as they were before
-  it: a skipped step never poisons the residual.
+* **Non-finite gradients.** Before the protocol runs, the engine reads the call's
+  gradients for NaN/Inf (the protocol may reduce them in place); after the first
+  round it reads the error-feedback state the protocol has built (new residuals
+  and compensated inputs, where ``gradient + residual`` may overflow). One
+  int32 allreduce(MAX) of "this rank saw one" rides in the first round, except for
+  a call whose protocol sums every tensor as it is (``Protocol.plain``): there a
+  NaN/Inf on any rank shows in the average, which every rank checks anyway. If
+  any rank saw one (or the average overflows the output dtype), the call's result
+  is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as it would
+  without compression) or every rank raises ``FloatingPointError`` (``"raise"``).
+  Either way, when the step ends, the residuals and codec state of every tensor
+  touched in that step are put back as they were before it
+  (``ErrorFeedback.snapshot``/``restore``): a skipped step never poisons the residual.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator, Round, allgather_bytes
-from .compressors.base import Compressor, TensorContext
-from .exchange import Call, _all_finite, _back_to_back, codec_time
+import gradzip.args as args
+from .codecs.base import Codec, TensorContext
+from .codecs.cast import Identity
+from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
 from .feedback import ErrorFeedback
+from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
 from .stats import Stats
 
-STATE_VERSION = 1
+__all__ = ["Engine", "layout_of", "all_finite", "STATE_VERSION"]
+
+STATE_VERSION = 2
 _NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -47,10 +54,43 @@ def layout_of(named_tensors) -> list:
     return [(n, list(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named_tensors]
 
 
+def check_real(named_tensors, what: str = "parameter") -> None:
+    """``TypeError`` for tensors gradzip cannot average (complex, integer), naming them."""
+    for n, t in named_tensors:
+        if t.is_complex() or not t.is_floating_point():
+            raise TypeError(
+                f"{what} {n!r} is {t.dtype}; gradzip averages real floating-point tensors only "
+                "(view complex parameters as real with torch.view_as_real)"
+            )
+
+
+def _extremes(tensors) -> list[tuple[float, float]]:
+    """``(min, max)`` of each tensor (NaN where it holds one; (0, 0) when empty), one host sync."""
+    ext = [torch.stack(torch.aminmax(t.detach().reshape(-1))) if t.numel() else torch.zeros(2, dtype=t.dtype, device=t.device)
+           for t in tensors]
+    if not ext:
+        return []
+    return [tuple(row) for row in torch.stack([e.to(torch.float64) for e in ext]).tolist()]
+
+
+def all_finite(tensors) -> bool:
+    """True when no tensor holds a NaN or Inf. One host sync in the common case: a sum
+    is non-finite whenever an element is (NaN and +-Inf propagate), and summing reads
+    each tensor once without a mask. A non-finite sum of finite values (overflow) is
+    told apart by aminmax, which is exact."""
+    tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
+        return True
+    ext = [torch.stack(torch.aminmax(t)) for t in tensors]
+    return bool(torch.isfinite(torch.cat(ext)).all())
+
+
 class Engine:
     def __init__(
         self,
-        compressor: Compressor,
+        method: Codec | Protocol,
         *,
         process_group=None,
         start_iter: int = 0,
@@ -58,18 +98,13 @@ class Engine:
         on_nonfinite: str = "skip",
         layout: list | None = None,
     ) -> None:
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradzip Compressor, got {type(compressor).__name__}")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"start_iter must be an integer in [0, inf), got {start_iter!r}")
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
-        if on_nonfinite not in _NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite must be one of {list(_NONFINITE_POLICIES)}, got {on_nonfinite!r}")
-        self.compressor = compressor
-        self.start_iter = start_iter
-        self.on_nonfinite = on_nonfinite
-        self.error_feedback = compressor.biased if error_feedback is None else error_feedback
+        self.protocol = as_protocol(method)
+        self.method = method
+        self.start_iter = args.integer("start_iter", start_iter, 0)
+        self.on_nonfinite = args.choice("on_nonfinite", on_nonfinite, _NONFINITE_POLICIES)
+        self.error_feedback = method.biased if error_feedback is None else args.flag("error_feedback", error_feedback)
+        if layout is not None:
+            self.protocol.check_names([n for n, _, _ in layout])
         self.memory = ErrorFeedback() if self.error_feedback else None
         self.stats_ = Stats()
         self.comm = Communicator(process_group, self.stats_)
@@ -82,7 +117,6 @@ class Engine:
         self._inflight = 0
         self._step_ended = False
         self._nonfinite = False
-        self._undo_residual: dict = {}
         self._undo_store: dict = {}
 
     # -- the step ----------------------------------------------------------------------
@@ -93,6 +127,7 @@ class Engine:
         out_dtype: torch.dtype | None = None,
         *,
         dest: torch.Tensor | None = None,
+        zero_is_unused: bool = False,
     ) -> torch.futures.Future:
         """Start averaging ``tensors`` over the ranks; a future of one flat tensor.
 
@@ -102,17 +137,21 @@ class Engine:
         ``dest``: a contiguous tensor of as many ``out_dtype`` elements that the result
         may be written into (and returned as), such as DDP's bucket buffer. ``tensors``
         may be views of it; they are then overwritten, as DDP's own allreduce does.
+
+        ``zero_is_unused``: a tensor that is all zeros is a parameter unused on this rank
+        (DDP with ``find_unused_parameters=True`` hands such zeros to the hook, and drops
+        the average of a parameter unused on every rank): it is sent as zeros and its
+        residual is left as it is, so that no mass is spent on an average that may be
+        dropped. A used parameter whose gradient is exactly zero only waits a step.
         """
         names, tensors = list(names), list(tensors)
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
-        for name, t in zip(names, tensors):
-            if not t.is_floating_point():
-                raise TypeError(f"gradient {name!r} must be floating point, got {t.dtype}")
+        check_real(zip(names, tensors), "gradient")
         out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
         with self._lock:
             self._inflight += 1
-        return self.comm.submit(self._protocol(names, tensors, out_dtype, dest))
+        return self.comm.submit(self._run(names, tensors, out_dtype, dest, zero_is_unused))
 
     def flush(self) -> None:
         """Issue all outstanding collectives (call after the last bucket of a step)."""
@@ -126,8 +165,8 @@ class Engine:
             self._step_ended = True
             self._finish_step_locked()
 
-    # -- protocols ---------------------------------------------------------------------
-    def _protocol(self, names, tensors, out_dtype, dest=None):
+    # -- one call ----------------------------------------------------------------------
+    def _run(self, names, tensors, out_dtype, dest, zero_is_unused=False):
         step = self.step  # end_step() may run before this call's last round completes
         try:
             if not self._verified:
@@ -135,29 +174,33 @@ class Engine:
                 yield from self._verify(device)
                 self._verified = True
             self._snapshot(names)
-            seen: list = []  # before start_iter: names of this rank's non-finite inputs
-            if self.step < self.start_iter:
-                call = None
-                inner = self._plain(names, tensors, out_dtype, dest, seen)
-            else:
-                self.stats_.add(bytes_raw=sum(t.numel() * t.element_size() for t in tensors))
-                call = Call(
-                    comm=self.comm,
-                    names=names,
-                    tensors=tensors,
-                    contexts=[self._context(n, t.dtype) for n, t in zip(names, tensors)],
-                    memory=self.memory,
-                    out_dtype=out_dtype,
-                    dest=dest,
-                    name_nonfinite=self.on_nonfinite == "raise",
-                )
-                inner = self.compressor.exchange(call)
-            out, bad, local = yield from self._with_nonfinite_flag(inner, call, tensors, seen)
+            plain_call = self.step < self.start_iter
+            call = Call(
+                comm=self.comm,
+                names=names,
+                tensors=tensors,
+                contexts=[self._context(n, t.dtype) for n, t in zip(names, tensors)],
+                memory=None if plain_call else self.memory,
+                out_dtype=out_dtype,
+                dest=dest,
+            )
+            protocol = self._plain_protocol if plain_call else self.protocol
+            self.stats_.add(bytes_raw=sum(t.numel() * t.element_size() for t in tensors))
+            plain = protocol.plain(call)
+            local: list = []
+            with codec_time(self.stats_):
+                if zero_is_unused and call.memory is not None:
+                    lo_hi = _extremes(tensors)  # one pass: finiteness and all-zero tensors
+                    local = [n for n, (lo, hi) in zip(names, lo_hi) if not (math.isfinite(lo) and math.isfinite(hi))]
+                    call.frozen = frozenset(n for n, (lo, hi) in zip(names, lo_hi) if lo == hi == 0.0)
+                elif (not plain or self.on_nonfinite == "raise") and not all_finite(tensors):  # else the average shows it
+                    local = [n for n, t in zip(names, tensors) if not all_finite([t])]
+            out, bad, local = yield from self._flagged(protocol.exchange(call), call, local, flag=not plain)
             # Finite inputs can still average to more than the output dtype holds (an
             # overflowing float16 gradient). Every rank holds the same ``out``, so every
             # rank decides alike without talking.
             with codec_time(self.stats_):
-                bad = bad or not _all_finite([out])
+                bad = bad or not all_finite([out])
             if bad:
                 with self._lock:
                     self._nonfinite = True
@@ -167,63 +210,58 @@ class Engine:
                 out = torch.full_like(out, float("nan"))
             return out
         finally:
-            if self.memory is not None:
-                self.memory.release(names)
             with self._lock:
                 self._inflight -= 1
                 self._finish_step_locked()
 
-    def _with_nonfinite_flag(self, inner, call, tensors, seen):
-        """Run ``inner``, adding the one-element non-finite allreduce to its first round.
-        Returns ``(out, any rank saw a non-finite input, this rank's non-finite names)``."""
-        flag = torch.zeros(1, dtype=torch.int32, device=tensors[0].device if tensors else torch.device("cpu"))
+    def _flagged(self, inner, call: Call, local: list, flag: bool):
+        """Run ``inner``, adding the non-finite flag allreduce to its first round (when
+        ``flag``). Returns ``(out, any rank saw a non-finite value, this rank's names)``."""
         try:
-            rnd = next(inner)  # the exchange has compressed (and compensated) by now
+            rnd = next(inner)
         except StopIteration as stop:
             rnd, out = None, stop.value
-        # Tensors summed as they are were checked by their exchange before it reduced
-        # them (the collective may be reducing them in place now).
-        local = list(call.nonfinite) if call is not None else seen
-        if call is not None:
-            idx = [i for i in range(len(tensors)) if call.names[i] not in call.plain]
+        work, flagged = None, None
+        if flag:
             with codec_time(self.stats_):
-                if not _all_finite([call.peek(i) for i in idx]):
-                    local += [call.names[i] for i in idx if not _all_finite([call.peek(i)])]
-        # A call whose tensors are all summed as they are (Identity, a policy's plain route)
-        # needs no flag: a non-finite input on any rank makes the average non-finite on every
-        # rank, which the output check sees. (Which tensors are plain follows from the
-        # configuration, so every rank decides alike.)
-        work = None
-        if call is None or not call.all_plain:
-            if local:
-                flag.fill_(1)
-            work = self.comm.allreduce(flag, op=dist.ReduceOp.MAX, control=True)
-        if rnd is None:  # the exchange sent nothing: the flag goes alone
+                local = local + [n for n in self._feedback_nonfinite(call) if n not in local]
+            flagged = torch.tensor([1 if local else 0], dtype=FLAG_DTYPE, device=call.device)
+            work = self.comm.allreduce(flagged, op=dist.ReduceOp.MAX, control=True)
+        if rnd is None:  # the protocol sent nothing: the flag goes alone
             if work is not None:
                 yield Round([work], last=True)
-            return out, bool(flag.item()), local
-        if work is not None:
-            rnd = Round(rnd.works + [work], rnd.last)
-        while True:
-            yield rnd
-            try:
-                rnd = next(inner)
-            except StopIteration as stop:
-                return stop.value, bool(flag.item()), local
+        else:
+            if work is not None:
+                rnd = Round(rnd.works + [work], rnd.last)
+            while True:
+                yield rnd
+                try:
+                    rnd = next(inner)
+                except StopIteration as stop:
+                    out = stop.value
+                    break
+        # Without a flag (a plain call) a NaN/Inf anywhere shows in the average itself.
+        return out, flagged is not None and bool(flagged.item()), local
 
-    def _plain(self, names, tensors, out_dtype, dest, seen):
-        """Before start_iter: what plain DDP does (divide, then allreduce-sum). Names of
-        non-finite inputs go to ``seen``, read before the in-place division."""
-        flat = _back_to_back([t.reshape(-1) for t in tensors], dest)
-        if flat is None:
-            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-        if self.on_nonfinite == "raise" and not _all_finite([flat]):  # else the output shows it
-            seen += [n for n, t in zip(names, tensors) if not _all_finite([t])]
-        flat.div_(self.comm.world_size)
-        nbytes = flat.numel() * flat.element_size()
-        self.stats_.add(bytes_raw=nbytes, bytes_payload=nbytes)
-        yield Round([self.comm.allreduce(flat)], last=True)
-        return flat.to(out_dtype)
+    @staticmethod
+    def _feedback_nonfinite(call: Call) -> list:
+        """Names whose error-feedback state is not finite after the first round: new
+        residuals, compensated inputs, and (compensated now) residuals not used yet."""
+        if call.memory is None:
+            return []
+        bad = []
+        for i, name in enumerate(call.names):
+            if not call.feeds(i):
+                continue
+            if name in call.updated:
+                t = call.updated[name]
+            elif call.has_x(i) or call.memory.residual(name) is not None:
+                t = call.x(i)
+            else:
+                continue
+            if not all_finite([t]):
+                bad.append(name)
+        return bad
 
     def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
         return TensorContext(
@@ -235,10 +273,12 @@ class Engine:
             world_size=self.comm.world_size,
         )
 
+    _plain_protocol = Allreduce(Identity())  # before start_iter: what plain DDP does
+
     # -- config check ------------------------------------------------------------------
     def describe(self) -> dict:
         """What every rank must agree on (flat keys, plain values)."""
-        d = {f"compressor.{k}": v for k, v in self.compressor.config().items()}
+        d = {f"method.{k}": v for k, v in self.method.config().items()}
         d.update(error_feedback=self.error_feedback, start_iter=self.start_iter, on_nonfinite=self.on_nonfinite)
         if self.layout is not None:
             blob = json.dumps(self.layout, sort_keys=True).encode()
@@ -251,7 +291,7 @@ class Engine:
         msg = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
         gathered = yield from allgather_bytes(self.comm, msg, last=False, control=True)
         descs = [json.loads(bytes(row.cpu().numpy()).rstrip(b"\0")) for row in gathered]
-        keys = sorted(set().union(*descs), key=lambda k: (k != "compressor.name", k))  # the class first
+        keys = sorted(set().union(*descs), key=lambda k: (k != "method.name", k))  # the class first
         for key in keys:
             values = [d.get(key, "<missing>") for d in descs]
             if any(v != values[0] for v in values):
@@ -264,7 +304,8 @@ class Engine:
             for n in names:
                 if n not in self._undo_store:
                     self._undo_store[n] = dict(self.tensor_state.get(n, {}))
-                    self._undo_residual[n] = self.memory.residual(n) if self.memory is not None else None
+            if self.memory is not None:
+                self.memory.snapshot(names)
 
     def _finish_step_locked(self) -> None:
         if not self._step_ended or self._inflight:
@@ -272,16 +313,13 @@ class Engine:
         if self._nonfinite:
             for n, store in self._undo_store.items():
                 self.tensor_state[n] = store
-                if self.memory is not None:
-                    r = self._undo_residual[n]
-                    if r is None:
-                        self.memory.residuals.pop(n, None)
-                    else:
-                        self.memory.residuals[n] = r
+            if self.memory is not None:
+                self.memory.restore()
+        elif self.memory is not None:
+            self.memory.release()
         self._nonfinite = False
         self._step_ended = False
         self._undo_store = {}
-        self._undo_residual = {}
 
     # -- state -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -291,7 +329,7 @@ class Engine:
         """Tensors and plain Python values only: ``torch.load(weights_only=True)`` reads it."""
         return {
             "version": STATE_VERSION,
-            "compressor": self.compressor.config(),
+            "method": self.method.config(),
             "error_feedback": self.error_feedback,
             "step": self.step,
             "residuals": self.memory.state_dict() if self.memory is not None else {},
@@ -301,13 +339,15 @@ class Engine:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {sd.get('version')!r} is not supported (expected {STATE_VERSION})")
-        saved, mine = sd["compressor"], self.compressor.config()
+            raise ValueError(
+                f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}); "
+                "states saved by gradzip 0.1 (version 1) cannot be loaded: their codec state and frames differ"
+            )
+        saved, mine = sd["method"], self.method.config()
         for key in sorted(set(saved) | set(mine)):
             if saved.get(key) != mine.get(key):
                 raise ValueError(
-                    f"compressor config differs from the checkpoint in {key!r}: "
-                    f"saved {saved.get(key)!r}, now {mine.get(key)!r}"
+                    f"method config differs from the checkpoint in {key!r}: saved {saved.get(key)!r}, now {mine.get(key)!r}"
                 )
         if bool(sd["error_feedback"]) != self.error_feedback:
             raise ValueError(

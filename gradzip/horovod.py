@@ -1,4 +1,4 @@
-"""gradzip compressors behind Horovod's ``Compression`` interface.
+"""gradzip codecs behind Horovod's ``Compression`` interface.
 
 Horovod (not a dependency of gradzip) compresses each gradient with a class
 that has two static methods::
@@ -7,7 +7,7 @@ that has two static methods::
     # ... allreduce(tensor_compressed) (sum or average) across the ranks ...
     tensor = compression.decompress(tensor_compressed, ctx)
 
-:func:`adapt` turns a gradzip compressor into such a class, and
+:func:`adapt` turns a gradzip codec into such a class, and
 :class:`Compression` offers the ready ones::
 
     import horovod.torch as hvd
@@ -15,7 +15,7 @@ that has two static methods::
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=Compression.bf16)   # or adapt(gradzip.FP16())
 
-Only compressors whose payloads are *summable* and that need no state can go
+Only codecs whose payloads are *summable* and that need no state can go
 this way: ``Identity``, ``FP16``, ``BF16``. Sparsifiers and quantizers (top-k,
 threshold, random-k, sign, QSGD, ...) cannot, for two reasons:
 
@@ -28,14 +28,14 @@ threshold, random-k, sign, QSGD, ...) cannot, for two reasons:
   would disagree on the size). Such payloads need an all-gather and a decode of
   every peer's payload, which is what gradzip's framed exchange does.
 * ``compress(tensor)`` is static and gets neither the parameter's name nor the
-  step. Biased compressors need a residual per parameter (error feedback) to
+  step. Biased codecs need a residual per parameter (error feedback) to
   converge, and random-k needs indices every rank derives from the same
   (seed, step, name) to be summable; neither can be kept behind this interface.
   Horovod also calls ``compress`` in the order gradients arrive, which differs
   between ranks.
 
 For those, use :class:`gradzip.optim.DistributedOptimizer`, which has the same
-call shape as Horovod's and runs any gradzip compressor.
+call shape as Horovod's and runs any gradzip codec.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from typing import NamedTuple
 
 import torch
 
-from .compressors.base import Compressor, TensorContext
-from .compressors.cast import BF16, FP16, Identity
+from .codecs.base import Codec, TensorContext
+from .codecs.cast import BF16, FP16, Identity
 from .wire import Payload
 
 __all__ = ["HorovodCompressor", "adapt", "Compression"]
@@ -53,7 +53,7 @@ __all__ = ["HorovodCompressor", "adapt", "Compression"]
 class HorovodCompressor:
     """Horovod's interface: static ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``."""
 
-    gradzip_compressor: Compressor
+    gradzip_compressor: Codec
 
     @staticmethod
     def compress(tensor: torch.Tensor):  # pragma: no cover - overridden by adapt()
@@ -72,7 +72,7 @@ class _Ctx(NamedTuple):
     scale: float
 
 
-def adapt(compressor: Compressor) -> type:
+def adapt(compressor: Codec) -> type:
     """A Horovod ``Compression`` class (static ``compress``/``decompress``) that runs ``compressor``.
 
     Raises ``ValueError`` for compressors that cannot go through an allreduce
@@ -83,8 +83,8 @@ def adapt(compressor: Compressor) -> type:
     Non-floating-point tensors pass through unchanged, as Horovod's own
     ``Compression.fp16`` does.
     """
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a gradzip Compressor, got {type(compressor).__name__}")
+    if not isinstance(compressor, Codec):
+        raise TypeError(f"compressor must be a gradzip codec, got {type(compressor).__name__}")
     name = type(compressor).__name__
     if not compressor.summable:
         raise ValueError(
@@ -97,10 +97,10 @@ def adapt(compressor: Compressor) -> type:
             "error feedback (and per-tensor state), which the static compress(tensor) cannot keep; "
             "use gradzip.optim.DistributedOptimizer"
         )
-    if type(compressor).exchange is not Compressor.exchange:
+    if compressor.protocol is not None:
         raise ValueError(
-            f"{name} runs its own multi-round exchange, which Horovod's single allreduce cannot carry; "
-            "use gradzip.optim.DistributedOptimizer"
+            f"{name} travels by its own protocol ({compressor.protocol}), which Horovod's single allreduce "
+            "cannot carry; use gradzip.optim.DistributedOptimizer"
         )
 
     def compress(tensor: torch.Tensor):

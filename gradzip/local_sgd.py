@@ -9,7 +9,7 @@
 
 What is averaged is the model *delta* since the last push (parameters and
 floating-point buffers such as BatchNorm's running statistics; integer buffers
-are left alone), through any gradzip compressor with error feedback, by the
+are left alone), through any gradzip codec or protocol with error feedback, by the
 :class:`gradzip.engine.Engine` that the DDP hook and the DistributedOptimizer
 use. The exact update rules (plain, ``overlap=True``, ``push_every`` /
 ``pull_every``) are in ``docs/local_sgd.md``; in short, each rank keeps
@@ -40,9 +40,13 @@ from __future__ import annotations
 
 import torch
 
-from .compressors.base import Compressor
-from .compressors.cast import Identity
-from .engine import Engine, layout_of
+import gradzip.args as args
+
+from .codecs.base import Codec
+from .codecs.cast import Identity
+from .engine import Engine, check_real, layout_of
+from .protocols.base import Protocol
+from .registry import register_frontend
 from .schedules import as_schedule
 
 __all__ = ["LocalSGD"]
@@ -50,6 +54,7 @@ __all__ = ["LocalSGD"]
 STATE_VERSION = 1
 
 
+@register_frontend
 class LocalSGD(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` steps locally and averages ``model`` on a schedule.
 
@@ -59,13 +64,13 @@ class LocalSGD(torch.optim.Optimizer):
         period: when to synchronize: an integer in [1, inf) (``Constant``), a
             :mod:`gradzip.schedules` schedule, or any callable ``step -> bool``
             (``step`` counts local steps from 1). Every rank must give the same answers.
-        compression: a gradzip compressor for the deltas (default ``Identity()``).
+        compression: a gradzip codec or protocol for the deltas (default ``Identity()``).
         overlap: collect each average at the next push instead of at once, so it
             travels while the next local steps compute.
         process_group: the process group (default: the global one).
         push_every: when to push deltas (default: ``period``); same forms as ``period``.
         pull_every: when to pull the global model (default: ``period``); same forms.
-        error_feedback: ``None`` turns it on for biased compressors.
+        error_feedback: ``None`` turns it on for biased methods.
 
     ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers work.
     A NaN/Inf in any rank's delta raises ``FloatingPointError`` on every rank
@@ -77,7 +82,7 @@ class LocalSGD(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
         period=1,
-        compression: Compressor | None = None,
+        compression: Codec | Protocol | None = None,
         overlap: bool = False,
         process_group=None,
         *,
@@ -90,14 +95,14 @@ class LocalSGD(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         compression = Identity() if compression is None else compression
-        if not isinstance(compression, Compressor):
-            raise TypeError(f"compression must be a gradzip Compressor, got {type(compression).__name__}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if not isinstance(compression, (Codec, Protocol)):
+            raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
+        args.flag("overlap", overlap)
         schedule = as_schedule("period", period)
         self.push_at = schedule if push_every is None else as_schedule("push_every", push_every)
         self.pull_at = schedule if pull_every is None else as_schedule("pull_every", pull_every)
 
+        check_real((n, p) for n, p in model.named_parameters() if p.is_complex())
         entries = self._named_tensors(model)
         if not entries:
             raise ValueError("model has no floating-point parameters or buffers to average")

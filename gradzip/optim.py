@@ -9,7 +9,7 @@
         opt.step()                        # waits, writes the averages into p.grad, steps
 
 It is a thin adapter over :class:`gradzip.engine.Engine`, the pipeline the DDP
-hook uses: same compressors, error feedback, byte accounting and ``state_dict``.
+hook uses: same codecs and protocols, error feedback, byte accounting and ``state_dict``.
 
 **Buckets.** The trainable parameters of the wrapped optimizer are cut into
 buckets as DDP cuts them: in *reverse* order of the optimizer's parameter list
@@ -56,16 +56,18 @@ convention: Horovod's wire carries ``g / f_horovod``, so Horovod's
 """
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-from .compressors.base import Compressor
-from .compressors.cast import Identity
-from .engine import Engine, layout_of
+import gradzip.args as args
+
+from .codecs.base import Codec
+from .codecs.cast import Identity
+from .engine import Engine, check_real, layout_of
+from .protocols.base import Protocol
 
 __all__ = ["DistributedOptimizer"]
 
@@ -122,18 +124,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim.Optimizer``; its parameters are the ones averaged.
         named_parameters: ``(name, parameter)`` pairs, usually ``model.named_parameters()``.
-            Names key the residuals and compressor state and must be the same on
+            Names key the residuals and codec state and must be the same on
             every rank. Every trainable parameter of ``optimizer`` must be named;
             named parameters that ``optimizer`` does not hold are ignored. Default:
             ``"param.{group}.{index}"`` from the optimizer's parameter groups.
-        compression: any gradzip compressor (default ``Identity()``: a plain allreduce).
+        compression: any gradzip codec or protocol (default ``Identity()``: a plain allreduce).
         backward_passes_per_step: backward passes accumulated locally per ``step()``,
             an integer in [1, inf).
         op: ``"average"`` or ``"sum"``.
         gradient_predivide_factor: a finite number in (0, inf); see the module docstring.
         bucket_mb: bucket size in MiB, a finite number in (0, inf).
         process_group: the process group (default: the global one).
-        error_feedback: ``None`` turns it on for biased compressors.
+        error_feedback: ``None`` turns it on for biased methods.
         start_iter: steps before this one use a plain allreduce.
         on_nonfinite: ``"skip"`` (a NaN/Inf anywhere makes the whole step's average NaN
             and leaves residuals untouched) or ``"raise"``; see :class:`gradzip.engine.Engine`.
@@ -149,7 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters=None,
-        compression: Compressor | None = None,
+        compression: Codec | Protocol | None = None,
         backward_passes_per_step: int = 1,
         op: str = "average",
         gradient_predivide_factor: float = 1.0,
@@ -165,18 +167,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, (DistributedOptimizer,)):
             raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
         compression = Identity() if compression is None else compression
-        if not isinstance(compression, Compressor):
-            raise TypeError(f"compression must be a gradzip Compressor, got {type(compression).__name__}")
-        bpps = backward_passes_per_step
-        if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer in [1, inf), got {bpps!r}")
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {list(_OPS)}, got {op!r}")
-        f = gradient_predivide_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"gradient_predivide_factor must be a finite number in (0, inf), got {f!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not math.isfinite(bucket_mb) or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be a finite number in (0, inf), got {bucket_mb!r}")
+        if not isinstance(compression, (Codec, Protocol)):
+            raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
+        bpps = args.integer("backward_passes_per_step", backward_passes_per_step, 1)
+        args.choice("op", op, _OPS)
+        f = args.number("gradient_predivide_factor", gradient_predivide_factor, 0.0, lo_open=True)
+        bucket_mb = args.number("bucket_mb", bucket_mb, 0.0, lo_open=True)
 
         trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if named_parameters is None:
@@ -198,9 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"named_parameters does not name {len(unnamed)} of the optimizer's trainable parameters "
                     f"(positions {unnamed[:8]} in its parameter groups)"
                 )
-        for p in trainable:
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {names_of[id(p)]!r} is {p.dtype}; only floating-point parameters can be averaged")
+        check_real((names_of[id(p)], p) for p in trainable)
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer holds the same parameter twice")
 

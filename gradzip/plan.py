@@ -19,7 +19,7 @@ they need to reach an accuracy (``gradzip bench`` measures that).
 from __future__ import annotations
 
 import argparse
-import ast
+import importlib
 import json
 import math
 import os
@@ -28,8 +28,10 @@ import time
 
 import torch
 
-from .compressors.base import Compressor
+import gradzip.args as args
+
 from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
+from .registry import parse_list, register_value
 
 DEFAULT_METHODS = (
     "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
@@ -39,83 +41,29 @@ BN_BUFFERS = ("running_mean", "running_var")
 
 
 # -- methods -----------------------------------------------------------------------------
-def _registry() -> dict:
-    from . import compressors  # noqa: PLC0415
-    from .policy import Policy  # noqa: PLC0415
-
-    reg = {n: getattr(compressors, n) for n in ("Identity", "FP16", "BF16", "TopK", "RandomK", "Threshold")}
-    for module, names in (
-        ("gradzip.compressors.quant", ("SignSGD", "QSGD", "TernGrad", "Int8")),
-        ("gradzip.compressors.powersgd", ("PowerSGD",)),
-        ("gradzip.compressors.filter", ("Filter",)),
-    ):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ImportError:
-            continue
-        reg.update({n: getattr(mod, n) for n in names if hasattr(mod, n)})
-    reg["Policy"] = Policy
-    return reg
+register_value("DDP", None)  # plain DDP: no hook
 
 
-def _build(node, reg: dict, link: Link | None, profile):
-    """An AST node of a method spec to a value: a compressor call, a name, or a literal."""
-    if isinstance(node, ast.Name):
-        if node.id == "DDP":
-            return None
-        if node.id not in reg:
-            raise ValueError(f"unknown method {node.id!r}; choose from {['DDP', *sorted(reg)]}")
-        return reg[node.id]()
-    if isinstance(node, ast.Call):
-        if not isinstance(node.func, ast.Name) or node.func.id not in reg:
-            name = ast.unparse(node.func)
-            raise ValueError(f"unknown method {name!r}; choose from {['DDP', *sorted(reg)]}")
-        args = [_build(a, reg, link, profile) for a in node.args]
-        kw = {k.arg: _build(k.value, reg, link, profile) for k in node.keywords}
-        if node.func.id == "Policy" and kw.get("auto"):
-            kw.setdefault("link", link)  # the plan's link
-            kw.setdefault("profile", profile)
-        return reg[node.func.id](*args, **kw)
-    if isinstance(node, ast.Dict):
-        return {_build(k, reg, link, profile): _build(v, reg, link, profile) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_build(e, reg, link, profile) for e in node.elts]
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        raise ValueError(f"cannot read {ast.unparse(node)!r} in a method spec (literals and compressor calls only)") from None
+def parse_methods(spec: str, *, link: Link | None = None, profile=None) -> dict:
+    """``"DDP, TopK(ratio=0.01), PowerSGD(rank=2)"`` to ``{label: method}`` (``DDP``: ``None``).
 
-
-def parse_methods(spec: str, *, link: Link | None = None, profile=None) -> dict[str, Compressor | None]:
-    """``"DDP, TopK(ratio=0.01), PowerSGD(rank=2)"`` to ``{label: compressor}`` (``DDP``: ``None``).
-
-    Each item is a compressor class name, optionally called with literal keyword
-    arguments (and compressors, for ``Policy``/``Filter``). Nothing is evaluated
-    beyond literals. ``Policy(..., auto=True)`` gets the plan's link and profile
-    unless given.
+    The method grammar of :mod:`gradzip.registry`: every registered codec and protocol,
+    with arguments. ``Policy(..., auto=True)`` gets the plan's link and profile unless given.
     """
-    try:
-        tree = ast.parse(f"[{spec}]", mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"cannot parse methods {spec!r}: {exc.msg}") from None
-    reg = _registry()
-    out: dict[str, Compressor | None] = {}
-    for node in tree.body.elts:
-        label = ast.unparse(node)
-        if label in out:
-            raise ValueError(f"method {label!r} is listed twice")
-        out[label] = _build(node, reg, link, profile)
-    if not out:
-        raise ValueError("methods must name at least one method")
-    return out
+    return parse_list(spec, {"link": link, "profile": profile})
+
+
+def import_plugins(modules) -> None:
+    """Import modules that define more methods (``--import``): registering is defining."""
+    for name in modules or ():
+        importlib.import_module(name)
 
 
 # -- models ------------------------------------------------------------------------------
 def layers_from_params(count: int, layer_shape: tuple[int, int] = (1024, 1024)) -> list[tuple[str, tuple]]:
     """A stand-in model of ``count`` parameters: ``layer_shape`` matrices, then the rest as one
     ``(rows, layer_shape[1])`` matrix and a vector of what is left."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"params must be an integer in [1, inf), got {count!r}")
+    count = args.integer("params", count, 1)
     r, c = layer_shape
     if r < 1 or c < 1:
         raise ValueError(f"layer_shape must be two positive integers, got {layer_shape!r}")
@@ -322,7 +270,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), required=True,
                    help="one-way latency per message, e.g. 50us, 0.2ms")
     p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods in the method grammar (default: {DEFAULT_METHODS})")
+    p.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
+                   help="import a module that defines more methods (repeatable)")
     p.add_argument("--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--profile", default="", help="codec profile JSON to read (e.g. from benchmarks/results/); "
                                                  "default: measure on this machine")
@@ -338,6 +289,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     link = Link(args.bandwidth, args.latency)
     try:
+        import_plugins(args.plugins)
         if args.profile:
             profile = CodecProfile.load(args.profile, measure_missing=True)
             where = (profile.machine or {}).get("cpu", "an unnamed machine")
@@ -355,7 +307,7 @@ def run(args) -> int:
         else:
             layers = layers_from_params(args.params, args.layer_shape)
             what = f"{args.params:,} parameters as {args.layer_shape[0]}x{args.layer_shape[1]} matrices"
-    except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, TypeError, ImportError, json.JSONDecodeError) as exc:
         print(f"gradzip plan: {exc}", file=sys.stderr)
         return 2
     nparams = sum(math.prod(s) for _, s in layers)

@@ -22,13 +22,13 @@ import bisect
 import math
 from typing import Callable
 
+import gradzip.args as args
+
 __all__ = ["Schedule", "Constant", "PostLocal", "Increasing", "as_schedule", "sync_steps"]
 
 
 def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer in [{low}, inf), got {value!r}")
-    return value
+    return args.integer(name, value, low)
 
 
 class Schedule:
@@ -93,9 +93,7 @@ class Increasing(Schedule):
 
     def __init__(self, period: int, factor: float, every: int, max_period: int) -> None:
         self.period = _check_int("period", period, 1)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
-            raise ValueError(f"factor must be a finite number in [1, inf), got {factor!r}")
-        self.factor = float(factor)
+        self.factor = args.number("factor", factor, 1.0)
         self.every = _check_int("every", every, 1)
         self.max_period = _check_int("max_period", max_period, period)
         # Segments (start, h, end): sync points start+h, start+2h, ..., end (inclusive).

@@ -14,65 +14,63 @@ Bytes are counted by :mod:`gradzip.comm` from the tensors it hands to
   went to allreduces); a cost model needs both, since they scale differently.
 * ``bytes_payload``: message bytes before padding.
 
-Times are wall-clock seconds: ``codec_seconds`` in compress/decompress and error
-feedback, ``comm_seconds`` summed over collectives from launch to completion
-(collectives run asynchronously, so this can overlap compute and each other).
+Times are wall-clock seconds: ``codec_seconds`` in gradzip's own work outside the
+collectives (error feedback, compress, framing, decode, the engine's checks),
+``comm_seconds`` summed over collectives from launch to completion (collectives
+run asynchronously, so this can overlap compute and each other).
 ``codec_cpu_seconds`` is the CPU time of the threads in those codec blocks: below
 ``codec_seconds`` when a codec thread waits for a core (more busy threads than cores).
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field, fields
 
-_FIELDS = (
-    "steps",
-    "bytes_raw",
-    "bytes_sent",
-    "bytes_control",
-    "bytes_allgather",
-    "bytes_payload",
-    "collectives",
-    "codec_seconds",
-    "codec_cpu_seconds",
-    "comm_seconds",
-)
+__all__ = ["Stats"]
 
 
+@dataclass
 class Stats:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.reset()
+    steps: int = 0
+    bytes_raw: int = 0
+    bytes_sent: int = 0
+    bytes_control: int = 0
+    bytes_allgather: int = 0
+    bytes_payload: int = 0
+    collectives: int = 0
+    codec_seconds: float = 0.0
+    codec_cpu_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
-    def reset(self) -> None:
-        self.steps = 0
-        self.bytes_raw = 0
-        self.bytes_sent = 0
-        self.bytes_control = 0
-        self.bytes_allgather = 0
-        self.bytes_payload = 0
-        self.collectives = 0
-        self.codec_seconds = 0.0
-        self.codec_cpu_seconds = 0.0
-        self.comm_seconds = 0.0
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]
 
     def add(self, **kw) -> None:
         with self._lock:
             for k, v in kw.items():
                 setattr(self, k, getattr(self, k) + v)
 
-    def as_dict(self) -> dict:
+    def reset(self) -> None:
         with self._lock:
-            d = {k: getattr(self, k) for k in _FIELDS}
+            for f in fields(self):
+                if not f.name.startswith("_"):
+                    setattr(self, f.name, f.default)
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {k: getattr(self, k) for k in self.names()}
+
+    def as_dict(self) -> dict:
+        d = self.state_dict()
         d["ratio"] = d["bytes_raw"] / d["bytes_sent"] if d["bytes_sent"] else 1.0
         d["bytes_sent_per_step"] = d["bytes_sent"] / d["steps"] if d["steps"] else 0.0
         return d
 
-    def state_dict(self) -> dict:
-        with self._lock:
-            return {k: getattr(self, k) for k in _FIELDS}
-
     def load_state_dict(self, sd: dict) -> None:
+        """Fields missing from ``sd`` (a state saved before they existed) keep their values."""
         with self._lock:
-            for k in _FIELDS:
-                if k in sd:
-                    setattr(self, k, type(getattr(self, k))(sd[k]))
+            for f in fields(self):
+                if not f.name.startswith("_") and f.name in sd:
+                    setattr(self, f.name, type(f.default)(sd[f.name]))

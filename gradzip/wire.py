@@ -31,19 +31,27 @@ HEADER = struct.Struct("<BBHfq")
 HEADER_BYTES = HEADER.size  # 16
 ALIGN = 8
 
-# Frame formats.
+# Format codes are unique across the package: a codec declares the formats it writes
+# (``Codec.formats``) and registering a code twice raises. Two belong to no codec:
 FMT_EMPTY = 0  # all zeros; no body
 FMT_DENSE = 1  # body: every element, in vdtype
-FMT_SIGNED_INDEX = 2  # body: int32 words, index in bits 0..30, sign in bit 31; value = ±scale
-FMT_BITMAP2 = 3  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -scale
-FMT_SPARSE32 = 4  # body: k int32 indices, then k values in vdtype
-FMT_SPARSE64 = 5  # body: k int64 indices, then k values in vdtype
-# Quantizers (bodies: nb little-endian fp32 per-block scales, then the codes;
-# gradzip.compressors.quant has the full description).
-FMT_SIGN1 = 16  # SignSGD: 1 bit/element in int32 words; bit set -> -S_b, clear -> +S_b
-FMT_QSGD = 17  # QSGD: codes c in [0, 2s] at 2/4/8 bits; value (c - s) * N_b / s; header scale = s
-FMT_TERN2 = 18  # TernGrad: 2 bits; 0 -> 0, 1 -> +S_b, 2 -> -S_b
-FMT_INT8 = 19  # Int8: int8 q per element; value q * S_b
+_FORMATS: dict[int, str] = {FMT_EMPTY: "wire.EMPTY", FMT_DENSE: "wire.DENSE"}
+
+
+def register_format(code: int, label: str) -> int:
+    """Claim a frame format code (0..255) for ``label`` ("Codec.NAME"); a code claimed by
+    another label raises ``ValueError``. Returns ``code``."""
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+        raise ValueError(f"format code of {label} must be an integer in [0, 255], got {code!r}")
+    owner = _FORMATS.setdefault(code, label)
+    if owner != label:
+        raise ValueError(f"format code {code} of {label} is already taken by {owner}")
+    return code
+
+
+def formats() -> dict[int, str]:
+    """Every registered format code and its owner."""
+    return dict(_FORMATS)
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}

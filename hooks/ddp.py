@@ -11,20 +11,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradzip.compressors.base import Compressor
-from gradzip.engine import Engine, layout_of
+from gradzip.engine import Engine, check_real, layout_of
 
 
 class HookState:
     """What :func:`register_hook` returns: stats, and state to checkpoint."""
 
-    def __init__(self, engine: Engine, names: "dict[int, str]") -> None:
+    def __init__(self, engine: Engine, names: "dict[int, str]", find_unused: bool = False) -> None:
         self.engine = engine
         self._names = names
+        self.find_unused = find_unused
+        self.futures: list = []  # this step's, with on_nonfinite="raise"
 
     @property
-    def compressor(self) -> Compressor:
-        return self.engine.compressor
+    def method(self):
+        """The codec or protocol the hook runs."""
+        return self.engine.method
 
     @property
     def step(self) -> int:
@@ -50,22 +52,27 @@ class HookState:
 def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     grads = bucket.gradients()
     names = state.names_of(bucket.parameters())
-    buf = bucket.buffer()
-    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf)
+    buf = bucket.buffer()  # flat, as the engine's result: the future is returned as it is, so
+    # an error (FloatingPointError with on_nonfinite="raise") reaches backward() unwrapped
+    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf, zero_is_unused=state.find_unused)
+    if state.engine.on_nonfinite == "raise":
+        state.futures.append(fut)
     if bucket.is_last():
         state.engine.flush()
         state.engine.end_step()
-    shape = buf.shape
-
-    def to_bucket(f):
-        return f.value().view(shape)
-
-    return fut.then(to_bucket)
+        if state.engine.on_nonfinite == "raise":
+            # An exception set on the future would reach backward() as a RuntimeError (DDP
+            # reads the future in C++); raised here, by the hook itself, it stays a
+            # FloatingPointError. Backward has no gradient left to compute by now.
+            futures, state.futures = state.futures, []
+            for f in futures:
+                f.wait()
+    return fut
 
 
 def register_hook(
     ddp_model: DistributedDataParallel,
-    compressor: Compressor,
+    method,
     *,
     process_group=None,
     start_iter: int = 0,
@@ -76,16 +83,20 @@ def register_hook(
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model, before its first backward.
-        compressor: any gradzip compressor.
+        method: any gradzip codec (``gz.TopK(0.01)``) or protocol (``gz.PowerSGD(rank=2)``,
+            ``gz.Policy(...)``).
         process_group: defaults to DDP's own process group.
         start_iter: steps before this one use a plain allreduce (no compression).
         error_feedback: keep unsent mass in per-parameter residuals. ``None``
-            turns it on for biased compressors (``compressor.biased``).
+            turns it on for biased methods (``method.biased``).
         on_nonfinite: ``"skip"`` (a step where any rank's gradient holds a NaN/Inf
             yields an all-NaN average, so GradScaler skips it, and leaves residuals
             untouched) or ``"raise"`` (``FloatingPointError`` on every rank).
 
-    On the first step the ranks compare their configuration (compressor config,
+    With ``find_unused_parameters=True``, a parameter unused on a rank is sent as zeros
+    and keeps its residual (``Engine.reduce(zero_is_unused=True)``).
+
+    On the first step the ranks compare their configuration (method config,
     options, parameter names/shapes/dtypes) and raise ``ValueError`` naming the
     field that differs.
 
@@ -96,8 +107,9 @@ def register_hook(
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+    check_real(trained)
     engine = Engine(
-        compressor,
+        method,
         process_group=process_group,
         start_iter=start_iter,
         error_feedback=error_feedback,
@@ -105,6 +117,6 @@ def register_hook(
         layout=layout_of(trained),
     )
     names = {id(p): n for n, p in trained}
-    state = HookState(engine, names)
+    state = HookState(engine, names, find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     ddp_model.register_comm_hook(state, _gradzip_hook)
     return state

@@ -39,7 +39,7 @@ def test_bench_cli_rejects_unknown_methods():
     out = subprocess.run(
         [sys.executable, "-m", "gradzip.cli", "bench", "--methods", "Nope"], capture_output=True, text=True, timeout=60
     )
-    assert out.returncode == 2 and "unknown methods" in out.stderr
+    assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
 
 
 def test_mnist_loader_reads_the_bundled_digits():

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import gradzip as gz
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.threshold import exact_tau
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.threshold import exact_tau
 from gradzip.feedback import ErrorFeedback
 from gradzip.wire import FMT_BITMAP2, FMT_DENSE, FMT_EMPTY, FMT_SIGNED_INDEX, HEADER_BYTES, pack_frames
 

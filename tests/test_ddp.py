@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
 from gradzip import bench
-from gradzip.compressors.base import TensorContext
+from gradzip.codecs.base import TensorContext
 from gradzip.hooks import register_hook
 from gradzip.wire import HEADER_BYTES
 

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.bench import free_port
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.cast import FP16
-from gradzip.compressors.filter import REF, SENT, SKIPPED, Filter
-from gradzip.compressors.quant import Int8, SignSGD
-from gradzip.compressors.sparse import TopK
-from gradzip.compressors.threshold import Threshold
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.cast import FP16
+from gradzip.protocols.filter import REF, SENT, SKIPPED, Filter
+from gradzip.codecs.quant import Int8, SignSGD
+from gradzip.codecs.sparse import TopK
+from gradzip.codecs.threshold import Threshold
 from gradzip.engine import Engine
 from gradzip.feedback import ErrorFeedback
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradzip as gz
-from gradzip.compressors.base import TensorContext
+from gradzip.codecs.base import TensorContext
 from gradzip.feedback import ErrorFeedback
 
 from .test_compressors import all_compressors

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.compressors import Identity, SignSGD, TopK
-from gradzip.compressors.powersgd import PowerSGD
+from gradzip.codecs import Identity, SignSGD, TopK
+from gradzip.protocols.powersgd import PowerSGD
 from gradzip.costmodel import Link
 from gradzip.engine import Engine
 from gradzip.feedback import _POOL_MIN_BYTES, ErrorFeedback
@@ -172,7 +172,7 @@ def test_identity_hook_in_place_is_bit_identical_to_ddp():
 def test_cat_target_uses_dest_only_when_it_fits_and_holds_no_body():
     from types import SimpleNamespace
 
-    from gradzip.exchange import _cat_target
+    from gradzip.protocols.allreduce import _cat_target
 
     a, b = torch.randn(3), torch.randn(4)
     dest = torch.empty(7)

@@ -7,15 +7,17 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.comm import Round
-from gradzip.compressors import FP16, BF16, Identity, TopK
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.filter import Filter
-from gradzip.compressors.powersgd import PowerSGD
+from gradzip.codecs import FP16, BF16, Identity, TopK
+from gradzip.codecs.base import TensorContext
+from gradzip.protocols.filter import Filter
+from gradzip.protocols.powersgd import PowerSGD
 from gradzip.costmodel import CodecFit, CodecProfile, Link, dry_run
 from gradzip.engine import Engine
-from gradzip.feedback import ErrorFeedback
+from .refs import RefMemory
 from gradzip.hooks import register_hook
-from gradzip.policy import DECISION, Policy, expected_rounds, parallel
+from gradzip.policy import DECISION, Policy
+from gradzip.protocols import AllGather, Allreduce
+from gradzip.protocols.parallel import parallel
 
 from .mp_utils import run_ranks
 
@@ -35,7 +37,7 @@ def test_rules_route_by_name_and_size():
     assert p.rule("head.weight", 10**6)[0] is p.per_layer["head"]
     assert p.candidates == [pl, p.per_layer["head"], big, fb]
     rows = p.explain([("a.weight", (50, 50)), ("a.bias", (50,)), ("attn.q", (2, 2))])
-    assert [r["compressor"] for r in rows] == [repr(big), repr(fb), repr(pl)]
+    assert [r["method"] for r in rows] == [repr(big), repr(fb), repr(pl)]
     assert [r["numel"] for r in rows] == [2500, 50, 4]
     # a single string is one pattern
     assert Policy(big, skip="bias").skip == ("bias",)
@@ -47,14 +49,12 @@ def test_config_bias_and_errors():
     assert cfg["default"] == PowerSGD(rank=2).config() and cfg["fallback"] == {"name": "BF16"}
     assert cfg["per_layer"] == [["emb", TopK(0.1).config()]] and cfg["skip"] == ["bias", "norm"]
     assert json.loads(json.dumps(cfg)) == cfg  # plain values (compared across ranks, saved with state)
-    assert p.biased and not p.summable
+    assert p.biased
     assert not Policy(Identity(), fallback=FP16()).biased
     assert Policy(Identity(), per_layer={"x": TopK(0.1)}).biased
-    with pytest.raises(NotImplementedError, match="front end"):
-        p.compress(torch.ones(3))
-    with pytest.raises(TypeError, match="default must be a gradzip Compressor"):
+    with pytest.raises(TypeError, match="default must be a gradzip codec or protocol"):
         Policy("topk")
-    with pytest.raises(TypeError, match=r"per_layer\['x'\] must be a gradzip Compressor"):
+    with pytest.raises(TypeError, match=r"per_layer\['x'\] must be a gradzip codec or protocol"):
         Policy(Identity(), per_layer={"x": 3})
     with pytest.raises(ValueError, match="must not be a Policy"):
         Policy(Identity(), fallback=Policy(Identity()))
@@ -78,8 +78,8 @@ def test_config_bias_and_errors():
         Policy(TopK(), auto=True, link=Link(1e9), world_size=0)
     with pytest.raises(ValueError, match="auto must be True or False"):
         Policy(TopK(), auto="yes")
-    assert expected_rounds(Identity()) == 1 and expected_rounds(TopK()) == 2
-    assert expected_rounds(PowerSGD()) is None and expected_rounds(Filter(TopK())) is None
+    assert Allreduce(Identity()).rounds == 1 and AllGather(TopK()).rounds == 2
+    assert PowerSGD().rounds is None and Filter(TopK()).rounds is None
 
 
 # -- parallel composition ----------------------------------------------------------------------
@@ -280,7 +280,7 @@ def _engine_mix(rank, world, steps):
         "auto": auto_out,
         "auto_collectives": collectives,
         "auto_decision": auto.tensor_state["w"].get(DECISION),
-        "auto_vote_local": auto.compressor.prefers_fallback(x, 2),
+        "auto_vote_local": auto.method.prefers_fallback(x, 2),
     }
 
 
@@ -387,7 +387,7 @@ def reference(steps, world):
     model = make_model()
     pol = ddp_policy()
     names = [n for n, _ in model.named_parameters()]
-    mems = [ErrorFeedback() for _ in range(world)]  # the policy is biased: error feedback for all
+    mems = [RefMemory() for _ in range(world)]  # the policy is biased: error feedback for all
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in range(steps):
         per_rank = []

@@ -12,10 +12,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tph
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip import bench
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.cast import Identity
-from gradzip.compressors.powersgd import PowerSGD, _gram_schmidt_, _low_rank_product, _matmul, orthogonalize_
-from gradzip.exchange import Call
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.cast import Identity
+from gradzip.protocols.powersgd import PowerSGD, _gram_schmidt_, _low_rank_product, _matmul, orthogonalize_
+from gradzip.protocols.base import Call
 from gradzip.feedback import ErrorFeedback
 from gradzip.hooks import register_hook
 from gradzip.stats import Stats
@@ -118,9 +118,12 @@ def test_bad_arguments_raise_value_error_naming_the_argument(make, arg):
     assert "must be" in str(e.value)
 
 
-def test_compress_alone_explains_that_powersgd_needs_a_front_end():
-    with pytest.raises(NotImplementedError, match="front end"):
-        PowerSGD().compress(torch.randn(4, 4))
+def test_powersgd_is_a_protocol_not_a_codec():
+    """It needs every rank's P before it can finish a tensor: no compress/decompress to misuse."""
+    import gradzip as gz
+
+    assert isinstance(PowerSGD(), gz.Protocol) and not isinstance(PowerSGD(), gz.Codec)
+    assert not hasattr(PowerSGD(), "compress") and not hasattr(PowerSGD(), "decompress")
 
 
 def test_which_tensors_are_compressed_vs_torch():
@@ -631,7 +634,7 @@ def test_fused_block_passes_match_the_whole_matrix_passes(monkeypatch, rank, dty
     """On CPU the compensation, P^T and M_hat/residual passes run in blocks of rows (several
     blocks here, the last one short). The result matches the unfused passes over whole
     matrices to float32 rounding, and residual + M_hat == compensated input as before."""
-    import gradzip.compressors.powersgd as ps
+    import gradzip.protocols.powersgd as ps
 
     names = ["w", "v", "b"]
     shapes = [(300, 4096), (257, 1031), (257,)]

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradzip import bench
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.cast import Identity
-from gradzip.compressors.quant import (
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.cast import Identity
+from gradzip.codecs.quant import (
     FMT_INT8,
     FMT_QSGD,
     FMT_SIGN1,
@@ -206,7 +206,7 @@ def test_shape_dtype_and_frame_size(comp, dtype, data):
 @given(data=st.data())
 def test_error_feedback_keeps_everything(comp, dtype, data):
     """residual + decoded == compensated: exactly for Int8 and wherever d = 0 or d/c in [1/2, 2];
-    elsewhere the residual is c - d correctly rounded to float32 (see gradzip.compressors.quant)."""
+    elsewhere the residual is c - d correctly rounded to float32 (see gradzip.codecs.quant)."""
     mem = ErrorFeedback()
     first = data.draw(tensors(dtype=dtype))
     for step in range(3):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import gradzip.kernels as K
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.quant import QSGD, Int8, SignSGD, TernGrad, philox_seed
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.quant import QSGD, Int8, SignSGD, TernGrad, philox_seed
 from gradzip.kernels import reference as R
 from gradzip.wire import FMT_QSGD, FMT_TERN2, Payload
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip as gz
 from gradzip.bench import free_port, init_worker
 from gradzip.checkpoint import reshard
-from gradzip.compressors.base import TensorContext
+from gradzip.codecs.base import TensorContext
 from gradzip.engine import Engine
 from gradzip.hooks import register_hook
 

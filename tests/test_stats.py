@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from gradzip.exchange import codec_time
+from gradzip.protocols.base import codec_time
 from gradzip.stats import Stats
 
 from .mp_utils import run_ranks
@@ -40,14 +40,14 @@ def _engine_checks(rank, world):
     import gradzip.engine as engine_mod
     from gradzip.engine import Engine
 
-    real, calls = engine_mod._all_finite, []
+    real, calls = engine_mod.all_finite, []
 
     def slow_check(tensors):  # each of the engine's non-finite checks takes 30 ms more
         calls.append(1)
         time.sleep(0.03)
         return real(tensors)
 
-    engine_mod._all_finite = slow_check
+    engine_mod.all_finite = slow_check
     try:
         eng = Engine(gz.TopK(ratio=0.1))
         fut = eng.reduce(["w"], [torch.randn(1000)])
@@ -55,7 +55,7 @@ def _engine_checks(rank, world):
         eng.end_step()
         fut.wait()
     finally:
-        engine_mod._all_finite = real
+        engine_mod.all_finite = real
     return len(calls), eng.stats()["codec_seconds"]
 
 

@@ -42,7 +42,7 @@ def test_signed_indices_roundtrip_extremes():
 def test_frames_roundtrip_and_alignment():
     bodies = [torch.arange(5, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), torch.randn(3).view(torch.uint8)]
     ps = [
-        wire.Payload(body=bodies[0], shape=torch.Size([20]), dtype=torch.float32, fmt=wire.FMT_BITMAP2, scale=0.5),
+        wire.Payload(body=bodies[0], shape=torch.Size([20]), dtype=torch.float32, fmt=3, scale=0.5),
         wire.Payload(body=bodies[1], shape=torch.Size([7]), dtype=torch.float16, fmt=wire.FMT_EMPTY),
         wire.Payload(
             body=bodies[2], shape=torch.Size([3]), dtype=torch.float32, fmt=wire.FMT_DENSE, vdtype=torch.float32

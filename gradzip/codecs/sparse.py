@@ -5,17 +5,15 @@ import math
 
 import torch
 
-from .. import kernels as K
-from ..wire import (
-    FMT_DENSE,
-    FMT_EMPTY,
-    FMT_SPARSE32,
-    FMT_SPARSE64,
-    Payload,
-    as_bytes,
-    from_bytes,
-)
-from .base import Compressor, TensorContext, check_choice, check_positive, check_ratio, tensor_seed
+import gradzip.args as args
+import gradzip.kernels as K
+from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes
+from .base import Codec, TensorContext, check_input, tensor_seed
+
+__all__ = ["TopK", "RandomK"]
+
+FMT_SPARSE32 = 4  # body: k int32 indices, then k values in vdtype
+FMT_SPARSE64 = 5  # body: k int64 indices, then k values in vdtype
 
 _INT32_LIMIT = 2**31
 
@@ -24,7 +22,7 @@ def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
-class TopK(Compressor):
+class TopK(Codec):
     """Send the ``k = ceil(ratio * n)`` elements of largest magnitude, with their indices.
 
     ``mode="exact"`` uses ``torch.topk``. ``mode="sampled"`` is DGC's estimate
@@ -41,8 +39,7 @@ class TopK(Compressor):
     input as is) when the sparse form would not be smaller.
     """
 
-    summable = False
-    biased = True
+    formats = {"SPARSE32": FMT_SPARSE32, "SPARSE64": FMT_SPARSE64}
 
     def __init__(
         self,
@@ -53,26 +50,11 @@ class TopK(Compressor):
         sampled_above: int = 1 << 20,
         seed: int = 0,
     ) -> None:
-        self.ratio = check_ratio("ratio", ratio)
-        check_choice("mode", mode, ("exact", "sampled", "auto"))
-        check_positive("sample", sample, integer=True)
-        check_positive("sampled_above", sampled_above, integer=True)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.mode = mode
-        self.sample = int(sample)
-        self.sampled_above = int(sampled_above)
-        self.seed = seed
-
-    def config(self) -> dict:
-        return {
-            "name": "TopK",
-            "ratio": self.ratio,
-            "mode": self.mode,
-            "sample": self.sample,
-            "sampled_above": self.sampled_above,
-            "seed": self.seed,
-        }
+        self.ratio = args.ratio("ratio", ratio)
+        self.mode = args.choice("mode", mode, ("exact", "sampled", "auto"))
+        self.sample = args.integer("sample", sample, 1)
+        self.sampled_above = args.integer("sampled_above", sampled_above, 1)
+        self.seed = args.integer("seed", seed)
 
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
@@ -88,8 +70,8 @@ class TopK(Compressor):
         return K.sampled_topk(v, k, probe)
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        self._check_input(x)
-        ctx = self._ctx(x, ctx)
+        check_input(x)
+        ctx = ctx or TensorContext(dtype=x.dtype)
         vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
         v = x.reshape(-1)
         n = v.numel()
@@ -113,9 +95,20 @@ class TopK(Compressor):
         return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        out = self._zeros(payload)
+        out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
         return out.to(payload.dtype)
+
+    def subtract(self, payload: Payload, v: torch.Tensor) -> None:
+        """``v -= decompress(payload)``, touching only the sent elements."""
+        if payload.fmt == FMT_EMPTY:
+            return
+        if payload.fmt == FMT_DENSE:
+            v.sub_(from_bytes(payload.body, payload.vdtype).to(v.dtype).view(v.shape))
+            return
+        idx, vals = self._split(payload, v.numel(), validate=False)  # our own frame
+        flat = v.view(-1)
+        flat.index_put_((idx.to(torch.int64),), flat[idx.to(torch.int64)] - vals.to(v.dtype))
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         if payload.fmt == FMT_EMPTY:
@@ -123,6 +116,11 @@ class TopK(Compressor):
         if payload.fmt == FMT_DENSE:
             out.add_(from_bytes(payload.body, payload.vdtype).to(out.dtype))
             return
+        K.scatter_add_sparse(out, *self._split(payload, out.numel()))
+
+    @staticmethod
+    def _split(payload: Payload, n: int, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) of a sparse frame, its indices checked against ``n`` elements."""
         if payload.fmt not in (FMT_SPARSE32, FMT_SPARSE64):
             raise ValueError(f"TopK cannot decode frame format {payload.fmt}")
         isize = 8 if payload.fmt == FMT_SPARSE64 else 4
@@ -136,15 +134,15 @@ class TopK(Compressor):
         if vb.storage_offset() % vsize:  # e.g. float64 values after an odd number of int32 indices
             vb = vb.clone()
         vals = from_bytes(vb, payload.vdtype)
-        if k:
+        if k and validate:
             lo, hi = torch.stack(torch.aminmax(idx)).tolist()
-            if hi >= out.numel() or lo < 0:
-                bad = hi if hi >= out.numel() else lo
-                raise ValueError(f"corrupt top-k frame: index {bad} outside [0, {out.numel()})")
-        K.scatter_add_sparse(out, idx, vals)
+            if hi >= n or lo < 0:
+                bad = hi if hi >= n else lo
+                raise ValueError(f"corrupt top-k frame: index {bad} outside [0, {n})")
+        return idx, vals
 
 
-class RandomK(Compressor):
+class RandomK(Codec):
     """Send ``k = ceil(ratio * n)`` elements at indices drawn from a seed all ranks share.
 
     The indices depend only on ``(seed, step, tensor name)``, so every rank picks
@@ -155,16 +153,10 @@ class RandomK(Compressor):
     """
 
     summable = True
-    biased = True
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
-        self.ratio = check_ratio("ratio", ratio)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.seed = seed
-
-    def config(self) -> dict:
-        return {"name": "RandomK", "ratio": self.ratio, "seed": self.seed}
+        self.ratio = args.ratio("ratio", ratio)
+        self.seed = args.integer("seed", seed)
 
     def indices(self, n: int, ctx: TensorContext, device) -> torch.Tensor:
         k = _k_of(self.ratio, n)
@@ -174,8 +166,8 @@ class RandomK(Compressor):
         return torch.randperm(n, generator=g)[:k].sort().values.to(device)
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        self._check_input(x)
-        ctx = self._ctx(x, ctx)
+        check_input(x)
+        ctx = ctx or TensorContext(dtype=x.dtype)
         v = x.reshape(-1)
         idx = self.indices(v.numel(), ctx, x.device)
         return Payload(body=v[idx], shape=x.shape, dtype=x.dtype, vdtype=x.dtype, local=idx)
@@ -184,3 +176,7 @@ class RandomK(Compressor):
         out = torch.zeros(payload.shape, dtype=payload.dtype, device=payload.body.device)
         out.view(-1)[payload.local] = payload.body.to(out.dtype)
         return out
+
+    def subtract(self, payload: Payload, v: torch.Tensor) -> None:
+        flat = v.view(-1)
+        flat[payload.local] -= payload.body.to(v.dtype)

@@ -71,9 +71,11 @@ import math
 
 import torch
 
+import gradzip.args as args
+from ..codecs.base import TensorContext, tensor_seed
 from ..comm import Round
 from ..wire import accum_dtype
-from .base import Compressor, TensorContext, check_positive, tensor_seed
+from .base import Protocol
 
 __all__ = ["PowerSGD", "orthogonalize_"]
 
@@ -152,20 +154,20 @@ def _fusable(call, idx: list, k: int, wd) -> bool:
         return False
     for i in idx:
         t = call.tensors[i]
-        if (accum_dtype(t.dtype) if call.memory is not None else t.dtype) != wd:
+        if (accum_dtype(t.dtype) if call.feeds(i) else t.dtype) != wd:
             return False
-        if k == 1 and call.memory is None and t.data_ptr() % 64:
+        if k == 1 and not call.feeds(i) and t.data_ptr() % 64:
             return False
     return True
 
 
 def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
-    """``dst = P Q^T`` and the residual ``x - P Q^T`` (with error feedback), ``rows`` rows
-    at a time: each block of ``M_hat`` is still in cache when it is subtracted. The same
-    floats as the unfused product and ``ErrorFeedback.update``."""
+    """``dst = P Q^T`` and, with error feedback, the residual ``x - P Q^T`` written over
+    ``x`` (the compensated input, which is the residual's buffer), ``rows`` rows at a
+    time: each block of ``M_hat`` is still in cache when it is subtracted. The same
+    floats as the unfused product and ``Call.commit``."""
     n, m = dst.shape
-    buf = call.fresh_residual(i)
-    res = buf.view(n, m) if buf is not None else None
+    keep = call.feeds(i)
     tmp = None if dst.dtype == x.dtype else torch.empty(min(rows, n), m, dtype=x.dtype)
     for s in range(0, n, rows):
         e = min(s + rows, n)
@@ -173,10 +175,10 @@ def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tens
         _low_rank_product(pt[:, s:e], qt, mh)
         if tmp is not None:
             dst[s:e].copy_(mh)
-        if res is not None:
-            torch.sub(x[s:e], mh, out=res[s:e])
-    if buf is not None:
-        call.commit_residual(i, buf)
+        if keep:
+            x[s:e].sub_(mh)
+    if keep:
+        call.set_residual(i, x.view(call.tensors[i].shape))
 
 
 def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> None:
@@ -193,7 +195,7 @@ def _matrix_shape(shape) -> tuple[int, int]:
     return n, (math.prod(shape[1:]) if n else 0)
 
 
-class PowerSGD(Compressor):
+class PowerSGD(Protocol):
     """Rank-``rank`` PowerSGD with error feedback (on by default) and warm start.
 
     Args:
@@ -213,9 +215,6 @@ class PowerSGD(Compressor):
     with Accordion, ``"rank"``, ``"acc_sq"``, ``"acc_steps"``, ``"prev_norm"``.
     """
 
-    summable = True  # P and Q are added up by allreduce; the exchange is its own
-    biased = True
-
     def __init__(
         self,
         rank: int = 1,
@@ -228,40 +227,14 @@ class PowerSGD(Compressor):
         accordion_interval: int = 100,
         accordion_eta: float = 0.5,
     ) -> None:
-        check_positive("rank", rank, integer=True)
-        check_positive("min_compression_rate", min_compression_rate)
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        check_positive("eps", eps, allow_zero=True)
-        if accordion_rank is not None and (
-            isinstance(accordion_rank, bool) or not isinstance(accordion_rank, int) or accordion_rank <= rank
-        ):
-            raise ValueError(f"accordion_rank must be None or an integer in [{rank + 1}, inf) (above rank), got {accordion_rank!r}")
-        check_positive("accordion_interval", accordion_interval, integer=True)
-        check_positive("accordion_eta", accordion_eta)
-        self.rank = int(rank)
-        self.min_compression_rate = float(min_compression_rate)
-        self.warm_start = warm_start
-        self.seed = seed
-        self.eps = float(eps)
-        self.accordion_rank = accordion_rank
-        self.accordion_interval = int(accordion_interval)
-        self.accordion_eta = float(accordion_eta)
-
-    def config(self) -> dict:
-        return {
-            "name": "PowerSGD",
-            "rank": self.rank,
-            "min_compression_rate": self.min_compression_rate,
-            "warm_start": self.warm_start,
-            "seed": self.seed,
-            "eps": self.eps,
-            "accordion_rank": self.accordion_rank,
-            "accordion_interval": self.accordion_interval,
-            "accordion_eta": self.accordion_eta,
-        }
+        self.rank = args.integer("rank", rank, 1)
+        self.min_compression_rate = args.number("min_compression_rate", min_compression_rate, 0.0, lo_open=True)
+        self.warm_start = args.flag("warm_start", warm_start)
+        self.seed = args.integer("seed", seed)
+        self.eps = args.number("eps", eps, 0.0)
+        self.accordion_rank = args.optional(args.integer, "accordion_rank", accordion_rank, self.rank + 1)
+        self.accordion_interval = args.integer("accordion_interval", accordion_interval, 1)
+        self.accordion_eta = args.number("accordion_eta", accordion_eta, 0.0, lo_open=True)
 
     # -- planning ------------------------------------------------------------------------
     def compressed_rank(self, shape, rank: int | None = None) -> int:
@@ -279,17 +252,6 @@ class PowerSGD(Compressor):
         if self.accordion_rank is None:
             return self.rank
         return int(ctx.store.get("rank", self.accordion_rank))
-
-    _ALONE = (
-        "PowerSGD needs every rank's P before it can finish a tensor: use it through a front end "
-        "(gradzip.hooks.register_hook, gradzip.Engine), which runs PowerSGD.exchange"
-    )
-
-    def compress(self, x, ctx=None):
-        raise NotImplementedError(self._ALONE)
-
-    def decompress(self, payload):
-        raise NotImplementedError(self._ALONE)
 
     # -- Q ---------------------------------------------------------------------------------
     def _draw(self, ctx: TensorContext, m: int, k: int) -> torch.Tensor:

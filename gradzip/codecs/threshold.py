@@ -19,10 +19,16 @@ to each rank's own gradients) and every receiver decodes each peer with that
 peer's tau.
 
 **Exact residuals.** Before encoding, tau is rounded down to a multiple of the
-float32 ulp of ``max|v|`` (at least one ulp). Then ``v - sign(v) * tau`` is
-exactly representable for every selected element, so ``residual + sent ==
-input`` holds exactly and no mass is lost to rounding. For ordinary tensors
-(``max|v| < 2**16 * tau``) this moves tau by less than 2**-8 of itself.
+float32 ulp of a bound on ``max|v|`` (at least one ulp). Then ``v - sign(v) * tau``
+is exactly representable for every selected element, so ``residual + sent ==
+input`` holds exactly and no mass is lost to rounding. The bound is the tensor's
+``max|v|`` of its previous step (kept in its state), so that the encode is one
+fused pass over gradient and residual (``kernels.threshold_ef``); the pass also
+returns this step's ``max|v|``, and where tau is not a multiple of its ulp (the
+first step, or a gradient that grew past the next power of two) the pass is run
+again with it. For ordinary tensors (``max|v| < 2**16 * tau``) the rounding moves
+tau by less than 2**-7 of itself. The ``"target"`` policy needs ``v`` whole (its
+tau is a top-k of ``|v|``) and encodes in separate passes.
 
 Policies (per tensor, state kept in the front end's ``state_dict``):
 
@@ -44,9 +50,15 @@ import math
 
 import torch
 
-from .. import kernels as K
-from ..wire import FMT_BITMAP2, FMT_EMPTY, FMT_SIGNED_INDEX, Payload, accum_dtype, as_bytes, from_bytes
-from .base import Compressor, TensorContext, check_choice, check_positive, check_ratio
+import gradzip.args as args
+import gradzip.kernels as K
+from ..wire import FMT_EMPTY, Payload, accum_dtype, as_bytes, from_bytes
+from .base import Codec, TensorContext, check_input
+
+__all__ = ["Threshold", "exact_tau"]
+
+FMT_SIGNED_INDEX = 2  # body: int32 words, index in bits 0..30, sign in bit 31; value = +-scale
+FMT_BITMAP2 = 3  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -scale
 
 _POLICIES = ("fixed", "adaptive", "target")
 _MAX_INDEX = 2**31  # index list words hold 31 bits of index
@@ -67,9 +79,10 @@ def exact_tau(tau: float, amax: float) -> float:
     return min(max(math.floor(tau / ulp), 1) * ulp, _F32_MAX)
 
 
-class Threshold(Compressor):
-    summable = False
-    biased = True
+class Threshold(Codec):
+    """Strom's threshold sparsification with DL4J's adaptive tau (module docstring)."""
+
+    formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
 
     def __init__(
         self,
@@ -83,45 +96,19 @@ class Threshold(Compressor):
         shake_every: int = 0,
         shake_factor: float = 4.0,
     ) -> None:
-        check_positive("tau", tau)
-        check_choice("policy", policy, _POLICIES)
-        if (
-            not isinstance(band, (tuple, list))
-            or len(band) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in band)
-            or not (0.0 <= band[0] < band[1] <= 1.0)
-        ):
+        self.tau = args.number("tau", tau, 0.0, lo_open=True)
+        self.policy = args.choice("policy", policy, _POLICIES)
+        if not isinstance(band, (tuple, list)) or len(band) != 2:
             raise ValueError(f"band must be (low, high) with 0 <= low < high <= 1, got {band!r}")
-        if not isinstance(decay, (int, float)) or not (0.0 < decay < 1.0):
-            raise ValueError(f"decay must be a number in (0, 1), got {decay!r}")
-        growth = 1.0 / decay if growth is None else growth
-        if not isinstance(growth, (int, float)) or not (1.0 < growth < math.inf):
-            raise ValueError(f"growth must be a number in (1, inf), got {growth!r}")
-        check_ratio("density", density)
-        check_positive("shake_every", shake_every, integer=True, allow_zero=True)
-        if not isinstance(shake_factor, (int, float)) or not (1.0 < shake_factor < math.inf):
-            raise ValueError(f"shake_factor must be a number in (1, inf), got {shake_factor!r}")
-        self.tau = float(tau)
-        self.policy = policy
-        self.band = (float(band[0]), float(band[1]))
-        self.decay = float(decay)
-        self.growth = float(growth)
-        self.density = float(density)
-        self.shake_every = int(shake_every)
-        self.shake_factor = float(shake_factor)
-
-    def config(self) -> dict:
-        return {
-            "name": "Threshold",
-            "tau": self.tau,
-            "policy": self.policy,
-            "band": list(self.band),
-            "decay": self.decay,
-            "growth": self.growth,
-            "density": self.density,
-            "shake_every": self.shake_every,
-            "shake_factor": self.shake_factor,
-        }
+        low, high = (args.number("band", b, 0.0, 1.0) for b in band)
+        if not low < high:
+            raise ValueError(f"band must be (low, high) with 0 <= low < high <= 1, got {band!r}")
+        self.band = (low, high)
+        self.decay = args.number("decay", decay, 0.0, 1.0, lo_open=True, hi_open=True)
+        self.growth = args.optional(args.number, "growth", growth, 1.0, lo_open=True)
+        self.density = args.ratio("density", density)
+        self.shake_every = args.integer("shake_every", shake_every, 0)
+        self.shake_factor = args.number("shake_factor", shake_factor, 1.0, lo_open=True)
 
     # -- encode ------------------------------------------------------------------------
     def current_tau(self, ctx: TensorContext) -> float:
@@ -129,48 +116,66 @@ class Threshold(Compressor):
         return float(ctx.store.get("tau", self.tau))
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        self._check_input(x)
-        ctx = self._ctx(x, ctx)
-        # Float16/bfloat16 go to the kernel as they are (it widens to float32 as it
-        # loads); |v|, its max and its top-k are exact in the input's dtype.
-        v = x.reshape(-1) if x.dtype in K.KERNEL_DTYPES else x.reshape(-1).to(accum_dtype(x.dtype))
-        n = v.numel()
-        tau = self.current_tau(ctx)
-        amax = float(v.abs().max()) if n else 0.0
-        if self.policy == "target" and n:
-            k = min(n, max(1, math.ceil(self.density * n)))
-            kth = float(torch.topk(v.abs(), k, sorted=False).values.min())
-            tau = kth if kth > 0 else tau
-        shake = self.shake_every > 0 and (ctx.step + 1) % self.shake_every == 0
-        if shake:
-            tau = tau / self.shake_factor
-        tau = exact_tau(tau, amax)
+        return self.encode(x, ctx)[0]
 
-        # One pass: select, count, pack the bitmap (dispatched: reference on the CPU).
-        sel = K.threshold_ef(v, tau)
-        count = sel.count
+    def encode(self, x, ctx=None, residual=None, *, feedback=False, out=None):
+        check_input(x)
+        ctx = ctx or TensorContext(dtype=x.dtype)
+        if residual is not None and not feedback:
+            raise ValueError("a residual without feedback=True would be dropped")
+        n = x.numel()
+        shake = self.shake_every > 0 and (ctx.step + 1) % self.shake_every == 0
+        if self.policy == "target" and n:
+            if feedback:  # tau is a top-k of |v|: v is needed whole (Codec.encode compensates)
+                return super().encode(x, ctx, residual, feedback=True, out=out)
+            k = min(n, max(1, math.ceil(self.density * n)))
+            kth = float(torch.topk(x.reshape(-1).abs(), k, sorted=False).values.min())
+            base = kth if kth > 0 else self.current_tau(ctx)
+        else:
+            base = self.current_tau(ctx)
+        if shake:
+            base = base / self.shake_factor
+        # Float16/bfloat16 go to the kernel as they are (it widens them as it loads).
+        v = x.reshape(-1) if x.dtype in K.KERNEL_DTYPES or x.dtype == torch.float64 else x.reshape(-1).float()
+        r = residual.reshape(-1) if residual is not None else None
+        o = out.reshape(-1) if out is not None else None
+        tau = exact_tau(base, float(ctx.store.get("amax", 0.0)))
+        sel = K.threshold_ef(v, tau, r, new_residual=feedback, out=o)
+        if n and exact_tau(tau, sel.amax) != tau:  # the bound was too small: encode again with this max
+            tau = exact_tau(base, sel.amax)
+            sel = K.threshold_ef(v, tau, r, new_residual=feedback, out=o)
+        if n and math.isfinite(sel.amax):
+            ctx.store["amax"] = sel.amax
+        self._adapt(ctx, sel.count, n, tau, shake)
+        new = sel.residual.view(x.shape) if feedback else None
+        return self._frame(x, sel, tau), new
+
+    def _adapt(self, ctx: TensorContext, count: int, n: int, tau: float, shake: bool) -> None:
         if self.policy == "adaptive" and not shake and n:
             frac = count / n
             t = self.current_tau(ctx)
             if frac < self.band[0]:
                 t *= self.decay
             elif frac > self.band[1]:
-                t *= self.growth
+                t *= self.growth if self.growth is not None else 1.0 / self.decay
             ctx.store["tau"] = min(max(t, _F32_MIN_SUBNORMAL), _F32_MAX)
         elif self.policy == "target":
             ctx.store["tau"] = tau
 
-        empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+    @staticmethod
+    def _frame(x: torch.Tensor, sel, tau: float) -> Payload:
+        n, count = x.numel(), sel.count
+        dtype = accum_dtype(x.dtype) if sel.residual is not None else x.dtype
         if count == 0:
-            return Payload(body=empty, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY, scale=tau)
-        bitmap_bytes = (n + 3) // 4
-        if n < _MAX_INDEX and 4 * count <= bitmap_bytes:
-            return Payload(body=as_bytes(sel.indices()), shape=x.shape, dtype=x.dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
-        return Payload(body=sel.bitmap(), shape=x.shape, dtype=x.dtype, fmt=FMT_BITMAP2, scale=tau)
+            empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+            return Payload(body=empty, shape=x.shape, dtype=dtype, fmt=FMT_EMPTY, scale=tau)
+        if n < _MAX_INDEX and 4 * count <= (n + 3) // 4:
+            return Payload(body=as_bytes(sel.indices()), shape=x.shape, dtype=dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
+        return Payload(body=sel.bitmap(), shape=x.shape, dtype=dtype, fmt=FMT_BITMAP2, scale=tau)
 
     # -- decode ------------------------------------------------------------------------
     def decompress(self, payload: Payload) -> torch.Tensor:
-        out = self._zeros(payload)
+        out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
         return out.to(payload.dtype)
 

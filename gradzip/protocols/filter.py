@@ -1,6 +1,6 @@
 """Model filtering: skip the tensors that barely changed this step, and lose none of their mass.
 
-``Filter(inner, min_change=m, beta=b)`` wraps any compressor. For tensor ``i``
+``Filter(inner, min_change=m, beta=b)`` wraps any codec or protocol. For tensor ``i``
 of a call, with ``c`` its compensated input (gradient plus residual) of ``n``
 elements:
 
@@ -17,7 +17,7 @@ elements:
 
 The ranks then agree: one allreduce(MAX) of one uint8 flag per tensor (counted
 in ``bytes_sent`` like every collective, and booked as ``bytes_control``). A tensor is sent iff some rank wants
-it; every rank then runs ``inner``'s own exchange on the sent tensors only
+it; every rank then runs ``inner``'s own protocol on the sent tensors only
 (``Call.subset``) and fills zeros for the others. A skipped tensor's whole
 compensated value stays in its residual (``Call.skip``), so
 ``residual + sent == compensated`` holds exactly for it, and for the sent ones
@@ -31,9 +31,6 @@ skipped tensor's gradient is dropped.
 in ``change`` faster than its lagging average, so with ``m < 1`` it is sent
 within a few steps; ``m = 0`` sends every tensor that is not all zeros. Counts
 ``filter.sent`` and ``filter.skipped`` are kept per tensor.
-
-``compress``/``decompress``/``accumulate`` are ``inner``'s: filtering needs
-the ranks to agree, so it lives in :meth:`Filter.exchange` only.
 """
 from __future__ import annotations
 
@@ -42,9 +39,9 @@ import math
 import torch
 import torch.distributed as dist
 
+import gradzip.args as args
 from ..comm import Round
-from ..wire import Payload
-from .base import Compressor, TensorContext
+from .base import Call, Exchange, Protocol, as_protocol
 
 __all__ = ["Filter"]
 
@@ -53,37 +50,16 @@ SENT = "filter.sent"
 SKIPPED = "filter.skipped"
 
 
-class Filter(Compressor):
-    biased = True
-
-    def __init__(self, inner: Compressor, *, min_change: float = 0.5, beta: float = 0.9) -> None:
-        if not isinstance(inner, Compressor):
-            raise TypeError(f"inner must be a gradzip Compressor, got {type(inner).__name__}")
-        for name, value in (("min_change", min_change), ("beta", beta)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
-                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+class Filter(Protocol):
+    def __init__(self, inner, *, min_change: float = 0.5, beta: float = 0.9) -> None:
         self.inner = inner
-        self.min_change = float(min_change)
-        self.beta = float(beta)
-        self.summable = inner.summable
+        self._protocol = as_protocol(inner)
+        self.min_change = args.number("min_change", min_change, 0.0, 1.0, hi_open=True)
+        self.beta = args.number("beta", beta, 0.0, 1.0, hi_open=True)
 
-    def config(self) -> dict:
-        return {"name": "Filter", "inner": self.inner.config(), "min_change": self.min_change, "beta": self.beta}
+    def check_names(self, names) -> None:
+        self._protocol.check_names(names)
 
-    def __repr__(self) -> str:
-        return f"Filter({self.inner!r}, min_change={self.min_change!r}, beta={self.beta!r})"
-
-    # -- the Compressor API is inner's ---------------------------------------------------
-    def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        return self.inner.compress(x, ctx)
-
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return self.inner.decompress(payload)
-
-    def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
-        self.inner.accumulate(payload, out)
-
-    # -- filtering -----------------------------------------------------------------------
     def wants(self, x: torch.Tensor, store: dict) -> bool:
         """This rank's vote for sending ``x`` (the compensated input); updates ``store``'s reference."""
         n = x.numel()
@@ -96,7 +72,7 @@ class Filter(Compressor):
         store[REF] = change if ref is None else self.beta * float(ref) + (1.0 - self.beta) * change
         return change > self.min_change * float(ref or 0.0)
 
-    def exchange(self, call):
+    def exchange(self, call: Call) -> Exchange:
         count = len(call.tensors)
         out = torch.zeros(call.numel, dtype=call.out_dtype, device=call.device)
         if count == 0:
@@ -118,7 +94,7 @@ class Filter(Compressor):
         if not sent:
             return out
         sub = call.subset(sent)
-        got = yield from self.inner.exchange(sub)
+        got = yield from self._protocol.exchange(sub)
         for j, i in enumerate(sent):
             out[call.slice(i)] = got[sub.slice(j)]
         return out

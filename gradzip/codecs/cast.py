@@ -4,17 +4,20 @@ from __future__ import annotations
 import torch
 
 from ..wire import Payload
-from .base import Compressor, TensorContext
+from .base import Codec, TensorContext, check_input
+
+__all__ = ["Identity", "FP16", "BF16", "saturating_cast"]
 
 
-class Identity(Compressor):
+class Identity(Codec):
     """No compression: the gradient itself, in its own dtype (plain DDP's bytes)."""
 
     summable = True
     biased = False
+    exact = True
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        self._check_input(x)
+        check_input(x)
         return Payload(body=x.reshape(-1), shape=x.shape, dtype=x.dtype, vdtype=x.dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -50,7 +53,7 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.to(dtype)
 
 
-class _Cast(Compressor):
+class _Cast(Codec):
     summable = True
     # Round-to-nearest is not systematically biased; error feedback stays opt-in,
     # as in torch's fp16/bf16 hooks. Pass error_feedback=True to keep the rounding error.
@@ -58,7 +61,7 @@ class _Cast(Compressor):
     wire_dtype: torch.dtype
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
-        self._check_input(x)
+        check_input(x)
         return Payload(
             body=saturating_cast(x.reshape(-1), self.wire_dtype), shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype
         )

@@ -1,0 +1,155 @@
+"""Dry runs: a protocol's real exchange against a loopback communicator.
+
+The bytes of a method are never a formula per codec: :func:`dry_run` runs the
+method's protocol on sample tensors against a :class:`LoopbackComm` (``N`` ranks
+that all send what this rank sends) and records every tensor the exchange hands
+to a collective, exactly what :class:`gradzip.stats.Stats` counts in a real run
+(size exchanges, headers and padding included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import TensorContext
+from ..feedback import ErrorFeedback
+from ..protocols.base import Call, as_protocol
+from ..stats import Stats
+from .link import Collective, Link, check_world, wire_time
+
+__all__ = ["LoopbackComm", "DryRun", "dry_run"]
+
+
+class _DoneWork:
+    """A finished collective (what ``LoopbackComm`` returns in place of a ``dist.Work``)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        f = torch.futures.Future()
+        f.set_result(None)
+        return f
+
+
+class LoopbackComm:
+    """Stands in for :class:`gradzip.comm.Communicator` with ``world_size`` ranks that all
+    send exactly what this rank sends. Nothing leaves the process.
+
+    Every collective is logged as a :class:`Collective` and counted in ``stats``
+    like the real communicator counts it. Results are filled in by
+    :meth:`complete` (the driver calls it before resuming the protocol): an
+    allreduce-SUM multiplies by ``world_size``, MAX/MIN leave the tensor as is,
+    an all-gather repeats this rank's part ``world_size`` times. A driver that
+    only wants the bytes never completes the last round, so a dry run at
+    ``world_size = 1024`` allocates the gathered buffer but never fills or decodes it.
+    """
+
+    def __init__(self, world_size: int, stats: Stats | None = None) -> None:
+        self.world_size = check_world(world_size)
+        self.rank = 0
+        self.stats = stats if stats is not None else Stats()
+        self.log: list[Collective] = []
+        self._todo: list = []
+
+    def _count(self, kind: str, nbytes: int, control: bool) -> None:
+        self.stats.add(bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0)
+        self.log.append(Collective(kind, nbytes, control))
+
+    def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, *, control: bool = False):
+        self._count("allreduce", t.numel() * t.element_size(), control)
+        if op == dist.ReduceOp.SUM and self.world_size > 1:
+            self._todo.append(lambda: t.mul_(self.world_size))
+        elif op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            raise ValueError(f"LoopbackComm supports SUM, MAX and MIN, got {op}")
+        return _DoneWork()
+
+    def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
+        self._count("allgather", inp.numel() * inp.element_size(), control)
+        if out.numel() != self.world_size * inp.numel():
+            raise ValueError(f"allgather output has {out.numel()} elements, expected {self.world_size} x {inp.numel()}")
+        self._todo.append(lambda: out.view(self.world_size, -1).copy_(inp.reshape(1, -1)))
+        return _DoneWork()
+
+    def complete(self) -> None:
+        todo, self._todo = self._todo, []
+        for fn in todo:
+            fn()
+
+
+@dataclass
+class DryRun:
+    collectives: list
+    codec_seconds: float
+    rounds: int
+    out: torch.Tensor | None = None
+    #: The protocol sums every tensor as it is (``Protocol.plain``): the engine then sends
+    #: no non-finite flag for the call.
+    plain: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.collectives)
+
+    def wire_time(self, world: int, link: Link) -> float:
+        return wire_time(self.collectives, world, link)
+
+
+def dry_run(
+    method,
+    tensors: Sequence[torch.Tensor],
+    *,
+    world_size: int,
+    names: Sequence[str] | None = None,
+    error_feedback: bool | None = None,
+    decode: bool = True,
+    stores: dict | None = None,
+    step: int = 0,
+) -> DryRun:
+    """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
+
+    Returns the collectives it launched (bytes as handed to ``torch.distributed``),
+    the codec seconds it spent (``call.codec()`` blocks), and, with ``decode``, its
+    flat output. With ``decode=False`` the protocol is stopped once its last round
+    is launched: the bytes are known, no peer is decoded. ``error_feedback=None``
+    follows ``method.biased``, as the engine does. ``stores`` maps names to the
+    per-tensor state dicts to use (fresh ones by default, so nothing real is touched).
+    The input tensors are not modified.
+    """
+    tensors = list(tensors)
+    names = [f"t{i}" for i in range(len(tensors))] if names is None else list(names)
+    if len(names) != len(tensors):
+        raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+    comm = LoopbackComm(world_size)
+    protocol = as_protocol(method)
+    ef = method.biased if error_feedback is None else bool(error_feedback)
+    stores = {} if stores is None else stores
+    call = Call(
+        comm=comm,
+        names=names,
+        tensors=tensors,
+        contexts=[
+            TensorContext(name=n, step=step, dtype=t.dtype, store=stores.setdefault(n, {}), rank=0, world_size=world_size)
+            for n, t in zip(names, tensors)
+        ],
+        memory=ErrorFeedback() if ef else None,
+        out_dtype=tensors[0].dtype if tensors else torch.float32,
+    )
+    plain = protocol.plain(call)
+    gen = protocol.exchange(call)
+    rounds, out = 0, None
+    try:
+        while True:
+            rnd = next(gen)
+            rounds += 1
+            if rnd.last and not decode:
+                break
+            comm.complete()
+    except StopIteration as stop:
+        out = stop.value
+    finally:
+        gen.close()
+    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, plain)

@@ -1,0 +1,161 @@
+"""The link and the collectives' wire times: formulas only, no gradzip imports beyond the registry.
+
+With ``S`` the bytes one rank hands to the collective, ``B`` the link bandwidth
+in bits/s and ``alpha`` the one-way latency of one message between neighbours::
+
+    allreduce(S)  = 2(N-1)/N * 8S/B + 2(N-1) * alpha
+    allgather(S)  =   (N-1)   * 8S/B +  (N-1) * alpha
+
+A ring allreduce is a reduce-scatter then an all-gather, ``N-1`` steps each;
+every step sends one message of ``S/N`` bytes to the next rank, so each step
+costs one latency: ``2(N-1)`` latencies. A ring all-gather of ``S`` bytes per
+rank is ``N-1`` steps of ``S`` bytes: ``N-1`` latencies. Collectives of one
+step are added up: gloo runs one process group's collectives one after the
+other (``docs/costmodel.md``).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import gradzip.args as args
+
+from ..registry import register_value
+
+__all__ = [
+    "Link",
+    "parse_bandwidth",
+    "parse_duration",
+    "allreduce_time",
+    "allgather_time",
+    "Collective",
+    "wire_time",
+    "check_world",
+]
+
+_BW_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_DIVISORS = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 50 / 1e6 == 5e-5 exactly
+
+
+def parse_bandwidth(value) -> float:
+    """Bits per second from a number or a string such as ``"1Gbit"``, ``"100mbps"``, ``"10G"``, ``"2.5e9"``.
+
+    Units are decimal (``k`` = 1e3) and in bits; ``"B"``/``"byte"`` suffixes mean bytes
+    (``"125MB/s"`` = 1e9 bit/s).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"bandwidth must be a number of bits/s or a string like '1Gbit', got {value!r}")
+    if isinstance(value, (int, float)):
+        bps = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(
+            r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]?)(bit/s|bits/s|bit|bits|bps|b/s|B/s|B|byte/s|bytes/s|byte|bytes)?\s*",
+            value,
+        )
+        if not m:
+            raise ValueError(f"bandwidth must look like '1Gbit', '100Mbps' or '1e9', got {value!r}")
+        num, prefix, unit = m.groups()
+        bps = float(num) * _BW_UNITS[prefix.lower()] * (8.0 if unit and unit.startswith(("B", "byte")) else 1.0)
+    else:
+        raise ValueError(f"bandwidth must be a number of bits/s or a string like '1Gbit', got {value!r}")
+    if not (math.isfinite(bps) and bps > 0):
+        raise ValueError(f"bandwidth must be in (0, inf) bits/s, got {value!r}")
+    return bps
+
+
+def parse_duration(value, name: str = "duration") -> float:
+    """Seconds from a number or a string such as ``"50us"``, ``"0.2ms"``, ``"1.5s"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of seconds or a string like '50us', got {value!r}")
+    if isinstance(value, (int, float)):
+        s = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*", value)
+        if not m:
+            raise ValueError(f"{name} must look like '50us', '2ms' or '0.1', got {value!r}")
+        s = float(m.group(1)) / _TIME_DIVISORS[m.group(2) or ""]
+    else:
+        raise ValueError(f"{name} must be a number of seconds or a string like '50us', got {value!r}")
+    if not (math.isfinite(s) and s >= 0):
+        raise ValueError(f"{name} must be in [0, inf) seconds, got {value!r}")
+    return s
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: ``bandwidth_bps`` in bits/s, ``latency_s`` per message (one hop, one way)."""
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth_bps", args.number("bandwidth_bps", self.bandwidth_bps, 0.0, lo_open=True))
+        object.__setattr__(self, "latency_s", args.number("latency_s", self.latency_s, 0.0))
+
+    @classmethod
+    def parse(cls, bandwidth, latency=0.0) -> "Link":
+        """``Link.parse("1Gbit", "50us")``."""
+        return cls(parse_bandwidth(bandwidth), parse_duration(latency, "latency"))
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_bps": self.bandwidth_bps, "latency_s": self.latency_s}
+
+    def __str__(self) -> str:
+        return f"{_fmt_bw(self.bandwidth_bps)}, {self.latency_s * 1e6:g} us"
+
+    def __repr__(self) -> str:
+        return f"Link({self.bandwidth_bps!r}, {self.latency_s!r})"
+
+
+def _fmt_bw(bps: float) -> str:
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def check_world(world: int) -> int:
+    return args.integer("world_size", world, 1)
+
+
+def allreduce_time(nbytes: float, world: int, link: Link) -> float:
+    """Ring allreduce of ``nbytes`` per rank: ``2(N-1)/N * 8S/B + 2(N-1) * latency``."""
+    n = check_world(world)
+    if n == 1:
+        return 0.0
+    return 2.0 * (n - 1) / n * 8.0 * nbytes / link.bandwidth_bps + 2.0 * (n - 1) * link.latency_s
+
+
+def allgather_time(nbytes: float, world: int, link: Link) -> float:
+    """Ring all-gather of ``nbytes`` from every rank: ``(N-1) * 8S/B + (N-1) * latency``."""
+    n = check_world(world)
+    if n == 1:
+        return 0.0
+    return (n - 1) * 8.0 * nbytes / link.bandwidth_bps + (n - 1) * link.latency_s
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a protocol: ``kind`` is ``"allreduce"`` or ``"allgather"``;
+    ``nbytes`` the bytes this rank hands to it (for an all-gather: its own part)."""
+
+    kind: str
+    nbytes: int
+    control: bool = False
+
+    def time(self, world: int, link: Link) -> float:
+        if self.kind == "allreduce":
+            return allreduce_time(self.nbytes, world, link)
+        if self.kind == "allgather":
+            return allgather_time(self.nbytes, world, link)
+        raise ValueError(f"unknown collective kind {self.kind!r}")
+
+
+def wire_time(collectives: Iterable[Collective], world: int, link: Link) -> float:
+    """Seconds on the wire: the collectives one after the other."""
+    return sum(c.time(world, link) for c in collectives)
+
+
+register_value("Link", Link)

@@ -1,0 +1,246 @@
+"""Codec profiles: codec seconds per method, measured on this machine or read from JSON.
+
+A :class:`CodecProfile` holds, per (method config, error feedback), an affine fit
+``a + b*n`` of the codec seconds for one tensor of ``n`` elements, plus
+``(N-1)*(c + d*n)`` for protocols that all-gather (every rank decodes every
+peer). :func:`measure_codec` fits it from dry runs (``docs/costmodel.md``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+import gradzip.args as args
+
+from ..machine import machine
+from .dryrun import dry_run
+
+__all__ = ["CodecFit", "CodecProfile", "measure_codec", "as_profile", "sample", "sample_shape"]
+
+
+@dataclass
+class CodecFit:
+    """Codec seconds for one tensor of ``n`` elements on ``N`` ranks:
+    ``encode_s + encode_s_per_elem * n + (N - 1) * (peer_s + peer_s_per_elem * n)``."""
+
+    encode_s: float
+    encode_s_per_elem: float
+    peer_s: float = 0.0
+    peer_s_per_elem: float = 0.0
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            setattr(self, k, args.number(k, v, 0.0))
+
+    def seconds(self, numel: int, world: int) -> float:
+        return (
+            self.encode_s
+            + self.encode_s_per_elem * numel
+            + max(world - 1, 0) * (self.peer_s + self.peer_s_per_elem * numel)
+        )
+
+
+def sample(shape, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float32).to(dtype)
+
+
+def sample_shape(numel: int) -> tuple[int, int]:
+    """The 2-D shape a profile measures ``numel`` elements in: ``(numel // m, m)`` with
+    ``m`` the largest power of two not above ``sqrt(numel)`` (square for powers of 4)."""
+    numel = args.integer("profile size", numel, 4)
+    m = 1 << (int(math.isqrt(numel)).bit_length() - 1)
+    return (numel // m, m)
+
+
+def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
+    slope = max((y1 - y0) / (x1 - x0), 0.0)
+    return max(y0 - slope * x0, 0.0), slope
+
+
+def measure_codec(
+    comp,
+    *,
+    error_feedback: bool | None = None,
+    sizes: tuple[int, int] = (4096, 1 << 20),
+    worlds: tuple[int, int] = (1, 8),
+    repeats: int = 5,
+    threads: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[CodecFit, dict]:
+    """Time ``comp``'s codec on this machine; returns the fit and the raw timings.
+
+    For each size ``n`` in ``sizes`` (a ``sample_shape(n)`` Gaussian tensor) and each
+    world size ``W`` in ``worlds``, runs :func:`dry_run` once to warm up, then
+    ``repeats`` times, and keeps the fastest codec seconds (the least disturbed by
+    other processes; a shared machine inflates the mean, not the minimum). The
+    line through the two sizes at ``worlds[0]`` gives ``encode_s`` and
+    ``encode_s_per_elem``. If the exchange all-gathers, the extra seconds at
+    ``worlds[1]`` per extra peer give ``peer_s`` and ``peer_s_per_elem``; an
+    exchange that only allreduces decodes once (0 per peer). Negative intercepts or
+    slopes (timing noise) are clipped to 0. ``threads`` sets torch's intra-op
+    threads while timing (``None``: leave them as they are); CPU codecs run one
+    rank per core or so, and more threads than free cores makes timings erratic.
+    """
+    n0, n1 = sizes
+    w0, w1 = worlds
+    if not (4 <= n0 < n1):
+        raise ValueError(f"sizes must be two integers 4 <= n0 < n1, got {sizes!r}")
+    if not (1 <= w0 < w1):
+        raise ValueError(f"worlds must be two integers 1 <= w0 < w1, got {worlds!r}")
+    repeats = args.integer("repeats", repeats, 1)
+    threads = args.optional(args.integer, "threads", threads, 1)
+    raw: dict[str, float] = {}
+    gathers = False
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for n in (n0, n1):
+            x = sample(sample_shape(n), dtype, seed=n)
+            for w in (w0, w1):
+                times = []
+                for r in range(repeats + 1):
+                    d = dry_run(comp, [x], world_size=w, names=["sample"], error_feedback=error_feedback)
+                    gathers = gathers or any(c.kind == "allgather" for c in d.collectives)
+                    if r:
+                        times.append(d.codec_seconds)
+                raw[f"n={n},W={w}"] = min(times)
+    finally:
+        torch.set_num_threads(saved)
+    a, b = _fit_line(n0, raw[f"n={n0},W={w0}"], n1, raw[f"n={n1},W={w0}"])
+    c = d_ = 0.0
+    if gathers:
+        p0 = (raw[f"n={n0},W={w1}"] - raw[f"n={n0},W={w0}"]) / (w1 - w0)
+        p1 = (raw[f"n={n1},W={w1}"] - raw[f"n={n1},W={w0}"]) / (w1 - w0)
+        c, d_ = _fit_line(n0, p0, n1, p1)
+    return CodecFit(a, b, c, d_), raw
+
+
+PROFILE_KIND = "gradzip-codec-profile"
+PROFILE_VERSION = 1
+
+
+class CodecProfile:
+    """Codec fits per (compressor config, error feedback), measured or loaded.
+
+    ``fit(comp)`` returns the stored fit, or measures it on this machine when
+    ``measure_missing`` (the default) and stores it; otherwise it raises
+    ``KeyError`` naming the compressor. ``save(path)``/``load(path)`` use the JSON
+    schema in ``docs/costmodel.md``; a file records the machine it was measured on.
+    """
+
+    def __init__(
+        self,
+        entries: dict | None = None,
+        *,
+        machine: dict | None = None,
+        measure_missing: bool = True,
+        sizes: tuple[int, int] = (4096, 1 << 20),
+        worlds: tuple[int, int] = (1, 8),
+        repeats: int = 5,
+        threads: int | None = None,
+    ) -> None:
+        self.entries: dict[str, dict] = dict(entries or {})
+        self.machine = machine
+        self.measure_missing = measure_missing
+        self.sizes = tuple(sizes)
+        self.worlds = tuple(worlds)
+        self.repeats = repeats
+        self.threads = threads
+
+    @staticmethod
+    def key(comp, error_feedback: bool | None = None) -> str:
+        ef = comp.biased if error_feedback is None else bool(error_feedback)
+        return json.dumps({"config": comp.config(), "error_feedback": ef}, sort_keys=True, default=str)
+
+    def add(self, comp, fit: CodecFit, *, error_feedback: bool | None = None, raw: dict | None = None) -> None:
+        ef = comp.biased if error_feedback is None else bool(error_feedback)
+        self.entries[self.key(comp, ef)] = {
+            "method": repr(comp),
+            "config": comp.config(),
+            "error_feedback": ef,
+            **asdict(fit),
+            "best_s": dict(raw or {}),
+        }
+
+    def fit(self, comp, error_feedback: bool | None = None) -> CodecFit:
+        k = self.key(comp, error_feedback)
+        e = self.entries.get(k)
+        if e is None:
+            if not self.measure_missing:
+                raise KeyError(f"the codec profile has no entry for {comp!r} (error_feedback={error_feedback})")
+            fit, raw = measure_codec(
+                comp,
+                error_feedback=error_feedback,
+                sizes=self.sizes,
+                worlds=self.worlds,
+                repeats=self.repeats,
+                threads=self.threads,
+            )
+            self.add(comp, fit, error_feedback=error_feedback, raw=raw)
+            return fit
+        return CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": PROFILE_KIND,
+            "version": PROFILE_VERSION,
+            "machine": self.machine if self.machine is not None else machine(),
+            "sizes": list(self.sizes),
+            "worlds": list(self.worlds),
+            "repeats": self.repeats,
+            "statistic": "min",
+            "threads": self.threads if self.threads is not None else torch.get_num_threads(),
+            "entries": self.entries,
+        }
+
+    def save(self, path: str) -> None:
+        d = self.to_dict()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(d, f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict, *, measure_missing: bool = False) -> "CodecProfile":
+        if not isinstance(d, dict) or d.get("kind") != PROFILE_KIND:
+            raise ValueError(f"not a gradzip codec profile (expected kind {PROFILE_KIND!r})")
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"codec profile version {d.get('version')!r} is not supported (expected {PROFILE_VERSION})")
+        prof = cls(
+            d.get("entries", {}),
+            machine=d.get("machine"),
+            measure_missing=measure_missing,
+            sizes=tuple(d.get("sizes", (4096, 1 << 20))),
+            worlds=tuple(d.get("worlds", (1, 8))),
+            repeats=int(d.get("repeats", 5)),
+            threads=d.get("threads"),
+        )
+        for k, e in prof.entries.items():  # validate every fit now, not deep inside a step
+            try:
+                CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"codec profile entry {e.get('method', k)!r} is incomplete: {exc}") from None
+        return prof
+
+    @classmethod
+    def load(cls, path: str, *, measure_missing: bool = False) -> "CodecProfile":
+        with open(path) as f:
+            return cls.from_dict(json.load(f), measure_missing=measure_missing)
+
+
+def as_profile(profile) -> CodecProfile:
+    """``None`` (measure on demand), a :class:`CodecProfile`, a dict or a JSON path."""
+    if profile is None:
+        return CodecProfile()
+    if isinstance(profile, CodecProfile):
+        return profile
+    if isinstance(profile, dict):
+        return CodecProfile.from_dict(profile)
+    if isinstance(profile, (str, os.PathLike)):
+        return CodecProfile.load(os.fspath(profile))
+    raise ValueError(f"profile must be None, a CodecProfile, a dict or a JSON path, got {type(profile).__name__}")

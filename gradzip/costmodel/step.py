@@ -1,0 +1,189 @@
+"""The cost of one data-parallel training step: ``compute + codec + wire``.
+
+* **compute**: the forward and backward pass of one step on one rank, in seconds.
+  An input (measured by the user); the model does not estimate it.
+* **codec**: gradzip's own seconds outside the collectives, from a
+  :class:`~gradzip.costmodel.profile.CodecProfile`.
+* **wire**: the step's collectives from dry runs of the method on the model's DDP
+  buckets, each costed by :mod:`gradzip.costmodel.link`.
+
+Plain DDP (``method=None``) is one allreduce of each bucket's gradients and no
+codec. gradzip methods add the engine's non-finite flag allreduce per bucket
+(:data:`gradzip.comm.FLAG_BYTES`; none where the protocol sums every tensor as it
+is); the first step's configuration check is left out (it happens once).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+
+import gradzip.args as args
+from ..comm import FLAG_BYTES
+from ..protocols.base import Protocol
+from .dryrun import dry_run
+from .link import Collective, Link, check_world, wire_time
+from .profile import CodecProfile, sample
+
+__all__ = ["ddp_buckets", "StepCost", "WireCache", "step_cost"]
+
+
+def ddp_buckets(nbytes: Sequence[int], bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[list[int]]:
+    """DDP's bucket assignment by size: indices grouped in reverse parameter order.
+
+    Gradients are ready roughly in reverse order of the parameters, so DDP fills
+    buckets from the last parameter. A tensor joins the open bucket; the bucket
+    closes once it holds at least its cap (the first bucket's cap is
+    ``first_bucket_mb``, torch's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB).
+    """
+    for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        args.number(name, v, 0.0, lo_open=True)
+    caps = [first_bucket_mb * 2**20, bucket_cap_mb * 2**20]
+    buckets, cur, size = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        cur.append(i)
+        size += nbytes[i]
+        if size >= caps[min(len(buckets), 1)]:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+@dataclass
+class StepCost:
+    method: str
+    world: int
+    compute_s: float
+    codec_s: float
+    wire_s: float
+    bytes_per_rank: int
+    collectives: int
+    buckets: int
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.codec_s + self.wire_s
+
+    @property
+    def efficiency(self) -> float:
+        """Weak-scaling efficiency: one rank's step (compute only) over this step."""
+        return self.compute_s / self.total_s if self.total_s > 0 else 1.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(total_s=self.total_s, efficiency=self.efficiency)
+        return d
+
+
+class WireCache:
+    """Collective logs of dry runs, keyed by (compressor, error feedback, shapes, dtype, world).
+
+    With ``probe_worlds=(a, b)``, a bucket is dry-run at both ``a`` and ``b`` first;
+    if the two logs are equal, the bytes are taken not to depend on the world size
+    and the log is reused for every world size (a method whose bytes do depend on
+    it, such as ``Int8(allreduce=True)``, gets a dry run per world size).
+    """
+
+    def __init__(self, probe_worlds: tuple[int, int] | None = None) -> None:
+        self.probe_worlds = probe_worlds
+        self._logs: dict = {}
+        self._invariant: dict = {}
+        self.dry_runs = 0
+
+    def _run(self, comp, shapes, dtype, world, ef, seed) -> tuple:
+        key = (CodecProfile.key(comp, ef), shapes, str(dtype), world)
+        if key not in self._logs:
+            xs = [sample(s, dtype, seed=seed + j) for j, s in enumerate(shapes)]
+            names = [f"p{seed + j}" for j in range(len(shapes))]
+            run = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False)
+            self._logs[key] = (run.collectives, run.plain)
+            self.dry_runs += 1
+        return self._logs[key]
+
+    def collectives(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> list:
+        """The collectives of a call of ``comp`` on ``shapes`` among ``world`` ranks."""
+        return self.call(comp, shapes, world, error_feedback=error_feedback, dtype=dtype, seed=seed)[0]
+
+    def call(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> tuple:
+        """``(collectives, plain)`` of a call of ``comp`` on ``shapes`` among ``world`` ranks;
+        ``plain``: every tensor summed as it is (``DryRun.plain``: the engine sends no flag)."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        ef = comp.biased if error_feedback is None else bool(error_feedback)
+        if self.probe_worlds is None or world == 1:
+            return self._run(comp, shapes, dtype, world, ef, seed)
+        base = (CodecProfile.key(comp, ef), shapes, str(dtype))
+        if base not in self._invariant:
+            a, b = self.probe_worlds
+            self._invariant[base] = self._run(comp, shapes, dtype, a, ef, seed) == self._run(comp, shapes, dtype, b, ef, seed)
+        if self._invariant[base]:
+            return self._run(comp, shapes, dtype, self.probe_worlds[0], ef, seed)
+        return self._run(comp, shapes, dtype, world, ef, seed)
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
+def step_cost(
+    method,
+    layers: Sequence[tuple[str, tuple]],
+    world: int,
+    link: Link,
+    compute_s: float,
+    profile: CodecProfile | None = None,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    cache: WireCache | None = None,
+    label: str | None = None,
+) -> StepCost:
+    """Predict one step of data-parallel training of ``layers`` (``[(name, shape)]``).
+
+    ``method=None`` is plain DDP. A protocol that routes tensors to other methods (a
+    ``Policy``) is costed per bucket by its partition (``Protocol.routes``): each
+    route's collectives come from a dry run of the route on its tensors, each tensor's
+    codec from the route's fit, with error feedback as the route runs. A bucket whose
+    protocol sums every tensor as it is (``DryRun.plain``) sends no engine flag. On one
+    rank the step is ``compute_s`` alone.
+    """
+    check_world(world)
+    compute_s = args.number("compute_s", compute_s, 0.0)
+    name = label or ("DDP" if method is None else repr(method))
+    layers = [(n, tuple(int(d) for d in s)) for n, s in layers]
+    buckets = ddp_buckets([_nbytes(s, dtype) for _, s in layers], bucket_cap_mb, first_bucket_mb)
+    if world == 1:
+        return StepCost(name, 1, float(compute_s), 0.0, 0.0, 0, 0, len(buckets))
+    cache = cache if cache is not None else WireCache()
+    profile = profile if profile is not None else CodecProfile()
+    colls: list[Collective] = []
+    codec = 0.0
+    groups_used: dict[str, int] = {}
+    for b in buckets:
+        if method is None:
+            colls.append(Collective("allreduce", sum(_nbytes(layers[i][1], dtype) for i in b)))
+            continue
+        if isinstance(method, Protocol):
+            groups = [(m, [b[j] for j in idx], ef) for m, idx, ef in method.routes([layers[i] for i in b], world)]
+        else:
+            groups = [(method, b, method.biased)]
+        plain = True
+        for comp, idx, ef in groups:
+            groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
+            got, alone = cache.call(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
+            colls += got
+            plain = plain and alone
+            fit = profile.fit(comp, ef)
+            codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
+        if not plain:  # the engine's flag (a bucket summed as it is needs none; see gradzip.engine)
+            colls.append(Collective("allreduce", FLAG_BYTES, control=True))
+    wire = wire_time(colls, world, link)
+    detail = {"tensors_per_method": groups_used} if len(groups_used) > 1 else {}
+    return StepCost(
+        name, world, float(compute_s), codec, wire, sum(c.nbytes for c in colls), len(colls), len(buckets), detail
+    )

@@ -1,0 +1,13 @@
+"""Protocols: the only code that yields collective rounds (see :mod:`gradzip.protocols.base`)."""
+from .allgather import AllGather
+from .allreduce import Allreduce
+from .base import Call, Exchange, Protocol, as_protocol, codec_time
+from .filter import Filter
+from .int8_allreduce import Int8Allreduce
+from .parallel import aligned_starts, parallel
+from .powersgd import PowerSGD
+
+__all__ = [
+    "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter",
+    "Int8Allreduce", "PowerSGD", "parallel", "aligned_starts",
+]

@@ -1,0 +1,56 @@
+"""``AllGather(codec)``: every rank's frames all-gathered, every peer decoded.
+
+Each rank frames the payloads of the call's tensors into one byte message
+(:func:`gradzip.wire.pack_frames`); the ranks agree on the longest message
+(allreduce MAX of its length: gloo refuses uneven all-gathers) and all-gather
+the messages padded to it. Every rank decodes every peer's frames, tensor by
+tensor and peers in rank order, into one float32 buffer (float64 for float64
+gradients), so every rank computes the same floats, and divides by the world
+size. Bytes handed to the collectives grow with the world size: ``(N - 1)``
+messages arrive at each rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import Codec
+from ..comm import allgather_bytes
+from ..wire import accum_dtype, pack_frames, unpack_frames
+from .base import Call, Exchange, Protocol
+
+__all__ = ["AllGather"]
+
+
+class AllGather(Protocol):
+    rounds = 2
+
+    def __init__(self, codec: Codec) -> None:
+        if not isinstance(codec, Codec):
+            raise ValueError(f"codec must be a gradzip codec, got {codec!r}")
+        self.codec = codec
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return self.codec.biased
+
+    def exchange(self, call: Call) -> Exchange:
+        codec = self.codec
+        with call.codec():
+            payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
+            msg = pack_frames(payloads, device=call.device)
+            call.comm.stats.add(bytes_payload=msg.numel())
+        gathered = yield from allgather_bytes(call.comm, msg)
+        with call.codec():
+            shapes = [p.shape for p in payloads]
+            dtypes = [p.dtype for p in payloads]
+            acc_dtype = accum_dtype(call.out_dtype)
+            if acc_dtype == call.out_dtype:
+                acc = call.output(zero=True)  # every input was encoded before the first round
+            else:
+                acc = torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
+            frames = [unpack_frames(gathered[r], shapes, dtypes) for r in range(call.world_size)]
+            for i in range(len(payloads)):
+                # Each tensor's peers in fixed rank order: every rank computes the same floats.
+                codec.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])
+            acc.div_(call.world_size)
+        return acc.to(call.out_dtype)

@@ -1,0 +1,95 @@
+"""``Allreduce(codec)``: summable payloads, concatenated and summed by one allreduce.
+
+The payload bodies of the call's tensors are concatenated into one tensor of
+the wire dtype, pre-divided by the world size (as DDP does, so that the sum
+cannot overflow the wire dtype) and allreduced; every tensor is then decoded
+from its slice of the sum. Identity on DDP's bucket sends no copy at all: the
+gradients already lie back to back in the bucket, which is also where the
+result goes, so the bucket is reduced in place, as DDP's own hook does.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import Codec
+from ..comm import Round
+from ..wire import Payload
+from .base import Call, Exchange, Protocol
+
+__all__ = ["Allreduce", "back_to_back"]
+
+
+class Allreduce(Protocol):
+    rounds = 1
+
+    def __init__(self, codec: Codec) -> None:
+        if not isinstance(codec, Codec) or not codec.summable:
+            raise ValueError(f"codec must be a summable gradzip codec, got {codec!r}")
+        self.codec = codec
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return self.codec.biased
+
+    def plain(self, call: Call) -> bool:
+        return self.codec.exact and call.memory is None
+
+    def exchange(self, call: Call) -> Exchange:
+        codec = self.codec
+        with call.codec():
+            payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
+            bodies = [p.body.reshape(-1) for p in payloads]
+            flat = back_to_back(bodies, call.dest) if self.plain(call) else None
+            if flat is None and payloads:
+                flat = torch.cat(bodies, out=_cat_target(bodies, call))
+            elif flat is None:
+                flat = torch.empty(0, dtype=call.out_dtype, device=call.device)
+            flat.div_(call.world_size)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
+            call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
+        yield Round([call.comm.allreduce(flat)], last=True)
+        with call.codec():
+            decoded, in_place, pos = [], flat.dtype == call.out_dtype, 0
+            for p in payloads:
+                k = p.body.numel()
+                summed = Payload(body=flat[pos : pos + k], shape=p.shape, dtype=p.dtype, vdtype=p.vdtype, local=p.local)
+                d = codec.decompress(summed).reshape(-1)
+                # Identity decodes to views of ``flat`` at its own offsets: then ``flat`` is the answer.
+                in_place = in_place and d.numel() == k and (k == 0 or d.data_ptr() == flat[pos:].data_ptr())
+                decoded.append(d)
+                pos += k
+            if in_place and pos == call.numel:
+                return flat
+            out = call.output()
+            for i, d in enumerate(decoded):
+                out[call.slice(i)] = d
+        return out
+
+
+def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
+    """``dest[:n]`` when the bodies are its consecutive pieces from its start (DDP's
+    bucket gradients as Identity sends them), else None."""
+    if dest is None or not bodies or not dest.is_contiguous():
+        return None
+    flat = dest.view(-1)
+    pos = 0
+    for b in bodies:
+        if b.dtype != flat.dtype or not b.is_contiguous():
+            return None
+        if b.numel() and (b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                          or b.data_ptr() != flat[pos:].data_ptr()):
+            return None
+        pos += b.numel()
+    return flat[:pos]
+
+
+def _cat_target(bodies, call: Call) -> torch.Tensor | None:
+    """``call.dest`` as the buffer to concatenate the bodies into, where it fits (their dtype,
+    exactly their length) and none of them lies in it; else None (a new tensor)."""
+    d = call.dest
+    n = sum(b.numel() for b in bodies)
+    if d is None or d.numel() != n or not d.is_contiguous() or any(b.dtype != d.dtype for b in bodies):
+        return None
+    st = d.untyped_storage().data_ptr()
+    if any(b.numel() and b.untyped_storage().data_ptr() == st for b in bodies):
+        return None
+    return d.view(-1)

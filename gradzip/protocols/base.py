@@ -1,0 +1,252 @@
+"""Protocols: how the tensors of one call travel between the ranks and come back averaged.
+
+A protocol is the only code that yields collective rounds. Its
+:meth:`Protocol.exchange` is a generator (see :mod:`gradzip.comm`): it encodes the
+call's tensors through the :class:`Call` (which applies error feedback), yields
+``Round``\\ s of collectives launched through the call's communicator, and returns
+the flat average. Codecs never communicate; :func:`as_protocol` gives each codec
+the protocol that carries it (its own ``protocol`` name, else ``Allreduce`` for
+summable codecs and ``AllGather`` for the others).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import ClassVar, Generator
+
+import torch
+
+from ..codecs.base import Codec
+from ..comm import Round
+from ..feedback import ErrorFeedback
+from ..registry import Registered, lookup
+from ..wire import Payload
+
+__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time"]
+
+Exchange = Generator[Round, None, torch.Tensor]
+
+
+class Protocol(Registered, register=False):
+    """Base class of the protocols.
+
+    ``biased``: error feedback defaults to on. ``rounds``: how many rounds every
+    exchange takes when the class fixes it (``None``: it depends on the call), so that
+    :func:`~gradzip.protocols.parallel.parallel` can align protocols to end together.
+    """
+
+    kind = "protocol"
+    biased: ClassVar[bool] = True
+    rounds: ClassVar[int | None] = None
+
+    def exchange(self, call: "Call") -> Exchange:
+        raise NotImplementedError
+
+    def plain(self, call: "Call") -> bool:
+        """Whether this protocol sums every tensor of ``call`` exactly as it is (plain
+        allreduce): then a NaN/Inf on any rank shows in the average by itself, and the
+        engine needs no flag. Decided from the configuration alone, alike on every rank."""
+        return False
+
+    def check_names(self, names) -> None:
+        """Raise ``ValueError`` for configuration that refers to tensors none of ``names``
+        match (the front end calls it with the model's tensor names)."""
+
+    def routes(self, layers, world: int) -> list:
+        """How a call over ``layers`` (``[(name, shape)]``) splits into methods, for the cost
+        model: ``[(method, indices, error feedback)]``; one route, this protocol, by default."""
+        return [(self, list(range(len(layers))), self.biased)]
+
+
+def as_protocol(method) -> Protocol:
+    """The protocol that runs ``method``: a protocol as it is; a codec in the protocol it
+    names, else ``Allreduce`` (summable) or ``AllGather``."""
+    if isinstance(method, Protocol):
+        return method
+    if isinstance(method, Codec):
+        name = method.protocol or ("Allreduce" if method.summable else "AllGather")
+        return lookup(name)(method)
+    raise TypeError(f"expected a gradzip codec or protocol, got {type(method).__name__}")
+
+
+@dataclass
+class Call:
+    """One ``Engine.reduce`` call: the tensors, their state, and the means to talk.
+
+    Error feedback goes through the call: :meth:`encode` runs a codec's ``encode`` on
+    gradient and residual and stores the new residual; protocols that compute what a
+    tensor sent themselves use :meth:`x` (the compensated input) and :meth:`commit`,
+    :meth:`skip` or :meth:`set_residual`. A tensor's compensated input is its next
+    residual's buffer: read :meth:`x` before that tensor's residual is set, never after.
+    """
+
+    comm: object
+    names: list
+    tensors: list
+    contexts: list
+    memory: ErrorFeedback | None
+    out_dtype: torch.dtype
+    #: Where the flat result may be written (DDP's bucket buffer), or None. The
+    #: inputs may alias it: write it only once they have been encoded.
+    dest: torch.Tensor | None = None
+    offsets: list = field(init=False)
+    _x: dict = field(default_factory=dict, init=False, repr=False)
+    #: New residuals set during this call, by name (what the engine checks for NaN/Inf).
+    updated: dict = field(default_factory=dict, init=False, repr=False)
+    #: Names whose error feedback this call leaves alone: they are sent as they are (a
+    #: parameter DDP found unused, whose zero gradient must not spend its residual).
+    frozen: frozenset = frozenset()
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for t in self.tensors:
+            self.offsets.append(self.offsets[-1] + t.numel())
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def slice(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+    def output(self, zero: bool = False) -> torch.Tensor:
+        """The flat ``out_dtype`` tensor to write this call's result into: ``dest`` when
+        the front end gave one that fits, else a new tensor."""
+        d = self.dest
+        if d is not None and d.dtype == self.out_dtype and d.numel() == self.numel and d.is_contiguous():
+            d = d.view(-1)
+            return d.zero_() if zero else d
+        make = torch.zeros if zero else torch.empty
+        return make(self.numel, dtype=self.out_dtype, device=self.device)
+
+    # -- error feedback ------------------------------------------------------------------
+    def x(self, i: int) -> torch.Tensor:
+        """The tensor to compress: gradient plus residual with error feedback (in a buffer
+        of its own), else the gradient. Computed once per call."""
+        name = self.names[i]  # keyed by name: sub-calls share the cache with their parent
+        if name not in self._x:
+            if name in self.updated:
+                raise RuntimeError(f"{name!r} was compensated after its residual was set")
+            g = self.tensors[i]
+            self._x[name] = self.memory.compensate(name, g) if self.feeds(i) else g
+        return self._x[name]
+
+    def feeds(self, i: int) -> bool:
+        """Whether error feedback applies to tensor ``i`` in this call."""
+        return self.memory is not None and self.names[i] not in self.frozen
+
+    def has_x(self, i: int) -> bool:
+        return self.names[i] in self._x
+
+    def x_rows(self, i: int, rows: int, visit) -> torch.Tensor:
+        """:meth:`x` as a ``(shape[0], -1)`` matrix, with ``visit(start, stop, block)`` called
+        on each block of ``rows`` rows in order. A compensation not made yet is made block by
+        block, each visited while it is still in cache (the values are those of :meth:`x`)."""
+        name, g = self.names[i], self.tensors[i]
+        n = g.shape[0] if g.dim() else 1
+        if name not in self._x and self.feeds(i):
+            r = self.memory.check_shape(name, g)
+            c = self.memory.buffer(name, g)
+            g2, c2 = g.reshape(n, -1), c.view(n, -1)
+            r2 = r.reshape(n, -1) if r is not None else None
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                if r2 is None:
+                    c2[s:e].copy_(g2[s:e])
+                else:  # promotes before adding: g.to(acc) + r, bit for bit
+                    torch.add(g2[s:e], r2[s:e], out=c2[s:e])
+                visit(s, e, c2[s:e])
+            self._x[name] = c
+            return c2
+        x2 = self.x(i).reshape(n, -1)
+        for s in range(0, n, rows):
+            visit(s, min(s + rows, n), x2[s : s + rows])
+        return x2
+
+    def encode(self, codec: Codec, i: int) -> Payload:
+        """Compress tensor ``i`` with ``codec``, storing its new residual (error feedback on)."""
+        ctx, name = self.contexts[i], self.names[i]
+        if not self.feeds(i):
+            return codec.encode(self._x.get(name, self.tensors[i]), ctx)[0]
+        v = self._x.pop(name, None)
+        if v is not None:  # compensated already: encode it in place
+            payload, new = codec.encode(v, ctx, feedback=True, out=v)
+        else:
+            g = self.tensors[i]
+            r = self.memory.check_shape(name, g)
+            payload, new = codec.encode(g, ctx, r, feedback=True, out=self.memory.buffer(name, g))
+        self._store(name, new)
+        return payload
+
+    def commit(self, i: int, sent: torch.Tensor) -> None:
+        """Tensor ``i`` contributed ``sent``; with error feedback the rest becomes its residual."""
+        if self.feeds(i):
+            v = self.x(i)
+            self._x.pop(self.names[i])
+            self._store(self.names[i], v.sub_(sent.reshape(v.shape)))
+
+    def skip(self, i: int) -> None:
+        """Tensor ``i`` sends nothing this step; with error feedback all of it stays in the residual."""
+        if self.feeds(i):
+            v = self.x(i)
+            self._x.pop(self.names[i])
+            self._store(self.names[i], v)
+
+    def set_residual(self, i: int, residual: torch.Tensor) -> None:
+        """Store ``residual`` (usually :meth:`x`'s buffer, updated in place) as tensor ``i``'s."""
+        if self.feeds(i):
+            if residual.shape != self.tensors[i].shape:
+                raise ValueError(f"residual of shape {tuple(residual.shape)} for a tensor of {tuple(self.tensors[i].shape)}")
+            self._x.pop(self.names[i], None)
+            self._store(self.names[i], residual)
+
+    def _store(self, name: str, new: torch.Tensor) -> None:
+        self.memory.set(name, new)
+        self.updated[name] = new
+
+    # -- composition ---------------------------------------------------------------------
+    def subset(self, idx: list, *, feedback: bool = True, dest: torch.Tensor | None = None) -> "Call":
+        """A call over some of the tensors, sharing state and error feedback (for wrappers).
+        ``feedback=False`` runs them without residuals (for routes whose residual would
+        stay zero; use it only for tensors that never had one)."""
+        sub = Call(
+            comm=self.comm,
+            names=[self.names[i] for i in idx],
+            tensors=[self.tensors[i] for i in idx],
+            contexts=[self.contexts[i] for i in idx],
+            memory=self.memory if feedback else None,
+            out_dtype=self.out_dtype,
+            dest=dest,
+        )
+        sub._x = self._x  # one compensation per tensor per call, seen by parent and subsets
+        sub.updated = self.updated
+        sub.frozen = self.frozen
+        return sub
+
+    def codec(self):
+        """Time a block as codec work (see :func:`codec_time`)."""
+        return codec_time(self.comm.stats)
+
+
+@contextmanager
+def codec_time(stats):
+    """Book a block's wall clock and this thread's CPU time as codec seconds in ``stats``:
+    gradzip's own work outside the collectives (the engine's checks included)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        stats.add(codec_seconds=time.perf_counter() - t0, codec_cpu_seconds=time.thread_time() - c0)

@@ -1,0 +1,85 @@
+"""Parallel composition: several protocols run as one, round by round."""
+from __future__ import annotations
+
+from typing import Generator, Sequence
+
+from ..comm import Round
+
+__all__ = ["parallel", "aligned_starts"]
+
+
+def parallel(protocols: Sequence[Generator], start: Sequence[int] | None = None) -> Generator[Round, None, list]:
+    """Run several protocols as one; returns the list of their results.
+
+    Merged round ``t`` holds round ``t - start[j]`` of every protocol ``j`` that has
+    started and not finished, their works concatenated in protocol order. It is
+    ``last`` only when every protocol in it is on its last round and none is
+    still waiting to start. After a non-last merged round (its works done: the
+    communicator waits on them), every protocol in it is resumed in order; one
+    that returns gives its result, and one that had yielded its last round must
+    return then. The final merged round's completion resumes the rest (decode
+    only: they must not communicate, as :mod:`gradzip.comm` requires).
+
+    ``start[j]`` (default 0) delays protocol ``j`` to merged round ``start[j]``; it
+    is neither compressed nor launched before. If every running protocol finishes
+    before a delayed one starts, the delayed one starts at once.
+    Every rank must pass the same protocols and starts; then the collectives go
+    out in the same order everywhere.
+    """
+    gens = list(protocols)
+    k = len(gens)
+    if start is None:
+        start = [0] * k
+    start = list(start)
+    if len(start) != k or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in start):
+        raise ValueError(f"start must be {k} integers in [0, inf), got {start!r}")
+    results: list = [None] * k
+    state = ["pending"] * k  # pending -> running -> done
+    rounds: list[Round | None] = [None] * k
+    t = 0
+    try:
+        while True:
+            merged = []
+            for j in range(k):
+                if state[j] == "running":
+                    was_last = rounds[j].last
+                    try:
+                        r = next(gens[j])
+                    except StopIteration as stop:
+                        results[j], state[j] = stop.value, "done"
+                        continue
+                    if was_last:
+                        raise RuntimeError(f"protocol {j} yielded after its last round")
+                    rounds[j] = r
+                    merged.append(j)
+                elif state[j] == "pending" and start[j] <= t:
+                    try:
+                        r = next(gens[j])
+                    except StopIteration as stop:
+                        results[j], state[j] = stop.value, "done"
+                        continue
+                    rounds[j], state[j] = r, "running"
+                    merged.append(j)
+            waiting = [j for j in range(k) if state[j] == "pending"]
+            if not merged:
+                if not waiting:
+                    return results
+                t = min(start[j] for j in waiting)
+                continue
+            last = not waiting and all(rounds[j].last for j in merged)
+            yield Round([w for j in merged for w in rounds[j].works], last=last)
+            t += 1
+    finally:
+        for j, g in enumerate(gens):
+            if state[j] != "done":
+                g.close()
+
+
+def aligned_starts(protocols) -> list[int]:
+    """Start rounds that make protocols whose round count is known (``Protocol.rounds``)
+    end in the same round as the longest of them; the others start at once. A plain
+    allreduce then rides in the asynchronous last round instead of a round that the
+    next call must wait for."""
+    counts = [p.rounds for p in protocols]
+    longest = max((c for c in counts if c is not None), default=0)
+    return [longest - c if c is not None else 0 for c in counts]
