@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
 
     import gradzip.kernels as K
-    import gradzip.kernels.triton.quant as Q
+    import gradzip.kernels.triton.stochastic as Q
     import gradzip.kernels.triton.topk as T
     from gradzip.kernels import reference as R
 

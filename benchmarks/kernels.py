@@ -21,7 +21,7 @@ Minimal bytes per op, for n float32 elements, P peers, k selected per peer:
 * scatter_add_signed: per peer 4 k (words) + 8 k (read-modify-write of out)
 * scatter_add_sparse: per peer 8 k (int32 index + float32 value) + 8 k
 * sampled_topk: read v once: 4 n
-* The quantizer encoders run by two routes (see ``gradzip/kernels/triton/quant.py``), each
+* The quantizer encoders run by two routes (see ``gradzip/kernels/triton/blocks.py``), each
   timed on its own row (``route``): **one-pass** where a program owns whole blocks (the
   blocks below), **two-pass** for the whole tensor as one block (``block=None``; forced with
   ``route="two"``, which the smoke sizes would otherwise run in one pass). Both rows of an
@@ -110,18 +110,16 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from gradzip.kernels import reference as R
+    from gradzip.kernels import quant as R
+    from gradzip.kernels import reference as RT
     from gradzip.kernels.triton.decode import (
         decode_add_bitmap2_triton,
+        decode_add_quant_triton,
         scatter_add_signed_triton,
         scatter_add_sparse_triton,
     )
-    from gradzip.kernels.triton.quant import (
-        decode_add_quant_triton,
-        qsgd_encode_triton,
-        sign_ef_triton,
-        terngrad_encode_triton,
-    )
+    from gradzip.kernels.triton.sign import sign_ef_triton
+    from gradzip.kernels.triton.stochastic import qsgd_encode_triton, terngrad_encode_triton
     from gradzip.kernels.triton.threshold import threshold_ef_triton
     from gradzip.kernels.triton.topk import abs_select_triton
 
@@ -197,7 +195,7 @@ def main(argv=None) -> int:
 
         # threshold_ef, fused with error feedback
         def ref_ef():
-            res = R.threshold_ef_reference(x, tau_dense, r)
+            res = RT.threshold_ef_reference(x, tau_dense, r)
             res.bitmap()
             (res._pos | res._neg).sum()
 
@@ -208,8 +206,8 @@ def main(argv=None) -> int:
             record("threshold_ef", n, "cupy", bench(lambda: cupy_ops.threshold_ef_cupy(x, tau_dense, r)), ref_ms, nbytes)
 
         # threshold index list, compressor path (the count is read on the host: that sync is timed)
-        count = R.threshold_ef_reference(x, tau_sparse).count
-        ref_ms = bench(lambda: R.threshold_ef_reference(x, tau_sparse).indices())
+        count = RT.threshold_ef_reference(x, tau_sparse).count
+        ref_ms = bench(lambda: RT.threshold_ef_reference(x, tau_sparse).indices())
         nbytes = 4 * n + 4 * count
         record("threshold_index", n, "triton", bench(lambda: threshold_ef_triton(x, tau_sparse).indices()), ref_ms, nbytes, count=count)
         if have_cupy:
@@ -224,24 +222,24 @@ def main(argv=None) -> int:
         bodies = [gathered[p, 16 : 16 + nb] for p in range(args.peers)]
         taus = [0.01 * (p + 1) for p in range(args.peers)]
         out = torch.zeros(n, device=device)
-        ref_ms = bench(lambda: R.decode_add_bitmap2_reference(out, bodies, taus))
+        ref_ms = bench(lambda: RT.decode_add_bitmap2_reference(out, bodies, taus))
         ker_ms = bench(lambda: decode_add_bitmap2_triton(out, bodies, taus))
         record("decode_add_bitmap2", n, "triton", ker_ms, ref_ms, 8 * n + args.peers * nb, peers=args.peers)
         del gathered, bodies
 
         # scatter-add of P peers' index lists and top-k frames
         peers_idx = [torch.randperm(n, device=device, generator=g)[:k].sort().values for _ in range(args.peers)]
-        words = [R.encode_signed_indices(i, torch.rand(k, device=device, generator=g) < 0.5) for i in peers_idx]
+        words = [RT.encode_signed_indices(i, torch.rand(k, device=device, generator=g) < 0.5) for i in peers_idx]
         vals = [torch.randn(k, device=device, generator=g) for _ in range(args.peers)]
         idx32 = [i.to(torch.int32) for i in peers_idx]
 
         def peers_loop(fn, *lists):
             return lambda: [fn(out, *items) for items in zip(*lists)]
 
-        ref_ms = bench(lambda: [R.scatter_add_signed_reference(out, w, 0.5) for w in words])
+        ref_ms = bench(lambda: [RT.scatter_add_signed_reference(out, w, 0.5) for w in words])
         ker_ms = bench(lambda: [scatter_add_signed_triton(out, w, 0.5) for w in words])
         record("scatter_add_signed", n, "triton", ker_ms, ref_ms, args.peers * 12 * k, peers=args.peers, k=k)
-        ref_ms = bench(peers_loop(R.scatter_add_sparse_reference, idx32, vals))
+        ref_ms = bench(peers_loop(RT.scatter_add_sparse_reference, idx32, vals))
         ker_ms = bench(peers_loop(scatter_add_sparse_triton, idx32, vals))
         record("scatter_add_sparse", n, "triton", ker_ms, ref_ms, args.peers * 16 * k, peers=args.peers, k=k)
         del peers_idx, words, vals, idx32, out
@@ -249,16 +247,16 @@ def main(argv=None) -> int:
         # DGC top-k vs the eager reference and torch.topk
         s = min(args.sample, n)
         probe = torch.randint(n, (s,), device=device, generator=g)
-        got = R.sampled_topk_reference(x, k, probe, select=abs_select_triton)
-        ref_ms = bench(lambda: R.sampled_topk_reference(x, k, probe))
-        ker_ms = bench(lambda: R.sampled_topk_reference(x, k, probe, select=abs_select_triton))
+        got = RT.sampled_topk_reference(x, k, probe, select=abs_select_triton)
+        ref_ms = bench(lambda: RT.sampled_topk_reference(x, k, probe))
+        ker_ms = bench(lambda: RT.sampled_topk_reference(x, k, probe, select=abs_select_triton))
         topk_ms = bench(lambda: torch.topk(x.abs(), k, sorted=False))
         record(
             "sampled_topk", n, "triton", ker_ms, ref_ms, 4 * n, k=k, count_over_k=got.numel() / k,
             torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms,
         )
         if have_cupy:
-            ker_ms = bench(lambda: R.sampled_topk_reference(x, k, probe, select=cupy_ops.abs_select_cupy))
+            ker_ms = bench(lambda: RT.sampled_topk_reference(x, k, probe, select=cupy_ops.abs_select_cupy))
             record(
                 "sampled_topk", n, "cupy", ker_ms, ref_ms, 4 * n, k=k, torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms
             )

@@ -18,7 +18,7 @@ from .engine import Engine
 from .local_sgd import LocalSGD
 from .optim import DistributedOptimizer
 from .policy import Policy
-from .protocols import AllGather, Allreduce, Filter, Int8Allreduce, PowerSGD, Protocol
+from .protocols import AllGather, Allreduce, Filter, Int8Allreduce, PowerSGD, Protocol, TwoPhase
 from .registry import parse
 from .stats import Stats
 from .wire import Payload
@@ -42,6 +42,7 @@ __all__ = [
     "Int8",
     "Allreduce",
     "AllGather",
+    "TwoPhase",
     "Int8Allreduce",
     "Filter",
     "PowerSGD",

@@ -65,13 +65,28 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> Any:
     return fn(out, inp, group=group, async_op=True)
 
 
-class Communicator:
-    """Runs collectives on one process group and counts what it hands them."""
+def ring_allreduce_link(nbytes: float, world: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``: ``2(N-1)/N * S``."""
+    return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
 
-    def __init__(self, process_group=None, stats: Stats | None = None, *, defer: bool | None = None) -> None:
+
+class Communicator:
+    """Runs collectives on one process group and counts what it hands them, and what they send.
+
+    Link bytes (what this rank sends on its link) follow each collective's algorithm,
+    as gloo and NCCL run them for large messages (docs/costmodel.md): ring allreduce
+    ``2(N-1)/N * S``, ring all-gather ``(N-1) * S``, pairwise all-to-all the bytes
+    addressed to the other ranks.
+    """
+
+    def __init__(
+        self, process_group=None, stats: Stats | None = None, *, defer: bool | None = None, intra: bool = False
+    ) -> None:
         """``defer``: issue protocols' later rounds only at :meth:`flush` (the order is
         still the same on every rank: all first rounds as submitted, then the rest in
-        submission order). ``None``: defer on gloo, where waiting on a round blocks the host."""
+        submission order). ``None``: defer on gloo, where waiting on a round blocks the host.
+        ``intra``: the group lies inside one node (its link bytes are also booked as
+        ``bytes_link_intra``)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
         self.group = process_group
@@ -80,17 +95,20 @@ class Communicator:
         if defer is None:
             defer = dist.get_backend(process_group) == "gloo"
         self.defer = bool(defer)
+        self.intra = intra
         self.stats = stats if stats is not None else Stats()
         self._pending: list[_Pending] = []
 
     # -- single collectives (async; each returns a Work) ------------------------------
-    def _timed(self, work, nbytes: int, control: bool, gather: bool = False):
+    def _timed(self, work, nbytes: int, control: bool, link: float, gather: bool = False):
         t0 = time.perf_counter()
         self.stats.add(
             bytes_sent=nbytes,
             collectives=1,
             bytes_control=nbytes if control else 0,
             bytes_allgather=nbytes if gather else 0,
+            bytes_link=link,
+            bytes_link_intra=link if self.intra else 0.0,
         )
         stats = self.stats
 
@@ -104,12 +122,25 @@ class Communicator:
     def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, *, control: bool = False):
         """Allreduce in place. ``control=True`` books the bytes as protocol overhead too."""
         w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
-        return self._timed(w, t.numel() * t.element_size(), control)
+        nbytes = t.numel() * t.element_size()
+        return self._timed(w, nbytes, control, ring_allreduce_link(nbytes, self.world_size))
 
     def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
         w = _all_gather_single(out, inp, self.group)
-        return self._timed(w, inp.numel() * inp.element_size(), control, gather=True)
+        nbytes = inp.numel() * inp.element_size()
+        return self._timed(w, nbytes, control, (self.world_size - 1) * nbytes, gather=True)
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, *, control: bool = False):
+        """Send ``inp``'s ``in_splits[j]`` elements (in order) to rank ``j`` and receive rank
+        ``j``'s into ``out`` at ``out_splits`` (equal splits when None). 1-D tensors."""
+        w = dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group, async_op=True
+        )
+        el = inp.element_size()
+        nbytes = inp.numel() * el
+        mine = (in_splits[self.rank] if in_splits is not None else inp.numel() // self.world_size) * el
+        return self._timed(w, nbytes, control, nbytes - mine)
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol) -> torch.futures.Future:

@@ -22,7 +22,7 @@ owns the safety nets, all decided identically on every rank:
   without compression) or every rank raises ``FloatingPointError`` (``"raise"``).
   Either way, when the step ends, the residuals and codec state of every tensor
   touched in that step are put back as they were before it
-  (``ErrorFeedback.snapshot``/``restore``): a skipped step never poisons the residual.
+  (``ErrorFeedback.restore``): a skipped step never poisons the residual.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import gradzip.args as args
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
-from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
+from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, ring_allreduce_link
 from .feedback import ErrorFeedback
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
 from .stats import Stats
@@ -98,7 +98,9 @@ class Engine:
         on_nonfinite: str = "skip",
         layout: list | None = None,
     ) -> None:
-        self.protocol = as_protocol(method)
+        self.stats_ = Stats()
+        self.comm = Communicator(process_group, self.stats_)
+        self.protocol = as_protocol(method, self.comm.world_size)
         self.method = method
         self.start_iter = args.integer("start_iter", start_iter, 0)
         self.on_nonfinite = args.choice("on_nonfinite", on_nonfinite, _NONFINITE_POLICIES)
@@ -106,8 +108,6 @@ class Engine:
         if layout is not None:
             self.protocol.check_names([n for n, _, _ in layout])
         self.memory = ErrorFeedback() if self.error_feedback else None
-        self.stats_ = Stats()
-        self.comm = Communicator(process_group, self.stats_)
         self.tensor_state: dict[str, dict] = {}
         self.step = 0
         self.layout = layout
@@ -173,7 +173,6 @@ class Engine:
                 device = tensors[0].device if tensors else torch.device("cpu")
                 yield from self._verify(device)
                 self._verified = True
-            self._snapshot(names)
             plain_call = self.step < self.start_iter
             call = Call(
                 comm=self.comm,
@@ -183,9 +182,11 @@ class Engine:
                 memory=None if plain_call else self.memory,
                 out_dtype=out_dtype,
                 dest=dest,
+                make_context=self._context,
             )
             protocol = self._plain_protocol if plain_call else self.protocol
-            self.stats_.add(bytes_raw=sum(t.numel() * t.element_size() for t in tensors))
+            raw = sum(t.numel() * t.element_size() for t in tensors)
+            self.stats_.add(bytes_raw=raw, bytes_link_raw=ring_allreduce_link(raw, self.comm.world_size))
             plain = protocol.plain(call)
             local: list = []
             with codec_time(self.stats_):
@@ -264,6 +265,11 @@ class Engine:
         return bad
 
     def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
+        """The context of a tensor (or of a protocol's piece of one, by its key) this step; its
+        state is remembered on first touch, for the rollback of a non-finite step."""
+        with self._lock:
+            if name not in self._undo_store:
+                self._undo_store[name] = dict(self.tensor_state.get(name, {}))
         return TensorContext(
             name=name,
             step=self.step,
@@ -299,14 +305,6 @@ class Engine:
                 raise ValueError(f"gradzip configuration differs across ranks in {key!r} ({shown})")
 
     # -- non-finite rollback -----------------------------------------------------------
-    def _snapshot(self, names) -> None:
-        with self._lock:
-            for n in names:
-                if n not in self._undo_store:
-                    self._undo_store[n] = dict(self.tensor_state.get(n, {}))
-            if self.memory is not None:
-                self.memory.snapshot(names)
-
     def _finish_step_locked(self) -> None:
         if not self._step_ended or self._inflight:
             return

@@ -14,10 +14,11 @@ arithmetic written into it), and the residual a step started from is still
 intact when the step ends, which is what :meth:`restore` needs. A buffer is
 never handed out while a snapshot holds it.
 
-**Snapshots.** The engine takes :meth:`snapshot` of the names a step touches
-before it touches them, and :meth:`restore` puts those residuals back when the
-step turns out non-finite. Only the engine restores; codecs and protocols write
-residuals only through :meth:`set` (via ``Call``).
+**Rollback.** The first :meth:`set` of a name in a step remembers the residual it
+replaces; the engine calls :meth:`restore` to put every remembered residual back
+when the step turns out non-finite, else :meth:`release`. Only the engine
+restores; codecs and protocols write residuals only through :meth:`set` (via
+``Call``), under any key (a protocol may keep a second memory, e.g. per chunk).
 """
 from __future__ import annotations
 
@@ -77,18 +78,14 @@ class ErrorFeedback:
     def set(self, name: str, new: torch.Tensor) -> None:
         """Store ``new`` (a tensor of its own, e.g. from :meth:`buffer`) as ``name``'s residual."""
         old = self.residuals.get(name)
+        self._held.setdefault(name, _ABSENT if old is None else old)
         self.residuals[name] = new
         if old is not None and old is not new:
             self._spare[name] = old
 
     # -- rollback (the engine's) -------------------------------------------------------------
-    def snapshot(self, names) -> None:
-        """Remember the residuals of ``names`` as they are now (first snapshot of a name wins)."""
-        for n in names:
-            self._held.setdefault(n, self.residuals.get(n, _ABSENT))
-
     def restore(self) -> None:
-        """Put back every residual remembered since :meth:`release`, then release them."""
+        """Put back every residual as it was before its first :meth:`set` since :meth:`release`."""
         for n, old in self._held.items():
             new = self.residuals.get(n)
             if old is _ABSENT:

@@ -154,7 +154,6 @@ class Policy(Protocol):
             if not any(c is d for d in cands):
                 cands.append(c)
         self.candidates = cands
-        self._protocols = [as_protocol(c) for c in cands]
         # Where a call splits across routes, the routes' results land in a buffer kept per
         # call (by its tensor names) and reused every step: a fresh allocation of that size
         # costs page faults on its first writes each step on CPU (see _scratch_for).
@@ -216,7 +215,7 @@ class Policy(Protocol):
         prof = self.profile()
         return tuple(
             layer_cost(
-                m,
+                as_protocol(m, world_size),
                 x,
                 world_size,
                 self.link,
@@ -300,7 +299,7 @@ class Policy(Protocol):
         if not choice or None in choice:
             return False
         order, _, subs = self._groups(call, choice)
-        return all(self._protocols[g].plain(s) for g, s in zip(order, subs))
+        return all(as_protocol(self.candidates[g], call.world_size).plain(s) for g, s in zip(order, subs))
 
     # -- the exchange ----------------------------------------------------------------------
     def _vote_input(self, call: Call, i: int) -> torch.Tensor:
@@ -366,7 +365,7 @@ class Policy(Protocol):
             n = sum(call.tensors[i].numel() for i in groups[g])
             sub.dest = call.dest if whole else None if scratch is None else scratch[pos : pos + n]
             pos += n
-        protocols = [self._protocols[g] for g in order]
+        protocols = [as_protocol(self.candidates[g], call.world_size) for g in order]
         results = yield from parallel([p.exchange(s) for p, s in zip(protocols, subs)], aligned_starts(protocols))
         if whole and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
             return results[0].view(-1)

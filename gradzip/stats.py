@@ -7,7 +7,15 @@ Bytes are counted by :mod:`gradzip.comm` from the tensors it hands to
   padding and size exchanges included.
 * ``bytes_raw``: bytes of the gradients those collectives replaced, i.e. what a
   plain allreduce of the same tensors would have been handed.
-* ``ratio = bytes_raw / bytes_sent``.
+* ``bytes_link``: bytes this rank sends on its network link, by each collective's
+  algorithm (``gradzip.comm``: ring allreduce ``2(N-1)/N * S``, ring all-gather
+  ``(N-1) * S``, pairwise all-to-all the bytes addressed to other ranks);
+  ``bytes_link_intra``: the part of it inside a node (hierarchical protocols).
+* ``bytes_link_raw``: what plain DDP's ring allreduce of the same gradients sends,
+  ``2(N-1)/N * bytes_raw``.
+* ``ratio = bytes_link_raw / bytes_link``: the compression on the link, against
+  plain DDP; ``ratio_handed = bytes_raw / bytes_sent``, against the bytes handed to
+  collectives (which flatters all-gathers: they hand over ``S`` and send ``(N-1) * S``).
 * ``bytes_control``: the part of ``bytes_sent`` that is protocol, not payload:
   size exchanges, non-finite flags, the first step's configuration check.
 * ``bytes_allgather``: the part of ``bytes_sent`` handed to all-gathers (the rest
@@ -37,6 +45,9 @@ class Stats:
     bytes_control: int = 0
     bytes_allgather: int = 0
     bytes_payload: int = 0
+    bytes_link: float = 0.0
+    bytes_link_intra: float = 0.0
+    bytes_link_raw: float = 0.0
     collectives: int = 0
     codec_seconds: float = 0.0
     codec_cpu_seconds: float = 0.0
@@ -64,7 +75,8 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = self.state_dict()
-        d["ratio"] = d["bytes_raw"] / d["bytes_sent"] if d["bytes_sent"] else 1.0
+        d["ratio"] = d["bytes_link_raw"] / d["bytes_link"] if d["bytes_link"] else 1.0
+        d["ratio_handed"] = d["bytes_raw"] / d["bytes_sent"] if d["bytes_sent"] else 1.0
         d["bytes_sent_per_step"] = d["bytes_sent"] / d["steps"] if d["steps"] else 0.0
         return d
 

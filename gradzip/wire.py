@@ -71,6 +71,18 @@ def code_dtype(code: int) -> torch.dtype:
         raise ValueError(f"corrupt frame: unknown value dtype code {code}") from None
 
 
+def narrow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, finite values beyond its range clipped to its largest (a decoded
+    average of float16 gradients may exceed 65504); NaN and infinities stay as they are."""
+    if t.dtype == dtype or torch.finfo(t.dtype).max <= torch.finfo(dtype).max:
+        return t.to(dtype)
+    m = torch.finfo(dtype).max
+    big = t.abs() > m
+    if not bool((big & torch.isfinite(t)).any()):
+        return t.to(dtype)
+    return torch.where(torch.isfinite(t), t.clamp(-m, m), t).to(dtype)
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums are done in: float64 stays float64, everything else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

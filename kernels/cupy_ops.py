@@ -6,12 +6,16 @@
 * :func:`abs_select_cupy`: the DGC top-k compaction with warp-aggregated atomics.
 
 The CUDA C lives in ``kernels/cuda/*.cu`` (a CPU test compiles each file with
-``nvcc -cubin -arch=sm_90``). Here it is compiled by NVRTC through
-``cupy.RawModule``, once per device and file (cached). Tensors cross to CuPy through
+``nvcc -cubin -arch=sm_90``); the kernel files include ``common.cu``, the device helpers
+they share. Here it is compiled by NVRTC through ``cupy.RawModule``, once per device and
+file (cached). Tensors cross to CuPy through
 DLPack with no copy (:func:`as_cupy`, :func:`as_torch`); float16/bfloat16 travel as
 their 16-bit patterns, which CuPy's DLPack accepts for both. Every launch goes on
 PyTorch's current stream, so it is ordered with the torch work around it; outputs
 are allocated by torch (its caching allocator, that stream).
+
+The threshold pass may write the residual over the residual it reads (``out`` is
+``residual``) or over ``x``: each element is loaded before it is stored, by the same thread.
 
 References: :mod:`gradzip.kernels.reference`. Imported only by the dispatch.
 """
@@ -24,13 +28,14 @@ import cupy
 import numpy as np
 import torch
 
-from . import KERNEL_DTYPES, Unsupported
-from .reference import DeviceThresholdResult, ThresholdResult
+from .device import DeviceThresholdResult, compact_indices, select_threshold
+from .dispatch import KERNEL_DTYPES, Unsupported
+from .reference import ThresholdResult, wants_residual
 
 __all__ = ["threshold_ef_cupy", "abs_select_cupy", "as_cupy", "as_torch", "CUDA_DIR", "CU_FILES"]
 
 CUDA_DIR = Path(__file__).resolve().with_name("cuda")
-CU_FILES = ("threshold_ballot.cu", "compact.cu")
+CU_FILES = ("threshold_ballot.cu", "compact.cu")  # the kernel files; each includes common.cu
 THREADS = 256
 ITEMS = 16  # GZ_ITEMS in threshold_ballot.cu
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -49,7 +54,7 @@ def _function(device: torch.device, file: str, name: str):
         with _lock, cupy.cuda.Device(index):
             mod = _modules.get((index, file))
             if mod is None:
-                mod = cupy.RawModule(code=(CUDA_DIR / file).read_text(), options=("--std=c++17",))
+                mod = cupy.RawModule(code=(CUDA_DIR / file).read_text(), options=("--std=c++17", f"-I{CUDA_DIR}"))
                 _modules[(index, file)] = mod
             fn = _functions[key] = mod.get_function(name)
     return fn
@@ -109,13 +114,19 @@ class _CupyThresholdResult(DeviceThresholdResult):
 
 
 def threshold_ef_cupy(
-    x: torch.Tensor, tau: float, residual: torch.Tensor | None = None, *, new_residual: bool | None = None
+    x: torch.Tensor,
+    tau: float,
+    residual: torch.Tensor | None = None,
+    *,
+    new_residual: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> ThresholdResult:
     """CuPy version of :func:`~gradzip.kernels.reference.threshold_ef_reference`."""
     _check("x", x, KERNEL_DTYPES)
     if residual is not None:
         _check("residual", residual, (torch.float32,), x.device)
-    want_r = new_residual if new_residual is not None else residual is not None
+    if out is not None:
+        _check("out", out, (torch.float32,), x.device)
     n = x.numel()
     dev = x.device
     tile = THREADS * ITEMS
@@ -124,58 +135,51 @@ def threshold_ef_cupy(
     words = torch.empty(max((n + 15) // 16, 1), dtype=torch.int32, device=dev)
     counts = torch.empty(nblocks, dtype=torch.int32, device=dev)
     amax_bits = torch.empty(nblocks, dtype=torch.int32, device=dev)
-    rout = torch.empty(n, dtype=torch.float32, device=dev) if want_r else None
+    rout = None
+    if wants_residual(residual, new_residual, out):
+        rout = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32, device=dev)
     if nblocks:
         fn = _function(dev, "threshold_ballot.cu", f"threshold_ef_{_SUFFIX[x.dtype]}")
-        xf = x.reshape(-1)
-        r = residual.reshape(-1) if residual is not None else torch.empty(0, dtype=torch.float32, device=dev)
-        ro = rout if rout is not None else torch.empty(0, dtype=torch.float32, device=dev)
+        none = torch.empty(0, dtype=torch.float32, device=dev)
+        r = residual.reshape(-1) if residual is not None else none
         with _stream(dev):
             fn(
                 (nblocks,),
                 (THREADS,),
                 (
-                    as_cupy(xf),
+                    as_cupy(x.reshape(-1)),
                     as_cupy(r),
-                    as_cupy(ro),
+                    as_cupy(rout if rout is not None else none),
                     as_cupy(words),
                     as_cupy(counts),
                     as_cupy(amax_bits),
                     np.int64(n),
                     tau32,
                     np.int32(residual is not None),
-                    np.int32(want_r),
+                    np.int32(rout is not None),
                 ),
             )
-    return _CupyThresholdResult(n, tau, rout, words, counts, amax_bits)
+    return _CupyThresholdResult(n, tau, out if out is not None else rout, words, counts, amax_bits)
 
 
 def abs_select_cupy(v: torch.Tensor, thr, expected: int | None = None) -> torch.Tensor:
-    """CuPy version of :func:`~gradzip.kernels.reference.abs_select_reference`."""
+    """CuPy version of :func:`~gradzip.kernels.reference.abs_select_reference`; the output
+    buffer is sized from ``expected`` (:func:`~gradzip.kernels.device.compact_indices`)."""
     _check("v", v, KERNEL_DTYPES)
     n = v.numel()
     dev = v.device
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=dev)
-    if isinstance(thr, torch.Tensor):
-        thr_t = thr.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    else:
-        thr_t = torch.tensor([float(thr)], dtype=v.dtype).to(device=dev, dtype=torch.float32)
+    thr_t = select_threshold(v, thr)
     fn = _function(dev, "compact.cu", f"abs_select_{_SUFFIX[v.dtype]}")
     grid = min((n + THREADS - 1) // THREADS, 65535 * 8)
-    capacity = n if expected is None else min(n, 2 * int(expected) + 1024)
-    counter = torch.zeros(1, dtype=torch.int64, device=dev)
-    for _ in range(2):
-        out = torch.empty(capacity, dtype=torch.int64, device=dev)
+
+    def launch(out, counter, capacity):
         with _stream(dev):
             fn(
                 (grid,),
                 (THREADS,),
                 (as_cupy(v), as_cupy(thr_t), as_cupy(out), as_cupy(counter), np.int64(n), np.int64(capacity)),
             )
-        count = int(counter.item())
-        if count <= capacity:
-            break
-        capacity = count
-        counter.zero_()
-    return out[:count].sort().values
+
+    return compact_indices(launch, n, expected, dev)

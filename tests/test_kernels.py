@@ -1,4 +1,5 @@
-"""Kernel dispatch and the reference ops (CPU only; no triton or cupy needed)."""
+"""Kernel dispatch and the sparsifying reference ops (CPU only; no triton or cupy needed).
+The quantizer references are tested in tests/test_kernels_quant.py."""
 import math
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import gradzip.kernels as K
+from gradzip.kernels import dispatch as D
 from gradzip.kernels import reference as R
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -15,15 +17,20 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture
 def clean_dispatch(monkeypatch):
     monkeypatch.delenv(K.ENV_VAR, raising=False)
-    K._reset_for_tests()
-    registry = {op: dict(impls) for op, impls in K._REGISTRY.items()}
-    references = dict(K._REFERENCE)
+    K.reset_dispatch()
+    registry = {op: dict(impls) for op, impls in D._REGISTRY.items()}
+    references = dict(D._REFERENCE)
     yield
-    K._REGISTRY.clear()
-    K._REGISTRY.update(registry)
-    K._REFERENCE.clear()
-    K._REFERENCE.update(references)
-    K._reset_for_tests()
+    D._REGISTRY.clear()
+    D._REGISTRY.update(registry)
+    D._REFERENCE.clear()
+    D._REFERENCE.update(references)
+    K.reset_dispatch()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so -0.0 != 0.0 and NaN == NaN."""
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def rand(n, dtype=torch.float32, seed=0):
@@ -63,6 +70,42 @@ def test_threshold_ef_reference_amax_is_nan_aware_and_empty_is_zero():
     assert math.isnan(R.threshold_ef_reference(x, 0.5).amax)
     empty = R.threshold_ef_reference(torch.empty(0), 0.5)
     assert empty.count == 0 and empty.amax == 0.0 and empty.bitmap().numel() == 0 and empty.indices().numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_threshold_ef_writes_the_residual_into_out_even_over_its_inputs(dtype):
+    """out= is the residual passed in (in place), x itself, or a separate tensor; the result's
+    residual is that very tensor, and everything else is as without it."""
+    n, tau = 1009, 0.75
+    x, r = rand(n, dtype, 1), rand(n, dtype, 2) * 0.5
+    want = R.threshold_ef_reference(x, tau, r)
+    want_x = R.threshold_ef_reference(x, tau, new_residual=True)
+    cases = [("separate", x, r, torch.empty(n, dtype=dtype), want), ("residual", x, r, None, want), ("x", x, None, None, want_x)]
+    for name, x0, r0, out, ref in cases:
+        x0, r0 = x0.clone(), None if r0 is None else r0.clone()
+        out = {"residual": r0, "x": x0}.get(name, out)
+        got = K.threshold_ef(x0, tau, r0, out=out)
+        assert got.residual is out, name
+        assert torch.equal(bits(out), bits(ref.residual)), name
+        assert got.count == ref.count and got.amax == ref.amax and torch.equal(got.bitmap(), ref.bitmap()), name
+        assert torch.equal(got.indices(), ref.indices()), name
+    grid = torch.empty(3, 4)  # any contiguous shape of n elements: returned as it is
+    got = K.threshold_ef(rand(12), tau, out=grid)
+    assert got.residual is grid and torch.equal(grid.reshape(-1), R.threshold_ef_reference(rand(12), tau, new_residual=True).residual)
+
+
+def test_out_is_checked():
+    x = rand(8)
+    with pytest.raises(ValueError, match="new_residual=False"):
+        K.threshold_ef(x, 1.0, out=torch.empty(8), new_residual=False)
+    with pytest.raises(TypeError, match="float32"):
+        K.threshold_ef(x, 1.0, out=torch.empty(8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float64"):
+        K.sign_ef(x.double(), out=torch.empty(8))
+    with pytest.raises(ValueError, match="contiguous"):
+        K.sign_ef(x, out=torch.empty(9))
+    with pytest.raises(ValueError, match="contiguous"):
+        K.threshold_ef(x, 1.0, out=torch.empty(16)[::2])
 
 
 def test_decode_add_bitmap2_reference_adds_peers_in_order():
@@ -162,16 +205,16 @@ def test_automatic_choice_falls_back_and_records_why(clean_dispatch):
 
     K.register_kernel("fake_op", "triton", unsupported, reference=ref)
     K.register_kernel("fake_op", "cupy", broken)
-    K._import_errors.update({"triton": "", "cupy": ""})  # pretend both libraries import
+    D._import_errors.update({"triton": "", "cupy": ""})  # pretend both libraries import
     cuda = torch.device("cuda")  # a device object; nothing touches a GPU
     with pytest.warns(RuntimeWarning, match="cupy fake_op failed"):
-        assert K._call("fake_op", cuda, 1) == "ref"
+        assert D._call("fake_op", cuda, 1) == "ref"
     assert calls == ["triton", "cupy", "reference"]
     chosen = K.backend_report()["ops"]["fake_op"]["chosen"]["cuda"]
     assert chosen["backend"] == "reference"
     assert "float64 is not supported" in chosen["why"][0] and "boom" in chosen["why"][1]
     calls.clear()
-    assert K._call("fake_op", cuda, 1) == "ref"  # the broken backend is not retried
+    assert D._call("fake_op", cuda, 1) == "ref"  # the broken backend is not retried
     assert calls == ["triton", "reference"]
     assert "disabled after an error" in K.backend_report()["ops"]["fake_op"]["chosen"]["cuda"]["why"][1]
     assert "boom" in K.backend_report()["ops"]["fake_op"]["disabled"]["cupy"]
@@ -179,14 +222,28 @@ def test_automatic_choice_falls_back_and_records_why(clean_dispatch):
 
 def test_automatic_choice_skips_unimportable_backends(clean_dispatch):
     K.register_kernel("fake_op", "cupy", lambda x: "cupy", reference=lambda x: "ref")
-    K._import_errors["cupy"] = "cupy is not importable (test)"
-    assert K._call("fake_op", torch.device("cuda"), 1) == "ref"
+    D._import_errors["cupy"] = "cupy is not importable (test)"
+    assert D._call("fake_op", torch.device("cuda"), 1) == "ref"
     assert "not importable" in K.backend_report()["ops"]["fake_op"]["chosen"]["cuda"]["why"][0]
-    K._import_errors["cupy"] = ""
-    assert K._call("fake_op", torch.device("cuda"), 1) == "cupy"
+    D._import_errors["cupy"] = ""
+    assert D._call("fake_op", torch.device("cuda"), 1) == "cupy"
     K.register_kernel("fake_op", "triton", lambda x: "triton", first=True)
-    K._import_errors["triton"] = ""
-    assert K._call("fake_op", torch.device("cuda"), 1) == "triton"
+    D._import_errors["triton"] = ""
+    assert D._call("fake_op", torch.device("cuda"), 1) == "triton"
+
+
+def test_float64_calls_take_the_reference_whatever_is_forced(clean_dispatch, monkeypatch):
+    """No kernel loads float64: such calls go to the reference under every setting (a forced
+    backend does not raise) and the choice says why."""
+    x = rand(100, torch.float64)
+    for forced in ("cupy", "triton"):
+        monkeypatch.setenv(K.ENV_VAR, forced)
+        res = K.threshold_ef(x, 0.5, torch.zeros(100, dtype=torch.float64))
+        assert res.backend == "reference" and res.residual.dtype == torch.float64
+        scales, _, r = K.sign_ef(x, block=32, new_residual=True)
+        assert r.dtype == torch.float64 and scales.dtype == torch.float32
+        for op in ("threshold_ef", "sign_ef"):
+            assert K.backend_report()["ops"][op]["chosen"]["cpu"]["why"] == ["torch.float64 tensors use the reference"]
 
 
 def test_register_kernel_validates():
@@ -210,7 +267,7 @@ def test_op_arguments_are_validated():
 def test_cpu_codec_never_imports_triton_or_cupy():
     code = (
         "import sys, torch, gradzip as gz\n"
-        "from gradzip.compressors.base import TensorContext\n"
+        "from gradzip.codecs.base import TensorContext\n"
         "x = torch.randn(5000)\n"
         "for c in (gz.Threshold(tau=0.5), gz.Threshold(tau=3.0), gz.TopK(0.01, mode='sampled', sample=100)):\n"
         "    c.decompress(c.compress(x, TensorContext(name='w')))\n"

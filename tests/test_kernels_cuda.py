@@ -1,8 +1,9 @@
 """CUDA-side checks.
 
-* CPU, always (skipped without nvcc): every ``kernels/cuda/*.cu`` compiles with
-  ``nvcc -cubin -arch=sm_90`` with warnings as errors, and every kernel name the CuPy
-  launchers ask for exists.
+* CPU, always (compiles skipped without nvcc): every kernel file of ``kernels/cuda``
+  compiles with ``nvcc -cubin -arch=sm_90`` with warnings as errors, every kernel name the
+  CuPy launchers ask for exists, and the other ``.cu`` files (shared device helpers) are
+  included by every kernel file.
 * ``@pytest.mark.gpu`` (skipped without CUDA): the CuPy kernels and the compiled Triton
   kernels against their references on a real device, DLPack without copies, launches
   on PyTorch's current stream, the per-device kernel cache, and the dispatch.
@@ -17,12 +18,11 @@ import torch
 
 import gradzip as gz
 import gradzip.kernels as K
-from gradzip.compressors.base import TensorContext
+from gradzip.codecs.base import TensorContext
 from gradzip.kernels import reference as R
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "kernels" / "cuda"
-CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 1009, 5003, (1 << 20) + 3]
@@ -32,10 +32,17 @@ def _declared(path: Path) -> list:
     return re.findall(r'extern "C" __global__ void (\w+)\(', path.read_text())
 
 
+CU_FILES = sorted(p for p in CUDA_DIR.glob("*.cu") if _declared(p))  # the kernel files
+HELPERS = sorted(p for p in CUDA_DIR.glob("*.cu") if not _declared(p))
+
+
 def test_cuda_sources_are_the_ones_cupy_ops_loads():
     src = (ROOT / "kernels" / "cupy_ops.py").read_text()
     listed = re.search(r"CU_FILES = \(([^)]*)\)", src).group(1)
     assert sorted(re.findall(r'"([\w.]+\.cu)"', listed)) == [p.name for p in CU_FILES]
+    assert [p.name for p in HELPERS] == ["common.cu"]
+    for path in CU_FILES:
+        assert f'#include "{HELPERS[0].name}"' in path.read_text(), path.name
     declared = {p.name: set(_declared(p)) for p in CU_FILES}
     suffixes = re.findall(r'torch\.\w+: "(\w+)"', re.search(r"_SUFFIX = \{([^}]*)\}", src).group(1))
     used = re.findall(r'_function\(\s*\w+,\s*"([\w.]+)",\s*f?"([\w{}\[\]. ]+)"', src)
@@ -106,6 +113,20 @@ def test_cupy_threshold_ef_matches_reference(cupy_ops, dtype, n, with_residual):
     x, r = _data(n, dtype, 0.75)
     r = r if with_residual else None
     _check_threshold(cupy_ops.threshold_ef_cupy(x, 0.75, r, new_residual=True), R.threshold_ef_reference(x, 0.75, r, new_residual=True))
+
+
+@pytest.mark.gpu
+def test_cupy_threshold_ef_writes_the_residual_over_its_inputs(cupy_ops):
+    x, r = _data(5003, torch.float32, 0.75)
+    want = R.threshold_ef_reference(x, 0.75, r)
+    r0 = r.clone()
+    got = cupy_ops.threshold_ef_cupy(x, 0.75, r0, out=r0)
+    assert got.residual is r0
+    _check_threshold(got, want)
+    x0 = x.clone()
+    got = cupy_ops.threshold_ef_cupy(x0, 0.75, out=x0)
+    assert got.residual is x0
+    _check_threshold(got, R.threshold_ef_reference(x, 0.75, new_residual=True))
 
 
 @pytest.mark.gpu

@@ -8,8 +8,9 @@
 * The compressors give the same payloads and decodes with GRADZIP_KERNELS=triton.
 * ``benchmarks/kernels.py --smoke`` runs end to end.
 
-Sizes: 1, 7, a prime, one that is no multiple of the block, and one spanning several
-programs, kept small because the interpreter is slow.
+Sizes: 0, 1, 31, 33 (around a 32-element word), 4097 (several small programs and a
+ragged tail) and 20011 (the interpreter's default program size), kept small because the
+interpreter is slow.
 """
 import importlib.util
 import json
@@ -26,15 +27,16 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 
 import gradzip as gz  # noqa: E402
 import gradzip.kernels as K  # noqa: E402
-from gradzip.compressors.base import TensorContext  # noqa: E402
+from gradzip.codecs.base import TensorContext  # noqa: E402
 from gradzip.kernels import reference as R  # noqa: E402
 from gradzip.kernels.triton import aot_specs, interpreting  # noqa: E402
-from gradzip.wire import FMT_BITMAP2, FMT_EMPTY, FMT_SIGNED_INDEX, pack_frames, unpack_frames  # noqa: E402
+from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX  # noqa: E402
+from gradzip.wire import FMT_EMPTY, pack_frames, unpack_frames  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (n, rows): rows=16 makes 256-element programs, so 1009 and 5003 span several with a ragged tail.
-SIZES = [(1, 16), (7, 16), (1009, 16), (5003, 16), (20011, None)]
+# (n, rows): rows=16 makes 256-element programs, so 4097 spans several with a ragged tail.
+SIZES = [(0, 16), (1, 16), (31, 16), (33, 16), (4097, 16), (20011, None)]
 
 interp = pytest.mark.skipif(
     not interpreting(), reason="TRITON_INTERPRET is not set: kernels are compiled for the GPU (see the gpu tests)"
@@ -84,6 +86,24 @@ def test_threshold_ef_matches_reference(dtype, n, rows, with_residual):
 
 
 @interp
+def test_threshold_ef_writes_the_residual_over_its_inputs():
+    """out= the residual read (in place) or x itself: the reference's residual, in that tensor."""
+    from gradzip.kernels.triton.threshold import threshold_ef_triton
+
+    n, tau = 5003, 0.75
+    x, r = torch.randn(n, generator=gen(3)), torch.randn(n, generator=gen(4)) * 0.5
+    want = R.threshold_ef_reference(x, tau, r)
+    r0 = r.clone()
+    got = threshold_ef_triton(x, tau, r0, out=r0, rows=16)
+    assert got.residual is r0 and torch.equal(bits(r0), bits(want.residual))
+    assert got.count == want.count and torch.equal(got.indices(), want.indices())
+    x0 = x.clone()
+    got = threshold_ef_triton(x0, tau, out=x0, rows=16)
+    assert got.residual is x0 and torch.equal(bits(x0), bits(R.threshold_ef_reference(x, tau, new_residual=True).residual))
+    assert got.amax == R.threshold_ef_reference(x, tau).amax
+
+
+@interp
 def test_threshold_ef_nan_amax_empty_and_nothing_selected():
     from gradzip.kernels.triton.threshold import threshold_ef_triton
 
@@ -101,7 +121,7 @@ def test_threshold_ef_nan_amax_empty_and_nothing_selected():
 
 
 @interp
-@pytest.mark.parametrize("n", [1, 7, 1009, 5003])
+@pytest.mark.parametrize("n", [1, 31, 33, 4097])
 @pytest.mark.parametrize("shared", [True, False], ids=["gathered", "separate"])
 def test_decode_add_bitmap2_matches_reference(n, shared):
     from gradzip.kernels.triton.decode import decode_add_bitmap2_triton
@@ -123,7 +143,7 @@ def test_decode_add_bitmap2_matches_reference(n, shared):
 
 
 @interp
-@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (1009, 400), (5003, 1500)])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 3), (33, 33), (4097, 1500)])
 def test_scatter_add_signed_matches_reference(n, k):
     from gradzip.kernels.triton.decode import scatter_add_signed_triton
 
@@ -139,7 +159,7 @@ def test_scatter_add_signed_matches_reference(n, k):
 @interp
 @pytest.mark.parametrize("vdtype", DTYPES, ids=str)
 @pytest.mark.parametrize("idtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("n,k", [(1, 1), (7, 7), (1009, 101), (5003, 777)])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 31), (33, 7), (4097, 777)])
 def test_scatter_add_sparse_matches_reference(vdtype, idtype, n, k):
     from gradzip.kernels.triton.decode import scatter_add_sparse_triton
 
@@ -157,12 +177,13 @@ def test_scatter_add_sparse_matches_reference(vdtype, idtype, n, k):
 
 @interp
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 7, 1009, 5003, 20011])
+@pytest.mark.parametrize("n", [0, 1, 31, 33, 4097, 20011])
 def test_abs_select_matches_reference(dtype, n):
     from gradzip.kernels.triton.topk import abs_select_triton
 
     v = torch.randn(n, generator=gen(n)).to(dtype)
-    thr = v.abs().kthvalue(max(1, n - n // 10)).values  # a tensor of v's dtype, with ties on it
+    # A tensor of v's dtype, with ties on it.
+    thr = v.abs().kthvalue(max(1, n - n // 10)).values if n else torch.tensor(0.5, dtype=dtype)
     want = R.abs_select_reference(v, thr)
     assert torch.equal(abs_select_triton(v, thr, block=512), want)
     assert torch.equal(abs_select_triton(v, float(thr), expected=1, block=512), want)  # buffer too small: rerun
@@ -298,9 +319,27 @@ def test_aot_compile_for_sm90(aot_rows, i):
 def test_aot_streaming_kernels_use_16_byte_loads(aot_rows):
     """With aligned pointers and n % 16 == 0 (what the launcher specializes on), the
     bandwidth-bound kernels load 16 bytes per instruction."""
-    for row in aot_rows:
-        if row["kernel"] in ("_threshold_ef_kernel", "_abs_select_kernel") and row["divisible"]:
-            assert row["vector_loads"] > 0, row
+    streaming = {
+        "_threshold_ef_kernel", "_abs_select_kernel", "_sign_encode_kernel", "_sign_onepass_kernel",
+        "_codes_encode_kernel", "_codes_onepass_kernel",
+    }
+    rows = [row for row in aot_rows if row["kernel"] in streaming and row["divisible"]]
+    assert {row["kernel"] for row in rows} == streaming
+    for row in rows:
+        assert row["vector_loads"] > 0, row
+
+
+def test_aot_specs_belong_to_their_modules():
+    """Each module's AOT_SPECS covers exactly the kernels it declares (none imported from another)."""
+    import importlib
+    import inspect
+
+    from gradzip.kernels import triton as gt
+
+    for m in gt.MODULES:
+        mod = importlib.import_module(f"gradzip.kernels.triton.{m}")
+        declared = {name for name, _ in inspect.getmembers(mod) if name.startswith("_") and name.endswith("_kernel")}
+        assert declared == {s["kernel"].__name__ for s in mod.AOT_SPECS}, m
 
 
 # -- the benchmark runs end to end ----------------------------------------------------------------

@@ -22,16 +22,16 @@ from gradzip.codecs.quant import (
     Int8,
     SignSGD,
     TernGrad,
-    int8_lanes,
     qsgd_bits,
 )
 from gradzip.engine import Engine
-from gradzip.feedback import ErrorFeedback
+from gradzip.protocols.int8_allreduce import int8_lanes
 from gradzip.kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from gradzip.kernels.reference import pack_2bit
 from gradzip.wire import HEADER_BYTES, Payload, pack_frames, unpack_frames
 
 from .mp_utils import run_ranks
+from .refs import RefMemory
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -207,7 +207,7 @@ def test_shape_dtype_and_frame_size(comp, dtype, data):
 def test_error_feedback_keeps_everything(comp, dtype, data):
     """residual + decoded == compensated: exactly for Int8 and wherever d = 0 or d/c in [1/2, 2];
     elsewhere the residual is c - d correctly rounded to float32 (see gradzip.codecs.quant)."""
-    mem = ErrorFeedback()
+    mem = RefMemory()
     first = data.draw(tensors(dtype=dtype))
     for step in range(3):
         g = first if step == 0 else torch.randn(first.shape, generator=torch.Generator().manual_seed(step)).to(dtype)

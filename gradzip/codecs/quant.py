@@ -60,7 +60,7 @@ import torch
 import gradzip.args as args
 import gradzip.kernels as K
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
-from ..wire import Payload, accum_dtype, as_bytes, from_bytes
+from ..wire import Payload, accum_dtype, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
 
 __all__ = ["SignSGD", "QSGD", "TernGrad", "Int8", "qsgd_bits", "philox_seed"]
@@ -164,7 +164,7 @@ class _Quantizer(Codec):
         # -0.0 is the additive identity: -0.0 + d == d bit for bit, signed zeros included.
         out = torch.full((payload.numel,), -0.0, dtype=accum_dtype(payload.dtype), device=payload.body.device)
         self.accumulate_many([payload], out)
-        return out.to(payload.dtype).reshape(payload.shape)
+        return narrow(out, payload.dtype).reshape(payload.shape)
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         self.accumulate_many([payload], out)

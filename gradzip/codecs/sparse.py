@@ -7,7 +7,7 @@ import torch
 
 import gradzip.args as args
 import gradzip.kernels as K
-from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes
+from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
 
 __all__ = ["TopK", "RandomK"]
@@ -97,7 +97,7 @@ class TopK(Codec):
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
-        return out.to(payload.dtype)
+        return narrow(out, payload.dtype)
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         """``v -= decompress(payload)``, touching only the sent elements."""

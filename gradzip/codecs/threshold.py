@@ -52,7 +52,7 @@ import torch
 
 import gradzip.args as args
 import gradzip.kernels as K
-from ..wire import FMT_EMPTY, Payload, accum_dtype, as_bytes, from_bytes
+from ..wire import FMT_EMPTY, Payload, accum_dtype, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input
 
 __all__ = ["Threshold", "exact_tau"]
@@ -141,6 +141,11 @@ class Threshold(Codec):
         o = out.reshape(-1) if out is not None else None
         tau = exact_tau(base, float(ctx.store.get("amax", 0.0)))
         sel = K.threshold_ef(v, tau, r, new_residual=feedback, out=o)
+        if sel.amax > _F32_MAX and math.isfinite(sel.amax):
+            raise ValueError(
+                f"Threshold frames carry tau as float32; a float64 value of magnitude {sel.amax:.3g} is beyond "
+                "float32's range and cannot be sent exactly: scale the gradient, or use another codec (TopK sends it)"
+            )
         if n and exact_tau(tau, sel.amax) != tau:  # the bound was too small: encode again with this max
             tau = exact_tau(base, sel.amax)
             sel = K.threshold_ef(v, tau, r, new_residual=feedback, out=o)
@@ -177,7 +182,7 @@ class Threshold(Codec):
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
-        return out.to(payload.dtype)
+        return narrow(out, payload.dtype)
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         tau = payload.scale

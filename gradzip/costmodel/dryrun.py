@@ -55,9 +55,13 @@ class LoopbackComm:
         self.log: list[Collective] = []
         self._todo: list = []
 
-    def _count(self, kind: str, nbytes: int, control: bool) -> None:
-        self.stats.add(bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0)
-        self.log.append(Collective(kind, nbytes, control))
+    def _count(self, kind: str, nbytes: int, control: bool, offrank: float | None = None) -> None:
+        c = Collective(kind, nbytes, control, offrank)
+        self.stats.add(
+            bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0,
+            bytes_link=c.link_bytes(self.world_size),
+        )
+        self.log.append(c)
 
     def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, *, control: bool = False):
         self._count("allreduce", t.numel() * t.element_size(), control)
@@ -72,6 +76,18 @@ class LoopbackComm:
         if out.numel() != self.world_size * inp.numel():
             raise ValueError(f"allgather output has {out.numel()} elements, expected {self.world_size} x {inp.numel()}")
         self._todo.append(lambda: out.view(self.world_size, -1).copy_(inp.reshape(1, -1)))
+        return _DoneWork()
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, *, control: bool = False):
+        """Every rank sends what this rank sends, so this rank receives its own message to
+        itself from each of them."""
+        n = self.world_size
+        mine = in_splits[0] if in_splits is not None else inp.numel() // n
+        self._count("alltoall", inp.numel() * inp.element_size(), control, (inp.numel() - mine) * inp.element_size())
+        want = out_splits if out_splits is not None else [out.numel() // n] * n
+        if any(w != mine for w in want):
+            raise ValueError(f"loopback all-to-all receives {mine} elements from each rank, the output expects {want}")
+        self._todo.append(lambda: out.view(n, -1).copy_(inp[:mine].reshape(1, -1)) if mine else None)
         return _DoneWork()
 
     def complete(self) -> None:
@@ -124,7 +140,7 @@ def dry_run(
     if len(names) != len(tensors):
         raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
     comm = LoopbackComm(world_size)
-    protocol = as_protocol(method)
+    protocol = as_protocol(method, world_size)
     ef = method.biased if error_feedback is None else bool(error_feedback)
     stores = {} if stores is None else stores
     call = Call(
@@ -137,6 +153,9 @@ def dry_run(
         ],
         memory=ErrorFeedback() if ef else None,
         out_dtype=tensors[0].dtype if tensors else torch.float32,
+        make_context=lambda k, d: TensorContext(
+            name=k, step=step, dtype=d, store=stores.setdefault(k, {}), rank=0, world_size=world_size
+        ),
     )
     plain = protocol.plain(call)
     gen = protocol.exchange(call)

@@ -30,6 +30,8 @@ __all__ = [
     "parse_duration",
     "allreduce_time",
     "allgather_time",
+    "alltoall_time",
+    "link_bytes",
     "Collective",
     "wire_time",
     "check_world",
@@ -136,21 +138,50 @@ def allgather_time(nbytes: float, world: int, link: Link) -> float:
     return (n - 1) * 8.0 * nbytes / link.bandwidth_bps + (n - 1) * link.latency_s
 
 
+def alltoall_time(nbytes: float, world: int, link: Link, offrank: float | None = None) -> float:
+    """Pairwise all-to-all: ``offrank`` bytes (default ``(N-1)/N * S``, even splits) leave
+    this rank, one message to each of the ``N-1`` others: ``8 * offrank / B + (N-1) * latency``."""
+    n = check_world(world)
+    if n == 1:
+        return 0.0
+    sent = (n - 1) / n * nbytes if offrank is None else offrank
+    return 8.0 * sent / link.bandwidth_bps + (n - 1) * link.latency_s
+
+
+def link_bytes(kind: str, nbytes: float, world: int, offrank: float | None = None) -> float:
+    """Bytes one rank sends on its link in one collective (the algorithms of the times above)."""
+    n = check_world(world)
+    if kind == "allreduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if kind == "allgather":
+        return (n - 1) * nbytes
+    if kind == "alltoall":
+        return (n - 1) / n * nbytes if offrank is None else offrank
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
 @dataclass(frozen=True)
 class Collective:
-    """One collective of a protocol: ``kind`` is ``"allreduce"`` or ``"allgather"``;
-    ``nbytes`` the bytes this rank hands to it (for an all-gather: its own part)."""
+    """One collective of a protocol: ``kind`` is ``"allreduce"``, ``"allgather"`` or
+    ``"alltoall"``; ``nbytes`` the bytes this rank hands to it (for an all-gather: its own
+    part); ``offrank`` for an all-to-all, the part addressed to other ranks (None: even)."""
 
     kind: str
     nbytes: int
     control: bool = False
+    offrank: float | None = None
 
     def time(self, world: int, link: Link) -> float:
         if self.kind == "allreduce":
             return allreduce_time(self.nbytes, world, link)
         if self.kind == "allgather":
             return allgather_time(self.nbytes, world, link)
+        if self.kind == "alltoall":
+            return alltoall_time(self.nbytes, world, link, self.offrank)
         raise ValueError(f"unknown collective kind {self.kind!r}")
+
+    def link_bytes(self, world: int) -> float:
+        return link_bytes(self.kind, self.nbytes, world, self.offrank)
 
 
 def wire_time(collectives: Iterable[Collective], world: int, link: Link) -> float:

@@ -22,7 +22,7 @@ import torch
 
 import gradzip.args as args
 from ..comm import FLAG_BYTES
-from ..protocols.base import Protocol
+from ..protocols.base import Protocol, as_protocol
 from .dryrun import dry_run
 from .link import Collective, Link, check_world, wire_time
 from .profile import CodecProfile, sample
@@ -174,6 +174,7 @@ def step_cost(
             groups = [(method, b, method.biased)]
         plain = True
         for comp, idx, ef in groups:
+            comp = as_protocol(comp, world)  # the protocol that carries it at this world size
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
             got, alone = cache.call(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
             colls += got

@@ -6,8 +6,9 @@ from .filter import Filter
 from .int8_allreduce import Int8Allreduce
 from .parallel import aligned_starts, parallel
 from .powersgd import PowerSGD
+from .twophase import TwoPhase
 
 __all__ = [
     "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter",
-    "Int8Allreduce", "PowerSGD", "parallel", "aligned_starts",
+    "Int8Allreduce", "PowerSGD", "TwoPhase", "parallel", "aligned_starts",
 ]

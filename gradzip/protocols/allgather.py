@@ -15,7 +15,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import allgather_bytes
-from ..wire import accum_dtype, pack_frames, unpack_frames
+from ..wire import accum_dtype, narrow, pack_frames, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
@@ -53,4 +53,4 @@ class AllGather(Protocol):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.
                 codec.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])
             acc.div_(call.world_size)
-        return acc.to(call.out_dtype)
+        return narrow(acc, call.out_dtype)

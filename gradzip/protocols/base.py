@@ -17,7 +17,7 @@ from typing import ClassVar, Generator
 
 import torch
 
-from ..codecs.base import Codec
+from ..codecs.base import Codec, TensorContext
 from ..comm import Round
 from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
@@ -59,13 +59,26 @@ class Protocol(Registered, register=False):
         return [(self, list(range(len(layers))), self.biased)]
 
 
-def as_protocol(method) -> Protocol:
+#: From this world size on, a codec whose payloads are not summable travels by
+#: ``TwoPhase`` (link bytes ~ 2(N-1)/N of the compressed size) instead of ``AllGather``
+#: (~ (N-1) of it): at 2 ranks both send the same, and TwoPhase spends two more rounds and
+#: a header per piece; at 3 its lead in bytes is still within its headers for small calls.
+TWO_PHASE_FROM = 4
+
+
+def as_protocol(method, world_size: int | None = None) -> Protocol:
     """The protocol that runs ``method``: a protocol as it is; a codec in the protocol it
-    names, else ``Allreduce`` (summable) or ``AllGather``."""
+    names, else ``Allreduce`` (summable), or for the others ``TwoPhase`` from
+    ``TWO_PHASE_FROM`` ranks on and ``AllGather`` below (``world_size`` None: AllGather)."""
     if isinstance(method, Protocol):
         return method
     if isinstance(method, Codec):
-        name = method.protocol or ("Allreduce" if method.summable else "AllGather")
+        if method.protocol:
+            name = method.protocol
+        elif method.summable:
+            name = "Allreduce"
+        else:
+            name = "TwoPhase" if world_size is not None and world_size >= TWO_PHASE_FROM else "AllGather"
         return lookup(name)(method)
     raise TypeError(f"expected a gradzip codec or protocol, got {type(method).__name__}")
 
@@ -97,6 +110,9 @@ class Call:
     #: Names whose error feedback this call leaves alone: they are sent as they are (a
     #: parameter DDP found unused, whose zero gradient must not spend its residual).
     frozen: frozenset = frozenset()
+    #: ``(key, dtype) -> TensorContext``: the state of a protocol's own keys (pieces of a
+    #: tensor, say), kept and rolled back by the engine like the tensors' own.
+    make_context: object = None
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -191,6 +207,41 @@ class Call:
         self._store(name, new)
         return payload
 
+    def encode_pieces(self, codec: Codec, i: int, bounds: list, keys: list) -> list:
+        """Encode tensor ``i``'s flat elements ``[bounds[j], bounds[j+1])`` as pieces, each with
+        the context of ``keys[j]``; with error feedback the pieces' new residuals make up the
+        tensor's (one residual per tensor, however it is cut)."""
+        name, t = self.names[i], self.tensors[i]
+        ctxs = [self.context(k, t.dtype) for k in keys]
+        if not self.feeds(i):
+            src = self._x.get(name, t).reshape(-1)
+            return [codec.encode(src[a:b], c)[0] for a, b, c in zip(bounds, bounds[1:], ctxs)]
+        v = self._x.pop(name, None)
+        if v is not None:  # compensated already: encode it in place
+            x, r, out = v.view(-1), None, v.view(-1)
+        else:
+            r = self.memory.check_shape(name, t)
+            x, r, out = t.reshape(-1), (r.reshape(-1) if r is not None else None), self.memory.buffer(name, t).view(-1)
+        payloads = [
+            codec.encode(x[a:b], c, None if r is None else r[a:b], feedback=True, out=out[a:b])[0]
+            for a, b, c in zip(bounds, bounds[1:], ctxs)
+        ]
+        self._store(name, out.view(t.shape))
+        return payloads
+
+    def encode_owned(self, codec: Codec, key: str, v: torch.Tensor, dtype: torch.dtype, *, feedback: bool = True) -> Payload:
+        """Encode ``v``, a value this rank computed (a reduced piece), with a residual of its
+        own kept under ``key`` (error feedback on and ``feedback``)."""
+        ctx = self.context(key, dtype)
+        if self.memory is None or not feedback:
+            return codec.encode(v, ctx)[0]
+        e = self.memory.residual(key)
+        if e is not None and e.shape != v.shape:
+            raise ValueError(f"residual for {key!r} has shape {tuple(e.shape)}, the value has {tuple(v.shape)}")
+        payload, new = codec.encode(v, ctx, e, feedback=True, out=self.memory.buffer(key, v))
+        self._store(key, new)
+        return payload
+
     def commit(self, i: int, sent: torch.Tensor) -> None:
         """Tensor ``i`` contributed ``sent``; with error feedback the rest becomes its residual."""
         if self.feeds(i):
@@ -234,7 +285,14 @@ class Call:
         sub._x = self._x  # one compensation per tensor per call, seen by parent and subsets
         sub.updated = self.updated
         sub.frozen = self.frozen
+        sub.make_context = self.make_context
         return sub
+
+    def context(self, key: str, dtype: torch.dtype) -> TensorContext:
+        """The context (state) of a key of the protocol's own: a piece of a tensor, say."""
+        if self.make_context is not None:
+            return self.make_context(key, dtype)
+        return TensorContext(name=key, dtype=dtype, rank=self.rank, world_size=self.world_size)
 
     def codec(self):
         """Time a block as codec work (see :func:`codec_time`)."""

@@ -53,12 +53,12 @@ SKIPPED = "filter.skipped"
 class Filter(Protocol):
     def __init__(self, inner, *, min_change: float = 0.5, beta: float = 0.9) -> None:
         self.inner = inner
-        self._protocol = as_protocol(inner)
+        as_protocol(inner)  # a codec or a protocol
         self.min_change = args.number("min_change", min_change, 0.0, 1.0, hi_open=True)
         self.beta = args.number("beta", beta, 0.0, 1.0, hi_open=True)
 
     def check_names(self, names) -> None:
-        self._protocol.check_names(names)
+        as_protocol(self.inner).check_names(names)
 
     def wants(self, x: torch.Tensor, store: dict) -> bool:
         """This rank's vote for sending ``x`` (the compensated input); updates ``store``'s reference."""
@@ -94,7 +94,7 @@ class Filter(Protocol):
         if not sent:
             return out
         sub = call.subset(sent)
-        got = yield from self._protocol.exchange(sub)
+        got = yield from as_protocol(self.inner, call.world_size).exchange(sub)
         for j, i in enumerate(sent):
             out[call.slice(i)] = got[sub.slice(j)]
         return out

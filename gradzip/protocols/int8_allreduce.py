@@ -23,7 +23,7 @@ import gradzip.args as args
 import gradzip.kernels as K
 from ..codecs.quant import Int8
 from ..comm import Round
-from ..wire import accum_dtype
+from ..wire import accum_dtype, narrow
 from .base import Call, Exchange, Protocol
 
 __all__ = ["Int8Allreduce", "int8_lanes"]
@@ -93,5 +93,5 @@ class Int8Allreduce(Protocol):
         with call.codec():
             sums = ((words.view(nw, 1) >> shifts) & ((1 << w) - 1)).reshape(-1)[: flat.numel()] - 127 * world
             se = torch.cat([p.to(torch.float32) for p in per_element])
-            out.copy_((sums.to(torch.float32) * se).div_(world))
+            out.copy_(narrow((sums.to(torch.float32) * se).div_(world), out.dtype))
         return out

@@ -74,7 +74,7 @@ import torch
 import gradzip.args as args
 from ..codecs.base import TensorContext, tensor_seed
 from ..comm import Round
-from ..wire import accum_dtype
+from ..wire import accum_dtype, narrow
 from .base import Protocol
 
 __all__ = ["PowerSGD", "orthogonalize_"]
@@ -174,7 +174,7 @@ def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tens
         mh = dst[s:e] if tmp is None else tmp[: e - s]
         _low_rank_product(pt[:, s:e], qt, mh)
         if tmp is not None:
-            dst[s:e].copy_(mh)
+            dst[s:e].copy_(narrow(mh, dst.dtype))
         if keep:
             x[s:e].sub_(mh)
     if keep:
@@ -390,7 +390,7 @@ class PowerSGD(Protocol):
                         mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
                         _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
                         if mhat is not dst:
-                            dst.copy_(mhat)
+                            dst.copy_(narrow(mhat, dst.dtype))
                         call.commit(i, mhat.view(call.tensors[i].shape))
                     if self.warm_start:
                         call.contexts[i].store["q"] = qt[j].t().contiguous()

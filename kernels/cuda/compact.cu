@@ -14,26 +14,12 @@
 // Launch: blockDim.x a multiple of 32, any grid (grid-stride loops, warp-uniform trip
 // counts). References: threshold_ef_reference(...).indices(), abs_select_reference.
 
-#define GZ_FULL_MASK 0xffffffffu
+#include "common.cu"
 
 __device__ __forceinline__ unsigned int gz_lanemask_lt() {
     unsigned int m;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
     return m;
-}
-
-template <int KIND>
-__device__ __forceinline__ float gz_load(const void* x, long long i) {
-    if (KIND == 0) {
-        return static_cast<const float*>(x)[i];
-    }
-    unsigned short b = static_cast<const unsigned short*>(x)[i];
-    if (KIND == 1) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-        return f;
-    }
-    return __uint_as_float(static_cast<unsigned int>(b) << 16);
 }
 
 // Claim slots for the selected lanes of this warp; returns this lane's slot (valid if sel).

@@ -10,27 +10,16 @@
 // (pos, neg) hold all its codes, and lanes 0 and 1 each interleave 16 bits of them
 // into one word. No shared memory, no per-element shifts through memory.
 //
+// rout may be r or x (the residual written in place): each element is read before it is
+// written, by the same thread, so none of the three pointers is __restrict__.
+//
 // Launch: blockDim.x a multiple of 32 (256), grid = ceil(n / (blockDim.x * ITEMS)).
 // Reference: gradzip.kernels.reference.threshold_ef_reference. Compiled by NVRTC
 // through cupy.RawModule at run time, and with `nvcc -cubin -arch=sm_90` in the tests.
 
-#define GZ_FULL_MASK 0xffffffffu
-#define GZ_ITEMS 16
+#include "common.cu"
 
-// x dtype: 0 = float32, 1 = float16 bits, 2 = bfloat16 bits.
-template <int KIND>
-__device__ __forceinline__ float gz_load(const void* x, long long i) {
-    if (KIND == 0) {
-        return static_cast<const float*>(x)[i];
-    }
-    unsigned short b = static_cast<const unsigned short*>(x)[i];
-    if (KIND == 1) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-        return f;
-    }
-    return __uint_as_float(static_cast<unsigned int>(b) << 16);
-}
+#define GZ_ITEMS 16
 
 // Spread the low 16 bits of x to the even bit positions of a 32-bit word.
 __device__ __forceinline__ unsigned int gz_spread16(unsigned int x) {
@@ -43,8 +32,8 @@ __device__ __forceinline__ unsigned int gz_spread16(unsigned int x) {
 }
 
 template <int KIND>
-__device__ __forceinline__ void gz_threshold_ef(const void* __restrict__ x, const float* __restrict__ r,
-                                                float* __restrict__ rout, unsigned int* __restrict__ words,
+__device__ __forceinline__ void gz_threshold_ef(const void* x, const float* r,
+                                                float* rout, unsigned int* __restrict__ words,
                                                 int* __restrict__ counts, unsigned int* __restrict__ amax_bits,
                                                 long long n, float tau, int has_r, int write_r) {
     __shared__ int s_count;
@@ -67,7 +56,7 @@ __device__ __forceinline__ void gz_threshold_ef(const void* __restrict__ x, cons
         if (in) {
             v = gz_load<KIND>(x, i);
             if (has_r) {
-                v += r[i];
+                v += __ldg(r + i);
             }
         }
         const bool pos = in && v >= tau;

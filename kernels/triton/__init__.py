@@ -1,9 +1,14 @@
-"""Triton kernels, one op per module. Imported on first use by :mod:`gradzip.kernels`.
+"""Triton kernels. Imported on first use by :mod:`gradzip.kernels`.
+
+Modules: :mod:`.threshold` (threshold + error feedback), :mod:`.decode` (decode and
+accumulate of every frame format), :mod:`.topk` (the top-k compaction), and the
+quantizer encoders :mod:`.sign` (scaled sign + error feedback) and :mod:`.stochastic`
+(QSGD and TernGrad), which share :mod:`.blocks` (block statistics, tiles, routes).
 
 Each module holds private ``_..._kernel`` functions, public launchers
 ``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every
-kernel is compiled for ahead of time (``tests/test_kernels_triton.py`` builds
-each one for sm_90 with no GPU present).
+kernel it declares is compiled for ahead of time (``tests/test_kernels_triton.py``
+builds each one for sm_90 with no GPU present).
 
 Conventions: a ``tl.constexpr`` block size, a mask on every load and store, int64
 element offsets (``program_id(0).to(tl.int64)`` first), no ``assert`` for
@@ -17,18 +22,55 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
-from .. import Unsupported
+from ..dispatch import Unsupported
 
-__all__ = ["interpreting", "check", "aot_compile", "aot_specs", "MODULES"]
+__all__ = ["interpreting", "check", "size", "spec", "row_tile", "load_compensated", "aot_compile", "aot_specs", "MODULES"]
 
-MODULES = ("threshold", "decode", "topk", "quant")
+MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic")
 LAUNCH = {"enable_fp_fusion": False}
 
 
 def interpreting() -> bool:
     """True when kernels run in the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def size(name: str, value: int | None, gpu: int, interpreter: int, minimum: int = 1) -> int:
+    """A power-of-two launch size: ``value`` when given (tests use small ones), else ``gpu``,
+    or ``interpreter`` under the interpreter (larger programs: fewer interpreted launches)."""
+    if value is None:
+        return interpreter if interpreting() else gpu
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+    return value
+
+
+def spec(kernel, signature: dict, constexprs: dict, *, num_warps: int, divisible=("n",)) -> dict:
+    """One entry of a module's ``AOT_SPECS``: see :func:`aot_compile`."""
+    return {"kernel": kernel, "signature": signature, "constexprs": constexprs, "num_warps": num_warps, "divisible": divisible}
+
+
+@triton.jit
+def row_tile(n, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """This program's ``[ROWS, COLS]`` tile of consecutive elements (row ``i`` starts at element
+    ``(pid * ROWS + i) * COLS``): ``(pid, rows, cols, offs, mask)``, the offsets int64."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    offs = rows[:, None] * COLS + cols[None, :]
+    return pid, rows, cols, offs, offs < n
+
+
+@triton.jit
+def load_compensated(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
+    """``v = x + r`` at ``offs`` in float32 (``x`` widened as it is loaded, the float32 residual
+    ``r`` read only with ``HAS_R``), 0 where masked."""
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        v = v + tl.load(r_ptr + offs, mask=mask, other=0.0)
+    return v
 
 
 def check(name: str, t: torch.Tensor, dtypes, device: torch.device | None = None) -> None:

@@ -7,7 +7,7 @@ sizes of what was built or the error. Exit status 1 if any failed.
 Run it with TRITON_INTERPRET unset: under the interpreter, ``tl.sum`` and the
 other library functions are interpreted objects that the compiler cannot inline.
 
-``--modules quant,decode`` compiles only the named modules' specs (default: every module
+``--modules sign,decode`` compiles only the named modules' specs (default: every module
 in ``gradzip.kernels.triton.MODULES``); a module named here need not be listed there.
 """
 from __future__ import annotations

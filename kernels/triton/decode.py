@@ -3,11 +3,17 @@
 * :func:`_decode_add_bitmap2_kernel`: N peers' 2-bit bitmaps in one pass. Each
   program loads its slice of ``out`` once, adds every peer's ``+-tau`` in peer
   order (so the floats are the reference's), and stores once: ``8 + N/4`` bytes
-  per element, no N-fold intermediate. Bodies that live in one buffer (the
-  all-gathered messages) are read in place through byte offsets from its base.
+  per element, no N-fold intermediate.
+* :func:`_decode_add_quant_kernel`: N peers' quantizer frame bodies (float32
+  scales, then codes: sign1, qsgd, tern2 or int8) the same way, each element
+  adding each peer's value with the reference's expression. Code values are not
+  checked (callers validate frames first).
 * :func:`_scatter_add_signed_kernel`: one peer's signed index words.
 * :func:`_scatter_add_sparse_kernel`: one peer's top-k frame (int32/int64
   indices, float32/16/bf16 values).
+
+Bodies that live in one buffer (the all-gathered messages) are read in place
+through byte offsets from its base (:func:`_bodies_base`).
 
 The scatters read, add and write each target once. The indices of one frame are
 distinct (every encoder here writes them so), so this is exact and needs no
@@ -15,7 +21,8 @@ atomics; peers are applied one launch after the other, in order, because two
 peers may hit the same element and float addition does not commute bit for bit.
 
 References: ``decode_add_bitmap2_reference``, ``scatter_add_signed_reference``,
-``scatter_add_sparse_reference`` in :mod:`gradzip.kernels.reference`.
+``scatter_add_sparse_reference`` in :mod:`gradzip.kernels.reference`;
+``decode_add_quant_reference`` in :mod:`gradzip.kernels.quant`.
 """
 from __future__ import annotations
 
@@ -25,25 +32,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import KERNEL_DTYPES
-from . import LAUNCH, check, interpreting
+from ..dispatch import KERNEL_DTYPES
+from ..quant import QUANT_KINDS, quant_layout
+from . import LAUNCH, check, row_tile, size, spec
 
-__all__ = ["decode_add_bitmap2_triton", "scatter_add_signed_triton", "scatter_add_sparse_triton"]
+__all__ = ["decode_add_bitmap2_triton", "decode_add_quant_triton", "scatter_add_signed_triton", "scatter_add_sparse_triton"]
 
 NUM_WARPS = 8
 BYTES_GPU = 1024  # bitmap bytes per program (4096 elements)
 BYTES_INTERPRETER = 4096
+TILE_GPU = 4096  # quantizer elements per program
+TILE_INTERPRETER = 16384
 SCATTER_GPU = 1024
 SCATTER_INTERPRETER = 8192
+KIND_CODE = {k: i for i, k in enumerate(QUANT_KINDS)}  # sign1 0, qsgd 1, tern2 2, int8 3
 
 
 @triton.jit
 def _decode_add_bitmap2_kernel(out_ptr, base_ptr, offs_ptr, taus_ptr, n, npeers, BYTES: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BYTES + tl.arange(0, BYTES)
-    cols = tl.arange(0, 4)
-    idx = rows[:, None] * 4 + cols[None, :]
-    mask = idx < n
+    pid, rows, cols, idx, mask = row_tile(n, BYTES, 4)
     nbytes = (n + 3) // 4
     bmask = rows < nbytes
     acc = tl.load(out_ptr + idx, mask=mask, other=0.0)
@@ -55,6 +62,41 @@ def _decode_add_bitmap2_kernel(out_ptr, base_ptr, offs_ptr, taus_ptr, n, npeers,
         # The reference's (code == 1) * tau - (code == 2) * tau, products by 0/1 exact.
         acc = acc + ((code == 1).to(tl.float32) * tau - (code == 2).to(tl.float32) * tau)
     tl.store(out_ptr + idx, acc, mask=mask)
+
+
+@triton.jit
+def _decode_add_quant_kernel(
+    out_ptr, base_ptr, soffs_ptr, coffs_ptr, n, b, npeers, levels, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    blk = offs // b
+    acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
+    for p in range(npeers):
+        so = tl.load(soffs_ptr + p)
+        co = tl.load(coffs_ptr + p)
+        sc = tl.load((base_ptr + so).to(tl.pointer_type(tl.float32)) + blk, mask=mask, other=0.0)
+        if KIND == 0:  # sign1: bit i % 8 of byte i // 8 (the int32 words' little-endian bytes)
+            byte = tl.load(base_ptr + co + offs // 8, mask=mask, other=0).to(tl.int32)
+            bit = (byte >> (offs % 8).to(tl.int32)) & 1
+            val = tl.where(bit != 0, -sc, sc)
+        elif KIND == 1:  # qsgd: (c - s) * (N_b / s), its magnitude capped at N_b
+            PER: tl.constexpr = 8 // BITS
+            byte = tl.load(base_ptr + co + offs // PER, mask=mask, other=0).to(tl.int32)
+            c = (byte >> ((offs % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
+            val = (c.to(tl.float32) - levels) * tl.div_rn(sc, levels)
+            val = tl.where(tl.abs(val) > sc, tl.where(val < 0, -sc, sc), val)
+        elif KIND == 2:  # tern2: (c == 1) * S - (c == 2) * S
+            byte = tl.load(base_ptr + co + offs // 4, mask=mask, other=0).to(tl.int32)
+            c = (byte >> ((offs % 4).to(tl.int32) * 2)) & 3
+            val = (c == 1).to(tl.float32) * sc - (c == 2).to(tl.float32) * sc
+        else:  # int8: q * S
+            byte = tl.load(base_ptr + co + offs, mask=mask, other=0).to(tl.int32)
+            q = tl.where(byte >= 128, byte - 256, byte)
+            val = q.to(tl.float32) * sc
+        acc = acc + val
+    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -82,47 +124,79 @@ def _scatter_add_sparse_kernel(out_ptr, idx_ptr, val_ptr, k, n, BLOCK: tl.conste
     tl.store(out_ptr + idx, cur + val, mask=ok)
 
 
-def _shared_base(bodies: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """One uint8 tensor holding every body, and each body's byte offset in it.
-
-    Bodies that are views of one storage (peers' frames in the gathered buffer)
-    are addressed in place; otherwise they are concatenated.
-    """
+def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One uint8 tensor holding every body, and each body's byte offset in it (int64, on the
+    device), every offset a multiple of ``align``. Bodies that are views of one storage at
+    such offsets (peers' frames in the gathered buffer) are read in place; otherwise they are
+    copied into one buffer, each padded to a multiple of ``align``."""
     st = bodies[0].untyped_storage()
-    if all(b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() for b in bodies):
+    if all(
+        b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() and b.storage_offset() % align == 0 for b in bodies
+    ):
         base = torch.empty(0, dtype=torch.uint8, device=bodies[0].device).set_(st, 0, (st.nbytes(),))
-        return base, [b.storage_offset() for b in bodies]
-    offsets, pos = [], 0
-    for b in bodies:
-        offsets.append(pos)
-        pos += b.numel()
-    return torch.cat([b.reshape(-1) for b in bodies]), offsets
+        offsets = [b.storage_offset() for b in bodies]
+    else:
+        offsets, pos = [], 0
+        for b in bodies:
+            offsets.append(pos)
+            pos += (b.numel() + align - 1) // align * align
+        base = torch.zeros(max(pos, align), dtype=torch.uint8, device=bodies[0].device)
+        for off, b in zip(offsets, bodies):
+            base[off : off + b.numel()] = b.reshape(-1)
+    return base, torch.tensor(offsets, dtype=torch.int64).to(base.device)
+
+
+def _check_decode(out: torch.Tensor, bodies: Sequence[torch.Tensor]) -> None:
+    check("out", out, (torch.float32,))
+    for i, b in enumerate(bodies):
+        check(f"body {i}", b, (torch.uint8,), out.device)
 
 
 def decode_add_bitmap2_triton(
     out: torch.Tensor, bodies: Sequence[torch.Tensor], taus: Sequence[float], *, block_bytes: int | None = None
 ) -> None:
-    check("out", out, (torch.float32,))
-    for i, b in enumerate(bodies):
-        check(f"body {i}", b, (torch.uint8,), out.device)
+    """Triton version of :func:`~gradzip.kernels.reference.decode_add_bitmap2_reference`."""
+    _check_decode(out, bodies)
     n = out.numel()
-    B = block_bytes or (BYTES_INTERPRETER if interpreting() else BYTES_GPU)
-    base, offsets = _shared_base(bodies)
-    offs = torch.tensor(offsets, dtype=torch.int64).to(out.device)
+    B = size("block_bytes", block_bytes, BYTES_GPU, BYTES_INTERPRETER)
+    base, offs = _bodies_base(bodies, 1)
     taus32 = torch.tensor(list(taus), dtype=torch.float32).to(out.device)
     grid = (triton.cdiv(triton.cdiv(n, 4), B),)
     _decode_add_bitmap2_kernel[grid](out, base, offs, taus32, n, len(bodies), BYTES=B, num_warps=NUM_WARPS, **LAUNCH)
 
 
-def _scatter_block(block: int | None) -> int:
-    return block or (SCATTER_INTERPRETER if interpreting() else SCATTER_GPU)
+def decode_add_quant_triton(
+    out: torch.Tensor,
+    bodies: Sequence[torch.Tensor],
+    kind: str,
+    *,
+    block: int | None = None,
+    levels: int = 0,
+    bits: int | None = None,
+    tile: int | None = None,
+) -> None:
+    """Triton version of :func:`~gradzip.kernels.quant.decode_add_quant_reference` (float32 ``out``)."""
+    _check_decode(out, bodies)
+    if kind not in KIND_CODE:
+        raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
+    n = out.numel()
+    if not bodies or n == 0:
+        return
+    nb, b = quant_layout(n, block)
+    base, soffs = _bodies_base(bodies, 4)  # the float32 scales are loaded in place
+    B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
+    _decode_add_quant_kernel[(triton.cdiv(n, B),)](
+        out, base, soffs, soffs + 4 * nb, n, b, len(bodies), float(levels), KIND=KIND_CODE[kind], BITS=int(bits or 8),
+        BLOCK=B, num_warps=NUM_WARPS, **LAUNCH,
+    )
 
 
 def scatter_add_signed_triton(out: torch.Tensor, words: torch.Tensor, tau: float, *, block: int | None = None) -> None:
+    """Triton version of :func:`~gradzip.kernels.reference.scatter_add_signed_reference`."""
     check("out", out, (torch.float32,))
     check("words", words, (torch.int32,), out.device)
     k = words.numel()
-    B = _scatter_block(block)
+    B = size("block", block, SCATTER_GPU, SCATTER_INTERPRETER)
     tau32 = float(torch.tensor(tau, dtype=torch.float32))
     _scatter_add_signed_kernel[(triton.cdiv(k, B),)](out, words, tau32, k, out.numel(), BLOCK=B, num_warps=4, **LAUNCH)
 
@@ -130,34 +204,41 @@ def scatter_add_signed_triton(out: torch.Tensor, words: torch.Tensor, tau: float
 def scatter_add_sparse_triton(
     out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, block: int | None = None
 ) -> None:
+    """Triton version of :func:`~gradzip.kernels.reference.scatter_add_sparse_reference`."""
     check("out", out, (torch.float32,))
     check("idx", idx, (torch.int32, torch.int64), out.device)
     check("vals", vals, KERNEL_DTYPES, out.device)
     k = idx.numel()
-    B = _scatter_block(block)
+    B = size("block", block, SCATTER_GPU, SCATTER_INTERPRETER)
     _scatter_add_sparse_kernel[(triton.cdiv(k, B),)](out, idx, vals, k, out.numel(), BLOCK=B, num_warps=4, **LAUNCH)
 
 
+_DEC_SIG = {"out_ptr": "*fp32", "base_ptr": "*u8", "soffs_ptr": "*i64", "coffs_ptr": "*i64", "n": "i32", "b": "i32", "npeers": "i32", "levels": "fp32"}
+
 AOT_SPECS = [
-    {
-        "kernel": _decode_add_bitmap2_kernel,
-        "signature": {"out_ptr": "*fp32", "base_ptr": "*u8", "offs_ptr": "*i64", "taus_ptr": "*fp32", "n": "i32", "npeers": "i32"},
-        "constexprs": {"BYTES": BYTES_GPU},
-        "num_warps": NUM_WARPS,
-        "divisible": ("n",),
-    },
-    {
-        "kernel": _scatter_add_signed_kernel,
-        "signature": {"out_ptr": "*fp32", "words_ptr": "*i32", "tau": "fp32", "k": "i32", "n": "i64"},
-        "constexprs": {"BLOCK": SCATTER_GPU},
-        "num_warps": 4,
-    },
+    spec(
+        _decode_add_bitmap2_kernel,
+        {"out_ptr": "*fp32", "base_ptr": "*u8", "offs_ptr": "*i64", "taus_ptr": "*fp32", "n": "i32", "npeers": "i32"},
+        {"BYTES": BYTES_GPU},
+        num_warps=NUM_WARPS,
+    ),
+    spec(
+        _scatter_add_signed_kernel,
+        {"out_ptr": "*fp32", "words_ptr": "*i32", "tau": "fp32", "k": "i32", "n": "i64"},
+        {"BLOCK": SCATTER_GPU},
+        num_warps=4,
+        divisible=(),
+    ),
 ] + [
-    {
-        "kernel": _scatter_add_sparse_kernel,
-        "signature": {"out_ptr": "*fp32", "idx_ptr": ip, "val_ptr": vp, "k": "i32", "n": "i64"},
-        "constexprs": {"BLOCK": SCATTER_GPU},
-        "num_warps": 4,
-    }
+    spec(
+        _scatter_add_sparse_kernel,
+        {"out_ptr": "*fp32", "idx_ptr": ip, "val_ptr": vp, "k": "i32", "n": "i64"},
+        {"BLOCK": SCATTER_GPU},
+        num_warps=4,
+        divisible=(),
+    )
     for ip, vp in (("*i32", "*fp32"), ("*i32", "*fp16"), ("*i64", "*bf16"))
+] + [
+    spec(_decode_add_quant_kernel, _DEC_SIG, {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU}, num_warps=NUM_WARPS)
+    for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
 ]

@@ -10,18 +10,21 @@ Pass 2, only for the index list (:func:`_threshold_compact_kernel`): reads the
 bitmap (1/16 of pass 1's traffic) and writes the signed index words in ascending
 order at ``exclusive_cumsum(counts)[program] + rank within the program``.
 
+The residual may be written over the residual read (``out`` is ``residual``) or over
+``x``: each element is loaded before it is stored, by the same program.
+
 Reference: :func:`gradzip.kernels.reference.threshold_ef_reference`.
 """
 from __future__ import annotations
-
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import KERNEL_DTYPES
-from ..reference import DeviceThresholdResult, ThresholdResult
-from . import LAUNCH, check, interpreting
+from ..device import DeviceThresholdResult
+from ..dispatch import KERNEL_DTYPES
+from ..reference import ThresholdResult, wants_residual
+from . import LAUNCH, check, load_compensated, row_tile, size, spec
 
 __all__ = ["threshold_ef_triton", "ROWS_GPU", "ROWS_INTERPRETER"]
 
@@ -45,14 +48,8 @@ def _threshold_ef_kernel(
     WRITE_R: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, 16)
-    offs = rows[:, None] * 16 + cols[None, :]
-    mask = offs < n
-    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_R:
-        v = v + tl.load(r_ptr + offs, mask=mask, other=0.0)
+    pid, rows, cols, offs, mask = row_tile(n, ROWS, 16)
+    v = load_compensated(x_ptr, r_ptr, offs, mask, HAS_R)
     pos = (v >= tau) & mask
     neg = (v <= -tau) & mask
     if WRITE_R:
@@ -91,14 +88,6 @@ def _threshold_compact_kernel(words_ptr, offsets_ptr, out_ptr, n, ROWS: tl.const
     tl.store(out_ptr + dst, word, mask=sel)
 
 
-def _rows(rows: int | None) -> int:
-    if rows is not None:
-        if rows < 1 or rows & (rows - 1):
-            raise ValueError(f"rows must be a power of two, got {rows}")
-        return rows
-    return ROWS_INTERPRETER if interpreting() else ROWS_GPU
-
-
 class _TritonThresholdResult(DeviceThresholdResult):
     backend = "triton"
 
@@ -125,18 +114,20 @@ def threshold_ef_triton(
     residual: torch.Tensor | None = None,
     *,
     new_residual: bool | None = None,
+    out: torch.Tensor | None = None,
     rows: int | None = None,
 ) -> ThresholdResult:
     """Triton version of :func:`~gradzip.kernels.reference.threshold_ef_reference`.
 
-    ``x`` is float32/float16/bfloat16, ``residual`` float32. ``rows`` (a power of
-    two) sets the elements per program to ``16 * rows`` (tests use small ones).
+    ``x`` is float32/float16/bfloat16, ``residual`` and ``out`` float32. ``rows`` (a power
+    of two) sets the elements per program to ``16 * rows`` (tests use small ones).
     """
     check("x", x, KERNEL_DTYPES)
     if residual is not None:
         check("residual", residual, (torch.float32,), x.device)
-    want_r = new_residual if new_residual is not None else residual is not None
-    ROWS = _rows(rows)
+    if out is not None:
+        check("out", out, (torch.float32,), x.device)
+    ROWS = size("rows", rows, ROWS_GPU, ROWS_INTERPRETER)
     n = x.numel()
     dev = x.device
     nprog = triton.cdiv(n, ROWS * 16)
@@ -146,7 +137,9 @@ def threshold_ef_triton(
     counts = torch.empty(nprog, dtype=torch.int32, device=dev)
     amax_bits = torch.empty(nprog, dtype=torch.int32, device=dev)
     xf = x.reshape(-1)
-    rout = torch.empty(n, dtype=torch.float32, device=dev) if want_r else None
+    rout = None
+    if wants_residual(residual, new_residual, out):
+        rout = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32, device=dev)
     if nprog:
         _threshold_ef_kernel[(nprog,)](
             xf,
@@ -158,16 +151,16 @@ def threshold_ef_triton(
             n,
             tau32,
             HAS_R=residual is not None,
-            WRITE_R=want_r,
+            WRITE_R=rout is not None,
             ROWS=ROWS,
             num_warps=NUM_WARPS,
             **LAUNCH,
         )
-    return _TritonThresholdResult(n, tau, rout, words, counts, amax_bits, ROWS)
+    return _TritonThresholdResult(n, tau, out if out is not None else rout, words, counts, amax_bits, ROWS)
 
 
 def _spec(kernel, sig, divisible=("n",), **constexprs):
-    return {"kernel": kernel, "signature": sig, "constexprs": constexprs, "num_warps": NUM_WARPS, "divisible": divisible}
+    return spec(kernel, sig, constexprs, num_warps=NUM_WARPS, divisible=divisible)
 
 
 def _ef_sig(x: str, n: str) -> dict:

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import KERNEL_DTYPES
-from . import LAUNCH, check, interpreting
+from ..device import compact_indices, select_threshold
+from ..dispatch import KERNEL_DTYPES
+from . import LAUNCH, check, size, spec
 
 __all__ = ["abs_select_triton"]
 
@@ -42,43 +43,27 @@ def _abs_select_kernel(v_ptr, thr_ptr, out_ptr, counter_ptr, n, capacity, BLOCK:
 
 
 def abs_select_triton(v: torch.Tensor, thr, expected: int | None = None, *, block: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`~gradzip.kernels.reference.abs_select_reference`.
-
-    The output buffer holds ``2 * expected + 1024`` indices (all ``n`` without a
-    guess); if more elements pass, the pass runs again with the exact count.
-    """
+    """Triton version of :func:`~gradzip.kernels.reference.abs_select_reference`; the output
+    buffer is sized from ``expected`` (:func:`~gradzip.kernels.device.compact_indices`)."""
     check("v", v, KERNEL_DTYPES)
     n = v.numel()
-    dev = v.device
     if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=dev)
-    if isinstance(thr, torch.Tensor):
-        # thr is a value of v's dtype (or any float): exact in float32 for the kernel's dtypes.
-        thr_t = thr.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    else:
-        thr_t = torch.tensor([float(thr)], dtype=v.dtype).to(device=dev, dtype=torch.float32)
-    B = block or (BLOCK_INTERPRETER if interpreting() else BLOCK_GPU)
-    grid = (triton.cdiv(n, B),)
-    capacity = n if expected is None else min(n, 2 * int(expected) + 1024)
-    counter = torch.zeros(1, dtype=torch.int64, device=dev)
-    for _ in range(2):
-        out = torch.empty(capacity, dtype=torch.int64, device=dev)
-        _abs_select_kernel[grid](v, thr_t, out, counter, n, capacity, BLOCK=B, num_warps=NUM_WARPS, **LAUNCH)
-        count = int(counter.item())
-        if count <= capacity:
-            break
-        capacity = count
-        counter.zero_()
-    return out[:count].sort().values
+        return torch.empty(0, dtype=torch.int64, device=v.device)
+    thr_t = select_threshold(v, thr)
+    B = size("block", block, BLOCK_GPU, BLOCK_INTERPRETER)
+
+    def launch(out, counter, capacity):
+        _abs_select_kernel[(triton.cdiv(n, B),)](v, thr_t, out, counter, n, capacity, BLOCK=B, num_warps=NUM_WARPS, **LAUNCH)
+
+    return compact_indices(launch, n, expected, v.device)
 
 
 AOT_SPECS = [
-    {
-        "kernel": _abs_select_kernel,
-        "signature": {"v_ptr": vp, "thr_ptr": "*fp32", "out_ptr": "*i64", "counter_ptr": "*i64", "n": ni, "capacity": "i64"},
-        "constexprs": {"BLOCK": BLOCK_GPU},
-        "num_warps": NUM_WARPS,
-        "divisible": ("n",),
-    }
+    spec(
+        _abs_select_kernel,
+        {"v_ptr": vp, "thr_ptr": "*fp32", "out_ptr": "*i64", "counter_ptr": "*i64", "n": ni, "capacity": "i64"},
+        {"BLOCK": BLOCK_GPU},
+        num_warps=NUM_WARPS,
+    )
     for vp, ni in (("*fp32", "i32"), ("*fp16", "i32"), ("*bf16", "i64"))
 ]

@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.threshold import exact_tau
-from gradzip.feedback import ErrorFeedback
-from gradzip.wire import FMT_BITMAP2, FMT_DENSE, FMT_EMPTY, FMT_SIGNED_INDEX, HEADER_BYTES, pack_frames
+from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX, exact_tau
+from gradzip.wire import FMT_DENSE, FMT_EMPTY, HEADER_BYTES, pack_frames
 
 settings.register_profile("gz", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("gz")
@@ -19,7 +18,7 @@ settings.load_profile("gz")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def all_compressors():
+def all_codecs():
     return [
         gz.Identity(),
         gz.FP16(),
@@ -34,7 +33,7 @@ def all_compressors():
     ]
 
 
-COMPRESSORS = all_compressors()
+COMPRESSORS = all_codecs()
 IDS = [repr(c)[:40] for c in COMPRESSORS]
 
 shapes = st.one_of(
@@ -74,22 +73,22 @@ def test_shape_and_dtype_survive(comp, dtype, data):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @given(data=st.data())
 def test_error_feedback_is_exact(comp, dtype, data):
-    """residual + decompressed == compensated input, exactly, over several steps."""
-    mem = ErrorFeedback()
+    """``encode`` with feedback: residual + decompressed == gradient + old residual, exactly,
+    over several steps (the residual written into a reused buffer, as the engine does)."""
     store: dict = {}
+    r, spare = None, None
     for step in range(3):
         g = data.draw(tensors(dtype=dtype, max_abs=6e4))
-        if step and g.shape != mem.residuals["w"].shape:
-            g = torch.randn(mem.residuals["w"].shape, generator=torch.Generator().manual_seed(step)).to(dtype)
-        c = mem.compensate("w", g)
-        keep = c.clone()
-        p = comp.compress(c, TensorContext(name="w", step=step, dtype=g.dtype, store=store))
+        if step and g.shape != r.shape:
+            g = torch.randn(r.shape, generator=torch.Generator().manual_seed(step)).to(dtype)
+        keep = g.float() + (r if r is not None else 0.0)
+        out = spare if spare is not None and spare.shape == g.shape else torch.empty(g.shape)
+        p, new = comp.encode(g, TensorContext(name="w", step=step, dtype=g.dtype, store=store), r, feedback=True, out=out)
         d = comp.decompress(p)
-        mem.update("w", c, d)
-        r = mem.residual("w")
-        assert r.dtype == torch.float32
-        assert torch.equal(r + d, keep)
-        assert torch.equal(r.double() + d.double(), keep.double())  # no rounding hid a loss
+        assert new.dtype == torch.float32 and new.data_ptr() == out.data_ptr()
+        assert torch.equal(new + d, keep)
+        assert torch.equal(new.double() + d.double(), keep.double())  # no rounding hid a loss
+        spare, r = r, new
 
 
 @given(data=st.data())
@@ -135,11 +134,10 @@ def test_threshold_exact_residual_where_naive_subtraction_rounds():
     v = torch.tensor([1.0, -0.75, 3e-7], dtype=torch.float32)
     naive = v[0] - torch.tensor(1e-6)
     assert (naive + torch.tensor(1e-6)).double() != 1.0 or naive.double() + 1e-6 != 1.0
-    comp, mem = gz.Threshold(tau=1e-6), ErrorFeedback()
-    c = mem.compensate("w", v)
-    d = comp.decompress(comp.compress(c))
-    mem.update("w", c, d)
-    assert torch.equal(mem.residual("w").double() + d.double(), v.double())
+    comp = gz.Threshold(tau=1e-6)
+    p, r = comp.encode(v, feedback=True)
+    d = comp.decompress(p)
+    assert torch.equal(r.double() + d.double(), v.double())
 
 
 def test_threshold_adaptive_moves_tau_into_band():
@@ -295,3 +293,85 @@ def test_bad_arguments_raise_value_error_naming_the_argument(make, arg):
     with pytest.raises(ValueError, match=arg) as e:
         make()
     assert "must be" in str(e.value)
+
+
+# -- error feedback inside the codec call: the fused one-pass kernels ---------------------------
+def _run_call(method, names, tensors, memory, step, stores, world=2):
+    """One protocol call against a loopback communicator, error feedback in ``memory``."""
+    from gradzip.costmodel.dryrun import LoopbackComm
+    from gradzip.protocols import Call, as_protocol
+
+    comm = LoopbackComm(world)
+    ctx = lambda n, d: TensorContext(name=n, step=step, dtype=d, store=stores.setdefault(n, {}), world_size=world)  # noqa: E731
+    call = Call(comm=comm, names=names, tensors=tensors, contexts=[ctx(n, t.dtype) for n, t in zip(names, tensors)],
+                memory=memory, out_dtype=tensors[0].dtype, make_context=ctx)
+    gen = as_protocol(method, world).exchange(call)
+    try:
+        while True:
+            next(gen)
+            comm.complete()
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("codec, op, module", [
+    (gz.Threshold(tau=0.3), "threshold_ef", ("gradzip.kernels.triton.threshold", "threshold_ef_triton")),
+    (gz.SignSGD(block=64), "sign_ef", ("gradzip.kernels.triton.sign", "sign_ef_triton")),
+], ids=["Threshold", "SignSGD"])
+def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unfused_path(codec, op, module, monkeypatch):
+    """Through a protocol call with error feedback (the engine's path), the Triton kernel (the
+    interpreter here) runs once per tensor with the residual, and payloads and residuals equal
+    the unfused reference: compensate, compress, decompress, subtract, bit for bit."""
+    import importlib
+
+    from gradzip import kernels as K
+    from gradzip.feedback import ErrorFeedback
+
+    from .refs import RefMemory
+
+    pytest.importorskip("triton")
+    real = getattr(importlib.import_module(module[0]), module[1])
+    calls = []
+
+    def counting(x, *a, **kw):
+        calls.append(kw.get("out") is not None and (len(a) > 1 and a[1] is not None or a and op == "sign_ef" and a[0] is not None))
+        return real(x, *a, **kw)
+
+    monkeypatch.setenv("GRADZIP_KERNELS", "triton")
+    K.register_kernel(op, "triton", counting, first=True)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        names = ["a", "b", "c"]
+        mem, ref, stores, ref_stores = ErrorFeedback(), RefMemory(), {}, {}
+        for step in range(3):
+            grads = [(torch.rand(s, generator=gen) * 1.2 - 0.6) for s in ((40, 8), (130,), (3, 7))]
+            calls.clear()
+            snapshot = {n: dict(s) for n, s in stores.items()}
+            _run_call(codec, names, grads, mem, step, stores)
+            if step:  # a residual exists: one fused call per tensor, each with it
+                assert calls == [True] * len(names), calls
+            for n, g in zip(names, grads):
+                c = ref.compensate(n, g)
+                st = snapshot.get(n, {})
+                p = codec.compress(c, TensorContext(name=n, step=step, dtype=c.dtype, store=dict(st)))
+                ref.update(n, c, codec.decompress(p))
+                assert torch.equal(mem.residual(n), ref.residual(n)), (step, n)
+            assert K.backend_report()["ops"][op]["chosen"]["cpu"]["backend"] == "triton"
+    finally:
+        K.register_kernel(op, "triton", module)
+
+
+@pytest.mark.parametrize("codec", [gz.QSGD(levels=7, block=64), gz.QSGD(levels=1, block=None), gz.TernGrad(block=256),
+                                   gz.TernGrad(clip=2.0)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_stochastic_quantizer_frames_are_the_same_on_cpu_and_in_the_triton_kernel(codec, dtype, monkeypatch):
+    """One implementation: the CPU reference draws Philox like the kernel, so a frame is the
+    same bit for bit whichever runs it (the Triton interpreter stands in for the GPU)."""
+    pytest.importorskip("triton")
+    x = (torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    ctx = TensorContext(name="layer.weight", step=11, dtype=dtype, rank=1, world_size=4)
+    monkeypatch.setenv("GRADZIP_KERNELS", "reference")
+    cpu = codec.compress(x, ctx)
+    monkeypatch.setenv("GRADZIP_KERNELS", "triton")
+    tri = codec.compress(x, ctx)
+    assert torch.equal(cpu.body, tri.body) and cpu.fmt == tri.fmt

@@ -1,0 +1,123 @@
+"""``TwoPhase(codec)``: compressed allreduce whose link bytes do not grow with the world size.
+
+Every tensor of the call is split into ``N`` pieces (``N`` the world size; piece ``j``
+holds elements ``[j * n // N, (j + 1) * n // N)``), and rank ``j`` owns piece ``j`` of
+every tensor, as FSDP shards parameters. A piece is named after its tensor and place
+(``name#j/N``), so its state does not depend on which tensors share a call.
+
+1. **Reduce-scatter.** Every rank encodes each piece of ``gradient + residual`` with the
+   codec (its own error feedback: the residual keyed by the tensor's name, as the
+   other protocols keep it) and sends owner ``j`` the frames of its pieces ``j``
+   (``gradzip.wire`` framing): an all-to-all of the message lengths, then a pairwise
+   all-to-all of the messages. Owner ``j`` decodes every sender's frames in rank order
+   into float32 (float64 for float64 gradients) and divides by ``N``: the average of
+   its pieces.
+2. **All-gather.** Owner ``j`` encodes its averaged pieces again with the codec, with a
+   second error-feedback memory of its own (keyed ``name#j/N:owner``, in the units of
+   the average), so nothing is lost: sparse codecs re-sparsify the sum (a global top-k
+   of the reduced piece, gTop-k style), quantizers re-quantize it. The owners' messages
+   are all-gathered (an allreduce MAX of the length, then the messages padded to it)
+   and every rank decodes every owner's pieces: every rank holds the same floats.
+
+Link bytes per rank are about ``2(N-1)/N`` of the compressed size of the call, like a
+ring allreduce of it, against ``(N-1)`` for :class:`~gradzip.protocols.AllGather`.
+
+Mass: with sender residuals ``r`` and owner residuals ``e`` (average units), every
+step keeps ``N * applied + sum_ranks r' + N * e' == sum_ranks (g + r) + N * e`` up to
+float rounding. A step that turns out non-finite restores both memories.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import Codec
+from ..comm import Round, allgather_bytes
+from ..wire import accum_dtype, narrow, pack_frames, unpack_frames
+from .base import Call, Exchange, Protocol
+
+__all__ = ["TwoPhase", "piece_bounds", "piece_key", "owner_key"]
+
+
+def piece_bounds(n: int, world: int) -> list[int]:
+    """``world + 1`` offsets: piece ``j`` of ``n`` elements is ``[b[j], b[j+1])``."""
+    return [j * n // world for j in range(world + 1)]
+
+
+def piece_key(name: str, j: int, world: int) -> str:
+    return f"{name}#{j}/{world}"
+
+
+def owner_key(name: str, j: int, world: int) -> str:
+    """The owner's second error-feedback memory (and codec state) for piece ``j``."""
+    return f"{piece_key(name, j, world)}:owner"
+
+
+class TwoPhase(Protocol):
+    rounds = 4
+
+    def __init__(self, codec: Codec) -> None:
+        if not isinstance(codec, Codec):
+            raise ValueError(f"codec must be a gradzip codec, got {codec!r}")
+        self.codec = codec
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return self.codec.biased
+
+    def exchange(self, call: Call) -> Exchange:
+        codec, world, me = self.codec, call.world_size, call.rank
+        count = len(call.tensors)
+        bounds = [piece_bounds(t.numel(), world) for t in call.tensors]
+        with call.codec():
+            # Phase 1: every piece of every tensor, encoded with this rank's error feedback.
+            sent = [call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
+                    for i in range(count)]
+            msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
+            lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
+            send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
+            got_len = torch.empty(world, dtype=torch.int64, device=call.device)
+            call.comm.stats.add(bytes_payload=send.numel())
+        yield Round([call.comm.alltoall(got_len, lengths, control=True)])
+        in_splits, out_splits = lengths.tolist(), got_len.tolist()
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
+        yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])
+        with call.codec():
+            acc_dtype = accum_dtype(call.out_dtype)
+            mine = [(bounds[i][me], bounds[i][me + 1]) for i in range(count)]
+            shapes = [torch.Size([b - a]) for a, b in mine]
+            dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
+            frames, pos = [], 0
+            for s in range(world):
+                frames.append(unpack_frames(recv[pos : pos + out_splits[s]], shapes, dtypes))
+                pos += out_splits[s]
+            owned = []
+            for i in range(count):
+                acc = torch.zeros(shapes[i].numel(), dtype=acc_dtype, device=call.device)
+                codec.accumulate_many([frames[s][i] for s in range(world)], acc)  # senders in rank order
+                owned.append(acc.div_(world))
+            # Phase 2: the owner's pieces, re-encoded with the owner's own error feedback.
+            # A piece every rank found unused (DDP drops its average) is all zeros: it is sent as it
+            # is, and the owner's residual waits for a step where the parameter is used.
+            again = [
+                call.encode_owned(
+                    codec, owner_key(call.names[i], me, world), owned[i], call.tensors[i].dtype,
+                    feedback=not (call.names[i] in call.frozen and not bool(owned[i].any())),
+                )
+                for i in range(count)
+            ]
+            msg = pack_frames(again, device=call.device)
+            call.comm.stats.add(bytes_payload=msg.numel())
+        gathered = yield from allgather_bytes(call.comm, msg)
+        with call.codec():
+            out = call.output(zero=acc_dtype == call.out_dtype)
+            acc = out if acc_dtype == call.out_dtype else torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
+            for j in range(world):
+                pieces = [torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)]
+                fr = unpack_frames(gathered[j], pieces, [again[i].dtype for i in range(count)])
+                for i in range(count):
+                    lo = call.offsets[i]
+                    codec.accumulate(fr[i], acc[lo + bounds[i][j] : lo + bounds[i][j + 1]])
+            if acc is not out:
+                out.copy_(narrow(acc, out.dtype))
+        return out
+
