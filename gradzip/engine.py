@@ -100,11 +100,11 @@ class Engine:
     ) -> None:
         self.stats_ = Stats()
         self.comm = Communicator(process_group, self.stats_)
-        self.protocol = as_protocol(method, self.comm.world_size)
         self.method = method
         self.start_iter = args.integer("start_iter", start_iter, 0)
         self.on_nonfinite = args.choice("on_nonfinite", on_nonfinite, _NONFINITE_POLICIES)
         self.error_feedback = method.biased if error_feedback is None else args.flag("error_feedback", error_feedback)
+        self.protocol = as_protocol(method, self.comm.world_size, feedback=self.error_feedback)
         if layout is not None:
             self.protocol.check_names([n for n, _, _ in layout])
         self.memory = ErrorFeedback() if self.error_feedback else None

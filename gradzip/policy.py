@@ -215,7 +215,7 @@ class Policy(Protocol):
         prof = self.profile()
         return tuple(
             layer_cost(
-                as_protocol(m, world_size),
+                as_protocol(m, world_size, feedback=self.biased and not _exact(m)),
                 x,
                 world_size,
                 self.link,
@@ -299,7 +299,10 @@ class Policy(Protocol):
         if not choice or None in choice:
             return False
         order, _, subs = self._groups(call, choice)
-        return all(as_protocol(self.candidates[g], call.world_size).plain(s) for g, s in zip(order, subs))
+        return all(
+            as_protocol(self.candidates[g], call.world_size, feedback=s.memory is not None).plain(s)
+            for g, s in zip(order, subs)
+        )
 
     # -- the exchange ----------------------------------------------------------------------
     def _vote_input(self, call: Call, i: int) -> torch.Tensor:
@@ -365,7 +368,8 @@ class Policy(Protocol):
             n = sum(call.tensors[i].numel() for i in groups[g])
             sub.dest = call.dest if whole else None if scratch is None else scratch[pos : pos + n]
             pos += n
-        protocols = [as_protocol(self.candidates[g], call.world_size) for g in order]
+        protocols = [as_protocol(self.candidates[g], call.world_size, feedback=s.memory is not None)
+                     for g, s in zip(order, subs)]
         results = yield from parallel([p.exchange(s) for p, s in zip(protocols, subs)], aligned_starts(protocols))
         if whole and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
             return results[0].view(-1)

@@ -342,7 +342,7 @@ def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unf
     try:
         gen = torch.Generator().manual_seed(0)
         names = ["a", "b", "c"]
-        mem, ref, stores, ref_stores = ErrorFeedback(), RefMemory(), {}, {}
+        mem, ref, stores = ErrorFeedback(), RefMemory(), {}
         for step in range(3):
             grads = [(torch.rand(s, generator=gen) * 1.2 - 0.6) for s in ((40, 8), (130,), (3, 7))]
             calls.clear()

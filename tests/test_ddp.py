@@ -15,6 +15,7 @@ from gradzip.hooks import register_hook
 from gradzip.wire import HEADER_BYTES
 
 from .mp_utils import run_ranks
+from .refs import RefMemory
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +161,7 @@ def reference_run(steps, world, comp):
     """The algorithm re-enacted in one process: each rank's gradients with its own residuals."""
     ref = make_model()
     names = [n for n, _ in ref.named_parameters()]
-    mems = [gz.feedback.ErrorFeedback() for _ in range(world)]
+    mems = [RefMemory() for _ in range(world)]
     stores = [{n: {} for n in names} for _ in range(world)]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for s in range(steps):

@@ -52,8 +52,9 @@ class Codec(Registered, register=False):
     Subclasses set ``summable`` (payload bodies may be added by allreduce:
     ``decompress(a + b) == decompress(a) + decompress(b)``), ``biased`` (error
     feedback defaults to on for biased codecs), ``exact`` (the payload is the input
-    itself: summing payloads sums the inputs bit for bit), and ``formats`` (the
-    wire format codes they write). ``protocol`` names the protocol that carries
+    itself: summing payloads sums the inputs bit for bit), ``rounds_sum`` (summing
+    payloads in their wire dtype rounds the sum: float16), and ``formats`` (the wire
+    format codes they write). ``protocol`` names the protocol that carries
     the payloads when it is not the default one for ``summable``.
     """
 
@@ -61,6 +62,7 @@ class Codec(Registered, register=False):
     summable: ClassVar[bool] = False
     biased: ClassVar[bool] = True
     exact: ClassVar[bool] = False
+    rounds_sum: ClassVar[bool] = False
     protocol: str | None = None
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:

@@ -79,6 +79,10 @@ def exact_tau(tau: float, amax: float) -> float:
     return min(max(math.floor(tau / ulp), 1) * ulp, _F32_MAX)
 
 
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class Threshold(Codec):
     """Strom's threshold sparsification with DL4J's adaptive tau (module docstring)."""
 
@@ -140,6 +144,11 @@ class Threshold(Codec):
         r = residual.reshape(-1) if residual is not None else None
         o = out.reshape(-1) if out is not None else None
         tau = exact_tau(base, float(ctx.store.get("amax", 0.0)))
+        if o is not None and (_aliases(o, v) or (r is not None and _aliases(o, r))):
+            # In place: a second pass would read what the first wrote. Take max|v| first.
+            amax = float((v if r is None else v.to(o.dtype) + r).abs().max()) if n else 0.0
+            if n and exact_tau(tau, amax) != tau:
+                tau = exact_tau(base, amax)
         sel = K.threshold_ef(v, tau, r, new_residual=feedback, out=o)
         if sel.amax > _F32_MAX and math.isfinite(sel.amax):
             raise ValueError(

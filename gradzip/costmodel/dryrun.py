@@ -140,8 +140,8 @@ def dry_run(
     if len(names) != len(tensors):
         raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
     comm = LoopbackComm(world_size)
-    protocol = as_protocol(method, world_size)
     ef = method.biased if error_feedback is None else bool(error_feedback)
+    protocol = as_protocol(method, world_size, feedback=ef)
     stores = {} if stores is None else stores
     call = Call(
         comm=comm,

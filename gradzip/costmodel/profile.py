@@ -169,8 +169,12 @@ class CodecProfile:
         }
 
     def fit(self, comp, error_feedback: bool | None = None) -> CodecFit:
-        k = self.key(comp, error_feedback)
-        e = self.entries.get(k)
+        """The fit of ``comp`` (a codec or protocol); for a protocol that carries one codec
+        and has no entry of its own, the codec's entry."""
+        e = self.entries.get(self.key(comp, error_feedback))
+        inner = getattr(comp, "codec", None)
+        if e is None and inner is not None:
+            e = self.entries.get(self.key(inner, error_feedback))
         if e is None:
             if not self.measure_missing:
                 raise KeyError(f"the codec profile has no entry for {comp!r} (error_feedback={error_feedback})")

@@ -174,7 +174,7 @@ def step_cost(
             groups = [(method, b, method.biased)]
         plain = True
         for comp, idx, ef in groups:
-            comp = as_protocol(comp, world)  # the protocol that carries it at this world size
+            comp = as_protocol(comp, world, feedback=ef)  # the protocol that carries it at this world size
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
             got, alone = cache.call(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
             colls += got

@@ -66,15 +66,23 @@ class Protocol(Registered, register=False):
 TWO_PHASE_FROM = 4
 
 
-def as_protocol(method, world_size: int | None = None) -> Protocol:
+def as_protocol(method, world_size: int | None = None, *, feedback: bool = False) -> Protocol:
     """The protocol that runs ``method``: a protocol as it is; a codec in the protocol it
     names, else ``Allreduce`` (summable), or for the others ``TwoPhase`` from
-    ``TWO_PHASE_FROM`` ranks on and ``AllGather`` below (``world_size`` None: AllGather)."""
+    ``TWO_PHASE_FROM`` ranks on and ``AllGather`` below (``world_size`` None: AllGather).
+
+    A summable codec whose sum rounds in the wire dtype (``FP16``, ``BF16``) travels by
+    ``TwoPhase`` when error feedback is on and there are several ranks: its owners sum in
+    float32 and keep the rounding of the re-cast in their own residual, for the link bytes
+    of a ring allreduce of the cast payload; an allreduce in float16 would round every
+    partial sum and keep that error nowhere."""
     if isinstance(method, Protocol):
         return method
     if isinstance(method, Codec):
         if method.protocol:
             name = method.protocol
+        elif method.summable and method.rounds_sum and feedback and (world_size or 1) > 1:
+            name = "TwoPhase"
         elif method.summable:
             name = "Allreduce"
         else:

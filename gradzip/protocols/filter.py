@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import gradzip.args as args
 from ..comm import Round
+from ..codecs.base import Codec
 from .base import Call, Exchange, Protocol, as_protocol
 
 __all__ = ["Filter"]
@@ -52,8 +53,9 @@ SKIPPED = "filter.skipped"
 
 class Filter(Protocol):
     def __init__(self, inner, *, min_change: float = 0.5, beta: float = 0.9) -> None:
+        if not isinstance(inner, (Codec, Protocol)):
+            raise TypeError(f"inner must be a gradzip codec or protocol, got {type(inner).__name__}")
         self.inner = inner
-        as_protocol(inner)  # a codec or a protocol
         self.min_change = args.number("min_change", min_change, 0.0, 1.0, hi_open=True)
         self.beta = args.number("beta", beta, 0.0, 1.0, hi_open=True)
 
@@ -94,7 +96,7 @@ class Filter(Protocol):
         if not sent:
             return out
         sub = call.subset(sent)
-        got = yield from as_protocol(self.inner, call.world_size).exchange(sub)
+        got = yield from as_protocol(self.inner, call.world_size, feedback=call.memory is not None).exchange(sub)
         for j, i in enumerate(sent):
             out[call.slice(i)] = got[sub.slice(j)]
         return out
