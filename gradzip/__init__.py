@@ -18,7 +18,7 @@ from .engine import Engine
 from .local_sgd import LocalSGD
 from .optim import DistributedOptimizer
 from .policy import Policy
-from .protocols import AllGather, Allreduce, Filter, Int8Allreduce, PowerSGD, Protocol, TwoPhase
+from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
 from .registry import parse
 from .stats import Stats
 from .wire import Payload
@@ -45,6 +45,7 @@ __all__ = [
     "TwoPhase",
     "Int8Allreduce",
     "Filter",
+    "Hierarchical",
     "PowerSGD",
     "Policy",
     "Engine",

@@ -63,6 +63,7 @@ class Codec(Registered, register=False):
     biased: ClassVar[bool] = True
     exact: ClassVar[bool] = False
     rounds_sum: ClassVar[bool] = False
+    framable: ClassVar[bool] = True  # a payload decodes from its frame alone (no local data)
     protocol: str | None = None
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:

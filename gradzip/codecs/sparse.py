@@ -153,6 +153,7 @@ class RandomK(Codec):
     """
 
     summable = True
+    framable = False  # the indices are never sent: only an allreduce of the values carries it
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
         self.ratio = args.ratio("ratio", ratio)

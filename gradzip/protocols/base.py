@@ -23,7 +23,7 @@ from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
 from ..wire import Payload
 
-__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time"]
+__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time", "nested"]
 
 Exchange = Generator[Round, None, torch.Tensor]
 
@@ -305,6 +305,18 @@ class Call:
     def codec(self):
         """Time a block as codec work (see :func:`codec_time`)."""
         return codec_time(self.comm.stats)
+
+
+def nested(protocol: Exchange) -> Exchange:
+    """Run ``protocol`` inside another one that has rounds after it: its rounds, none of them
+    the last (so the communicator waits for each before going on); returns its result."""
+    try:
+        rnd = next(protocol)
+        while True:
+            yield Round(rnd.works, last=False)
+            rnd = next(protocol)
+    except StopIteration as stop:
+        return stop.value
 
 
 @contextmanager
