@@ -11,7 +11,7 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
-from . import schedules
+from . import momentum, schedules, warmup
 from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
 from .costmodel import Link
 from .engine import Engine
@@ -53,6 +53,8 @@ __all__ = [
     "DistributedOptimizer",
     "LocalSGD",
     "schedules",
+    "warmup",
+    "momentum",
     "Link",
     "parse",
 ]

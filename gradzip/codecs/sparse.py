@@ -6,6 +6,7 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.warmup as warmup
 import gradzip.kernels as K
 from ..kernels import bitpack
 from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
@@ -93,6 +94,7 @@ class TopK(Codec):
     """
 
     formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK}
+    sparse = True
 
     def __init__(
         self,
@@ -104,7 +106,7 @@ class TopK(Codec):
         seed: int = 0,
         values: str | None = None,
     ) -> None:
-        self.ratio = args.ratio("ratio", ratio)
+        self.ratio = warmup.check(args.ratio, "ratio", ratio)
         self.mode = args.choice("mode", mode, ("exact", "sampled", "auto"))
         self.sample = args.integer("sample", sample, 1)
         self.sampled_above = args.integer("sampled_above", sampled_above, 1)
@@ -135,7 +137,7 @@ class TopK(Codec):
             vdtype = _VALUE_DTYPES[self.values]
         else:
             vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
-        k = _k_of(self.ratio, n)
+        k = _k_of(warmup.at(self.ratio, ctx.step), n)
         itemsize = torch.empty(0, dtype=vdtype).element_size()
         if k * itemsize >= n * v.element_size():  # the values alone are no smaller than the input
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
@@ -162,6 +164,14 @@ class TopK(Codec):
         out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
         return narrow(out, payload.dtype)
+
+    def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
+        mask = torch.zeros(n, dtype=torch.bool, device=payload.body.device)
+        if payload.fmt == FMT_DENSE:
+            mask[:] = True
+        elif payload.fmt != FMT_EMPTY:
+            mask[self._split(payload, n)[0]] = True
+        return mask
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         """``v -= decompress(payload)``, touching only the sent elements."""
@@ -213,13 +223,14 @@ class RandomK(Codec):
 
     summable = True
     framable = False  # the indices are never sent: only an allreduce of the values carries it
+    sparse = True
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
-        self.ratio = args.ratio("ratio", ratio)
+        self.ratio = warmup.check(args.ratio, "ratio", ratio)
         self.seed = args.integer("seed", seed)
 
     def indices(self, n: int, ctx: TensorContext, device) -> torch.Tensor:
-        k = _k_of(self.ratio, n)
+        k = _k_of(warmup.at(self.ratio, ctx.step), n)
         if k == n:
             return torch.arange(n, device=device)
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
@@ -240,3 +251,8 @@ class RandomK(Codec):
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         flat = v.view(-1)
         flat[payload.local] -= payload.body.to(v.dtype)
+
+    def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
+        mask = torch.zeros(n, dtype=torch.bool, device=payload.body.device)
+        mask[payload.local] = True
+        return mask

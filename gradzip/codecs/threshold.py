@@ -51,6 +51,7 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.warmup as warmup
 import gradzip.kernels as K
 from ..wire import FMT_EMPTY, Payload, accum_dtype, narrow
 from .base import Codec, TensorContext, check_input
@@ -88,6 +89,7 @@ class Threshold(Codec):
     """Strom's threshold sparsification with DL4J's adaptive tau (module docstring)."""
 
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
+    sparse = True
 
     def __init__(
         self,
@@ -111,7 +113,7 @@ class Threshold(Codec):
         self.band = (low, high)
         self.decay = args.number("decay", decay, 0.0, 1.0, lo_open=True, hi_open=True)
         self.growth = args.optional(args.number, "growth", growth, 1.0, lo_open=True)
-        self.density = args.ratio("density", density)
+        self.density = warmup.check(args.ratio, "density", density)
         self.shake_every = args.integer("shake_every", shake_every, 0)
         self.shake_factor = args.number("shake_factor", shake_factor, 1.0, lo_open=True)
 
@@ -133,7 +135,7 @@ class Threshold(Codec):
         if self.policy == "target" and n:
             if feedback:  # tau is a top-k of |v|: v is needed whole (Codec.encode compensates)
                 return super().encode(x, ctx, residual, feedback=True, out=out)
-            k = min(n, max(1, math.ceil(self.density * n)))
+            k = min(n, max(1, math.ceil(warmup.at(self.density, ctx.step) * n)))
             kth = float(torch.topk(x.reshape(-1).abs(), k, sorted=False).values.min())
             base = kth if kth > 0 else self.current_tau(ctx)
         else:

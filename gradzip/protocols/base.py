@@ -121,6 +121,9 @@ class Call:
     #: ``(key, dtype) -> TensorContext``: the state of a protocol's own keys (pieces of a
     #: tensor, say), kept and rolled back by the engine like the tensors' own.
     make_context: object = None
+    #: Momentum buffers by name (momentum correction, :mod:`gradzip.momentum`): a sparse codec's
+    #: payload zeroes them where it sends.
+    momentum: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -213,7 +216,15 @@ class Call:
             r = self.memory.check_shape(name, g)
             payload, new = codec.encode(g, ctx, r, feedback=True, out=self.memory.buffer(name, g))
         self._store(name, new)
+        self._mask(codec, name, payload, 0, self.tensors[i].numel())
         return payload
+
+    def _mask(self, codec: Codec, name: str, payload: Payload, a: int, b: int) -> None:
+        """Momentum factor masking: zero the momentum where a sparse codec sent."""
+        u = self.momentum.get(name)
+        if u is not None and codec.sparse and b > a:
+            piece = u.view(-1)[a:b]
+            piece.masked_fill_(codec.sent_mask(payload, b - a), 0.0)
 
     def encode_pieces(self, codec: Codec, i: int, bounds: list, keys: list) -> list:
         """Encode tensor ``i``'s flat elements ``[bounds[j], bounds[j+1])`` as pieces, each with
@@ -235,6 +246,8 @@ class Call:
             for a, b, c in zip(bounds, bounds[1:], ctxs)
         ]
         self._store(name, out.view(t.shape))
+        for a, b, p in zip(bounds, bounds[1:], payloads):
+            self._mask(codec, name, p, a, b)
         return payloads
 
     def encode_owned(self, codec: Codec, key: str, v: torch.Tensor, dtype: torch.dtype, *, feedback: bool = True) -> Payload:
@@ -294,6 +307,7 @@ class Call:
         sub.updated = self.updated
         sub.frozen = self.frozen
         sub.make_context = self.make_context
+        sub.momentum = self.momentum
         return sub
 
     def context(self, key: str, dtype: torch.dtype) -> TensorContext:

@@ -72,6 +72,7 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.warmup as warmup
 from ..codecs.base import TensorContext, tensor_seed
 from ..comm import Round
 from ..wire import accum_dtype, narrow
@@ -227,12 +228,15 @@ class PowerSGD(Protocol):
         accordion_interval: int = 100,
         accordion_eta: float = 0.5,
     ) -> None:
-        self.rank = args.integer("rank", rank, 1)
+        self.rank = warmup.check(args.integer, "rank", rank, 1, integer=True)
         self.min_compression_rate = args.number("min_compression_rate", min_compression_rate, 0.0, lo_open=True)
         self.warm_start = args.flag("warm_start", warm_start)
         self.seed = args.integer("seed", seed)
         self.eps = args.number("eps", eps, 0.0)
-        self.accordion_rank = args.optional(args.integer, "accordion_rank", accordion_rank, self.rank + 1)
+        if isinstance(self.rank, warmup.Ramp) and accordion_rank is not None:
+            raise ValueError("accordion_rank needs a fixed rank, not a schedule")
+        self.accordion_rank = args.optional(args.integer, "accordion_rank", accordion_rank,
+                                            None if isinstance(self.rank, warmup.Ramp) else self.rank + 1)
         self.accordion_interval = args.integer("accordion_interval", accordion_interval, 1)
         self.accordion_eta = args.number("accordion_eta", accordion_eta, 0.0, lo_open=True)
 
@@ -242,15 +246,19 @@ class PowerSGD(Protocol):
         if len(shape) < 2:
             return 0
         n, m = _matrix_shape(shape)
-        k = min(n, m, self.rank if rank is None else rank)
+        k = min(n, m, self.rank_at(0) if rank is None else rank)
         if k == 0:
             return 0
         return k if (n + m) * k * self.min_compression_rate < n * m else 0
 
+    def rank_at(self, step: int) -> int:
+        """The rank at ``step`` (a rank schedule is rounded to an integer, at least 1)."""
+        return max(1, round(warmup.at(self.rank, step)))
+
     def current_rank(self, ctx: TensorContext) -> int:
         """The configured rank for this tensor now (Accordion's choice when it is on)."""
         if self.accordion_rank is None:
-            return self.rank
+            return self.rank_at(ctx.step)
         return int(ctx.store.get("rank", self.accordion_rank))
 
     # -- Q ---------------------------------------------------------------------------------
