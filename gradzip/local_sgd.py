@@ -87,6 +87,14 @@ def _outer_factory(outer, outer_kwargs):
     return lambda params: outer(params, **kw)
 
 
+def _brief(opt: torch.optim.Optimizer) -> str:
+    """``SGD(lr=0.7, momentum=0.9, nesterov=True)``: an optimizer's class and first group's main settings."""
+    g = opt.param_groups[0] if opt.param_groups else {}
+    keys = ("lr", "momentum", "nesterov", "betas", "weight_decay")
+    shown = [f"{k}={g[k]!r}" for k in keys if k in g and g[k] not in (0, False)]
+    return f"{type(opt).__name__}({', '.join(shown)})"
+
+
 @register_frontend
 class LocalSGD(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` steps locally and averages ``model`` on a schedule.
@@ -223,13 +231,20 @@ class LocalSGD(torch.optim.Optimizer):
         return self.optimizer.state
 
     def __repr__(self) -> str:
-        extra = f", outer={self.outer!r}" if self.outer is not None else ""
+        parts = [_brief(self.optimizer)]
         if self.streaming is not None:
-            return f"{type(self).__name__}({self.optimizer!r}, {self.streaming!r}, alpha={self.alpha}{extra})"
-        return (
-            f"{type(self).__name__}({self.optimizer!r}, push_at={self.push_at!r}, pull_at={self.pull_at!r}, "
-            f"overlap={self.overlap}{extra})"
-        )
+            parts += [f"period={self.streaming.period}", f"fragments={self.fragments}", f"delay={self.delay}",
+                      f"alpha={self.alpha}"]
+        elif self.push_at is self.pull_at:
+            p = self.push_at
+            parts.append(f"period={p.period if isinstance(p, Constant) else p!r}")
+        else:
+            parts += [f"push_at={self.push_at!r}", f"pull_at={self.pull_at!r}"]
+        parts.append(f"compression={self.compression!r}")
+        if self.overlap:
+            parts.append("overlap=True")
+        parts.append(f"outer={_brief(self.outer) if self.outer is not None else None}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -593,8 +608,8 @@ class DiLoCo(LocalSGD):
         model: torch.nn.Module,
         period: int,
         compression: Codec | Protocol | None = None,
-        process_group=None,
         *,
+        process_group=None,
         outer=None,
         outer_kwargs: dict | None = None,
         fragments: int = 1,
