@@ -216,9 +216,9 @@ class LocalSGD(torch.optim.Optimizer):
             self.outer = make_outer([self._global[n] for n in self._outer_names])
             if not isinstance(self.outer, torch.optim.Optimizer):
                 raise TypeError(f"outer must build a torch.optim.Optimizer, it built {type(self.outer).__name__}")
-            got = [p for g in self.outer.param_groups for p in g["params"]]
-            if len(got) != len(self._outer_names) or any(a is not self._global[n] for a, n in zip(got, self._outer_names)):
-                raise ValueError("the outer optimizer must optimize exactly the parameters it is given, in that order")
+            got = {id(p) for g in self.outer.param_groups for p in g["params"]}
+            if got != {id(self._global[n]) for n in self._outer_names}:
+                raise ValueError("the outer optimizer must optimize exactly the parameters it is given")
         # A push in flight: {"frag", "futures", "delta": {n: d}, "flushed", "avg": {n: D} once waited}.
         self._inflight: dict | None = None
         self._pull_pending = False
