@@ -70,7 +70,9 @@ DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 def _outer_factory(outer, outer_kwargs):
     """``None`` (plain averaging) or a function ``params -> torch.optim.Optimizer``."""
     if outer_kwargs is not None and not isinstance(outer_kwargs, dict):
-        raise TypeError(f"outer_kwargs must be a dict of the outer optimizer's arguments, got {type(outer_kwargs).__name__}")
+        raise TypeError(
+            f"outer_kwargs must be a dict of the outer optimizer's arguments, got {type(outer_kwargs).__name__}"
+        )
     if isinstance(outer, torch.optim.Optimizer):
         raise TypeError(
             "outer must be an optimizer class or a factory params -> optimizer (e.g. "
@@ -169,7 +171,8 @@ class LocalSGD(torch.optim.Optimizer):
         if fragments > 1 or delay > 0 or alpha > 0:
             if overlap or push_every is not None or pull_every is not None:
                 raise ValueError(
-                    "fragments, delay and alpha (streaming) replace overlap, push_every and pull_every; give one or the other"
+                    "fragments, delay and alpha (streaming) replace overlap, push_every and pull_every; "
+                    "give one or the other"
                 )
             if not isinstance(schedule, Constant):
                 raise ValueError(f"streaming needs an integer period, got {period!r}")
@@ -372,7 +375,8 @@ class LocalSGD(torch.optim.Optimizer):
         tensors = self._tensors(names)
         deltas = {n: t - self._base[n] for n, t in zip(names, tensors)}
         futures = [
-            self.engine.reduce(gnames, [deltas[n] for n in gnames], out_dtype=dtype) for gnames, dtype in self._groups[frag]
+            self.engine.reduce(gnames, [deltas[n] for n in gnames], out_dtype=dtype)
+            for gnames, dtype in self._groups[frag]
         ]
         self._inflight = {"frag": frag, "futures": futures, "delta": deltas, "flushed": False}
         if not self.engine.comm.defer or (collect_in is not None and collect_in <= 1):

@@ -521,7 +521,8 @@ def test_streaming_schedule_spreads_fragments_evenly():
         # ... prepared tau steps before, and never two fragments in flight.
         for t in range(1, 4 * H + 1):
             assert s.prepared(t) == s.synced(t + tau)
-        events = sorted([(t, 1, "sync") for t in synced] + [(t, 0, "prep") for t in range(1, 4 * H + 1) if s.prepared(t) is not None])
+        preps = [t for t in range(1, 4 * H + 1) if s.prepared(t) is not None]
+        events = sorted([(t, 1, "sync") for t in synced] + [(t, 0, "prep") for t in preps])
         kinds = [e[2] for e in events]
         assert kinds == ["prep", "sync"] * (4 * F), (H, F, tau)
         assert sync_steps(s, 2 * H) == list(range(h, 2 * H + 1, h))
