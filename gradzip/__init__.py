@@ -15,7 +15,7 @@ from . import momentum, schedules, warmup
 from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
 from .costmodel import Link
 from .engine import Engine
-from .local_sgd import LocalSGD
+from .local_sgd import DiLoCo, LocalSGD
 from .optim import DistributedOptimizer
 from .policy import Policy
 from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
@@ -52,6 +52,7 @@ __all__ = [
     "Stats",
     "DistributedOptimizer",
     "LocalSGD",
+    "DiLoCo",
     "schedules",
     "warmup",
     "momentum",

@@ -13,6 +13,12 @@ with ``--profile``), the wire from the ring formulas. Scaling efficiency is
 step is ``compute`` alone). It prints the step time and efficiency per method,
 the fastest method per world size, and plots both curves.
 
+Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
+compression=Int8(), fragments=4, delay=2)``) are costed by
+:func:`gradzip.costmodel.periodic.periodic_step_cost` from the plain numbers their
+``plan_terms`` gives (the sync's collectives every period, divided by the period;
+per fragment when streaming; the wire hidden behind ``delay`` steps of compute).
+
 The prediction is for time per step only: methods also differ in how many steps
 they need to reach an accuracy (``gradzip bench`` measures that).
 """
@@ -31,7 +37,8 @@ import torch
 import gradzip.args as args
 
 from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
-from .registry import parse_list, register_value
+from .costmodel.periodic import periodic_step_cost
+from .registry import Spec, parse_list, register_value
 
 DEFAULT_METHODS = (
     "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
@@ -51,7 +58,21 @@ def parse_methods(spec: str, *, link: Link | None = None, profile=None, local_si
     with arguments. ``Policy(..., auto=True)`` gets the plan's link and profile unless
     given, ``Hierarchical(...)`` the plan's ``local_size``.
     """
-    return parse_list(spec, {"link": link, "profile": profile, "local_size": local_size})
+    methods = parse_list(spec, {"link": link, "profile": profile, "local_size": local_size})
+    for m in methods.values():
+        frontend_terms(m)  # a front end the plan cannot cost fails here, before any dry run
+    return methods
+
+
+def frontend_terms(method) -> dict | None:
+    """``None`` for a codec or protocol; for a front end (a :class:`~gradzip.registry.Spec`),
+    the plain numbers its ``plan_terms`` gives (``ValueError`` if it has none)."""
+    if not isinstance(method, Spec):
+        return None
+    terms = getattr(method.cls, "plan_terms", None)
+    if terms is None:
+        raise ValueError(f"gradzip plan cannot cost the front end {method.cls.__name__} (it has no plan_terms)")
+    return terms(*method.args, **method.kwargs)
 
 
 def import_plugins(modules) -> None:
@@ -118,9 +139,16 @@ def project(
     rows = []
     for label, method in methods.items():
         t0 = time.perf_counter()
+        terms = frontend_terms(method)
         for n in worlds:
-            sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
-                           label=label, local_size=local_size, intra=intra)
+            if terms is not None:
+                sc = periodic_step_cost(
+                    terms["compression"], layers, n, link, compute_s, profile, period=terms["period"],
+                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label,
+                )
+            else:
+                sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
+                               label=label, local_size=local_size, intra=intra)
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
