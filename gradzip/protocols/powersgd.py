@@ -46,6 +46,13 @@ of intra-op threads (torchrun's default) to agree bit for bit. On GPUs the matri
 of a shape stay batched (one ``bmm``); bit-exact resumption there relies on cuBLAS
 giving the same bits for a matrix alone and in a batch (not tested here: no GPU).
 
+Unused parameters (``Call.frozen``: DDP with ``find_unused_parameters=True``): such a
+tensor is sent as zeros, but ``M_hat`` is one shared result rather than the sum of what
+each rank sent, so its residual is charged with it (``Call.charge``: ``r - M_hat``, what
+``M_w - M_hat`` is with a zero gradient), which keeps ``W * M_hat + sum_w r_w`` equal to
+what the ranks put in when other ranks used the tensor; where no rank did, ``M_hat`` is
+exactly zero (``P`` is) and the residual is left as it is.
+
 A tensor is compressed only if it has at least 2 dimensions and
 ``(n + m) * k * min_compression_rate < n * m``; the others (biases, small or
 nearly square-thin matrices) are averaged exactly, riding in round 1's buffer
@@ -453,6 +460,9 @@ class PowerSGD(Protocol):
                         if mhat is not dst:
                             dst.copy_(narrow(mhat, dst.dtype))
                         call.commit(i, mhat.view(call.tensors[i].shape))
+                    # Frozen here (unused on this rank): M_hat is every rank's share, not the
+                    # zeros it sent; its residual pays for it unless no rank used the tensor.
+                    call.charge(i, dst)
                     if self.warm_start:
                         call.contexts[i].store["q"] = qt[j].t().contiguous()
         return out
