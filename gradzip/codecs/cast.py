@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire import Payload
+from ..wire import Payload, from_bytes
 from .base import Codec, TensorContext, check_input
 
 __all__ = ["Identity", "FP16", "BF16", "saturating_cast"]
@@ -68,8 +68,11 @@ class _Cast(Codec):
         )
 
     def decompress(self, payload: Payload) -> torch.Tensor:
+        body = payload.body
+        if body.dtype == torch.uint8:  # a frame's body (TwoPhase carries casts with error feedback)
+            body = from_bytes(body, self.wire_dtype)
         # Saturating: float16 gradients sent as bfloat16 may round up past 65504.
-        return saturating_cast(payload.body.to(torch.float32), payload.dtype).reshape(payload.shape)
+        return saturating_cast(body.to(torch.float32), payload.dtype).reshape(payload.shape)
 
 
 class FP16(_Cast):
