@@ -18,15 +18,15 @@ whatever the gradients' dtype, by modified Gram-Schmidt,
 ``col <- col / (||col|| + eps)`` (a zero column stays zero when ``eps == 0``),
 run twice for ``k > 2`` (see :func:`orthogonalize_`).
 
-Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers
-and are orthogonalized as one batch. On GPUs their products are one ``bmm`` over
-a stack of the ``M``'s (fewer kernel launches); on CPU one ``mm`` per matrix,
-because MKL loops over a batch anyway and the stack would be one more copy of the
-gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
+Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers.
+On GPUs they are orthogonalized as one batch and their products are one ``bmm`` over
+a stack of the ``M``'s (fewer kernel launches); on CPU they are orthogonalized one at a
+time (below) with one ``mm`` per matrix, because MKL loops over a batch anyway and the
+stack would be one more copy of the gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
 1 MiB, :func:`_block_rows`): each block of ``M`` is compensated (``g + r``) and
 multiplied into ``P^T`` while in cache, and each block of ``M_hat`` is written and
 subtracted from ``M`` for the residual while in cache (``Call.x_rows``,
-``Call.fresh_residual``); the values are those of the unfused passes up to the
+``_decode_rows``); the values are those of the unfused passes up to the
 blocking of the products.
 
 A tensor's result must not depend on which tensors share its call: DDP rebuilds its
