@@ -285,6 +285,25 @@ class Call:
             self._x.pop(self.names[i], None)
             self._store(self.names[i], residual)
 
+    def charge(self, i: int, applied: torch.Tensor) -> None:
+        """Tensor ``i`` is frozen (sent as zeros), but the protocol gives every rank one shared
+        result instead of the sum of what each rank sent (PowerSGD's ``P Q^T``): with error
+        feedback its residual becomes ``r - applied``, what a rank that sent ``g + r`` keeps
+        (``g`` is zero here), so that the ranks' residuals and the average still add up to
+        what the ranks put in when other ranks used the tensor. ``applied`` is all zero when
+        no rank did (DDP then drops the average): the residual is then left as it is."""
+        name = self.names[i]
+        if self.memory is None or name not in self.frozen or not bool(applied.any()):
+            return
+        t = self.tensors[i]
+        r = self.memory.check_shape(name, t)
+        new = self.memory.buffer(name, t)
+        if r is None:
+            new.zero_()
+        else:
+            new.copy_(r)
+        self._store(name, new.sub_(applied.reshape(t.shape)))
+
     def _store(self, name: str, new: torch.Tensor) -> None:
         self.memory.set(name, new)
         self.updated[name] = new
