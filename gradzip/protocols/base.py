@@ -18,7 +18,7 @@ from typing import ClassVar, Generator
 import torch
 
 from ..codecs.base import Codec, TensorContext
-from ..comm import Round
+from ..comm import Round, ring_allreduce_link
 from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
 from ..wire import Payload
@@ -52,6 +52,12 @@ class Protocol(Registered, register=False):
     def check_names(self, names) -> None:
         """Raise ``ValueError`` for configuration that refers to tensors none of ``names``
         match (the front end calls it with the model's tensor names)."""
+
+    def link_raw(self, nbytes: int, world: int) -> float:
+        """Link bytes of the plain collective this protocol stands in for, on ``nbytes`` of
+        gradients (the stats' ``bytes_link_raw``): a ring allreduce, unless the protocol
+        replaces another collective (a reduce-scatter sends half of it)."""
+        return ring_allreduce_link(nbytes, world)
 
     def routes(self, layers, world: int) -> list:
         """How a call over ``layers`` (``[(name, shape)]``) splits into methods, for the cost
