@@ -261,8 +261,8 @@ def test_auto_policy_compresses_big_layers_on_slow_links_only():
     assert p_slow.choose("tiny", tiny) is p_slow.fallback
     # 100 Gbit/s: 4 MB in 0.5 ms beats 5 ms of TopK codec
     assert p_fast.choose("big.weight", big) is p_fast.fallback
-    c_default, c_fallback = p_slow.costs(torch.randn(big), 4)
-    x = torch.randn(big)
+    x = torch.randn(big)  # one sample for both: TopK's gap-coded positions make its bytes data-dependent
+    c_default, c_fallback = p_slow.costs(x, 4)
     assert c_default == pytest.approx(layer_cost(TwoPhase(TopK(0.01)), x, 4, slow, prof, error_feedback=True), rel=1e-9)
     rows = p_slow.explain([("big.weight", big), ("tiny", tiny)])
     assert [r["reason"] for r in rows] == ["auto: default is cheaper", "auto: fallback is cheaper"]

@@ -28,7 +28,7 @@ from gradzip.engine import Engine
 from gradzip.protocols.int8_allreduce import int8_lanes
 from gradzip.kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from gradzip.kernels.reference import pack_2bit
-from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, Payload, pack_frames, unpack_frames
+from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, Payload, narrow, pack_frames, unpack_frames
 
 from .mp_utils import run_ranks
 from .refs import RefMemory
@@ -196,7 +196,8 @@ def test_shape_dtype_and_frame_size(comp, dtype, data):
     (q,) = unpack_frames(msg, [x.shape], [x.dtype])
     acc = torch.zeros(x.numel())
     comp.accumulate(q, acc)
-    assert torch.equal(acc.to(dtype), y.reshape(-1))
+    # Narrowing saturates as decompress does: QSGD's top level (the norm) may exceed float16's range.
+    assert torch.equal(narrow(acc, dtype), y.reshape(-1))
     assert torch.equal(comp.decompress(q), y)
 
 
