@@ -33,7 +33,9 @@ def _pm(r: dict, key: str, signed: bool = False) -> str:
     """``mean ± std [min..max]`` in percent (points) of ``r[key]``, ``r[key + "_std"]``, ..."""
     f = (lambda v: f"{100 * v:+.2f}") if signed else (lambda v: f"{100 * v:.2f}")  # noqa: E731
     std = r.get(f"{key}_std")
-    return f"{f(r[key])} ± {'–' if std is None else f'{100 * std:.2f}'} [{f(r[f'{key}_min'])}..{f(r[f'{key}_max'])}]"
+    if std is None:  # one seed: no spread
+        return f(r[key])
+    return f"{f(r[key])} ± {100 * std:.2f} [{f(r[f'{key}_min'])}..{f(r[f'{key}_max'])}]"
 
 
 def accuracy(doc: dict) -> str:

@@ -574,18 +574,20 @@ def format_table(rows: list[dict]) -> str:
     w = max(12, *(len(r["method"]) + 2 for r in rows))
     n = max(r.get("n_seeds", 1) for r in rows)
     acc_h, d_h = f"test acc % ({n} seed{'s' if n > 1 else ''})", "Δ acc pp"
-    head = (f"{'method':<{w}}{'link ratio':>11}{'handed':>9}{'link MB/step':>13}{acc_h:>29}{'last-3 ep':>10}"
+    head = (f"{'method':<{w}}{'link ratio':>11}{'handed':>9}{'link MB/step':>14}{acc_h:>29}{'last-3 ep':>11}"
             f"{d_h:>27}{'ms/step':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        acc = f"{100 * r['accuracy']:.2f}±{_pp(r.get('accuracy_std'))} [{_pp(r['accuracy_min'])}..{_pp(r['accuracy_max'])}]"
-        delta = ""
+        acc, delta = f"{100 * r['accuracy']:.2f}", ""
         if "delta_accuracy" in r:
-            delta = (f"{100 * r['delta_accuracy']:+.2f}±{_pp(r.get('delta_std'))} "
-                     f"[{100 * r['delta_min']:+.2f}..{100 * r['delta_max']:+.2f}]")
+            delta = f"{100 * r['delta_accuracy']:+.2f}"
+        if r.get("accuracy_std") is not None:  # a spread from 2 seeds or more
+            acc += f"±{_pp(r['accuracy_std'])} [{_pp(r['accuracy_min'])}..{_pp(r['accuracy_max'])}]"
+            if delta:
+                delta += f"±{_pp(r['delta_std'])} [{100 * r['delta_min']:+.2f}..{100 * r['delta_max']:+.2f}]"
         lines.append(
-            f"{r['method']:<{w}}{r['ratio']:>10.1f}×{r['ratio_handed']:>8.1f}×{r['bytes_link_per_step'] / 1e6:>13.4f}"
-            f"{acc:>29}{100 * r['accuracy_last3']:>10.2f}{delta:>27}{1000 * r['seconds_per_step']:>9.2f}"
+            f"{r['method']:<{w}}{r['ratio']:>10.1f}×{r['ratio_handed']:>8.1f}×{r['bytes_link_per_step'] / 1e6:>14.4f}"
+            f"{acc:>29}{100 * r['accuracy_last3']:>11.2f}{delta:>27}{1000 * r['seconds_per_step']:>9.2f}"
         )
     return "\n".join(lines)
 
