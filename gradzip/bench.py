@@ -87,8 +87,10 @@ class Method:
 DEFAULT_METHODS = "Identity, TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2)"
 #: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
 DEFAULT_SEEDS = (0, 1, 2)
-#: Epochs by dataset when none are given: where Identity's final accuracy stops improving at
-#: 4 ranks, SGD momentum 0.9, cosine schedule (measured on the 2-core dev machine; README).
+#: Epochs by dataset when none are given. mnist: where Identity's final accuracy stops improving
+#: at 4 ranks (31 steps an epoch), SGD lr 0.05 momentum 0.9, cosine over the run, mean of seeds
+#: 0, 1, 2 (2-core dev machine): 4 epochs 95.57%, 8 96.70, 12 96.90, 16 97.30, 20 97.33, 24 97.33,
+#: 32 97.43 (16 is 0.13 pp below 32, seed by seed). Fewer ranks take more steps an epoch.
 DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
 #: Learning rate and weight decay by optimizer when none are given.
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
