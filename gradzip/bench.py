@@ -92,8 +92,11 @@ DEFAULT_SEEDS = (0, 1, 2)
 #: 0, 1, 2 (2-core dev machine): 4 epochs 95.57%, 8 96.70, 12 96.90, 16 97.30, 20 97.33, 24 97.33,
 #: 32 97.43 (16 is 0.13 pp below 32, seed by seed). Fewer ranks take more steps an epoch.
 DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
-#: Learning rate and weight decay by optimizer when none are given.
-DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+#: Learning rate and weight decay by optimizer when none are given. SGD: the bench's rate of
+#: old, which Identity trains with at momentum 0.9. AdamW (beta1 0.9, weight decay 0.01), Identity
+#: on mnist at 4 ranks, 16 epochs, mean of seeds 0, 1, 2: lr 1e-3 95.63%, 3e-3 97.17, 5e-3 97.43,
+#: 1e-2 97.60, 3e-2 diverged on 2 seeds of 3; 5e-3 keeps a margin below the rate that diverges.
+DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("cosine", "constant")
