@@ -11,19 +11,28 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
-from . import schedules
+from . import momentum, schedules, warmup
 from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
 from .costmodel import Link
 from .engine import Engine
-from .local_sgd import LocalSGD
+from .local_sgd import DiLoCo, LocalSGD
 from .optim import DistributedOptimizer
 from .policy import Policy
-from .protocols import AllGather, Allreduce, Filter, Int8Allreduce, PowerSGD, Protocol, TwoPhase
+from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
 from .registry import parse
 from .stats import Stats
 from .wire import Payload
 
 __version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    # gradzip.fsdp on first use: importing torch.distributed.fsdp takes seconds.
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module(".fsdp", __name__)
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
 
 __all__ = [
     "Codec",
@@ -45,13 +54,17 @@ __all__ = [
     "TwoPhase",
     "Int8Allreduce",
     "Filter",
+    "Hierarchical",
     "PowerSGD",
     "Policy",
     "Engine",
     "Stats",
     "DistributedOptimizer",
     "LocalSGD",
+    "DiLoCo",
     "schedules",
+    "warmup",
+    "momentum",
     "Link",
     "parse",
 ]

@@ -100,6 +100,7 @@ DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("cosine", "constant")
+MOMENTUM_CORRECTION = ("auto", "on", "off")
 #: The quick run's epochs (``--quick``).
 QUICK_EPOCHS = {"mnist": 1, "digits": 5}
 N_TRAIN = {"mnist": 4000, "digits": 1437}
@@ -164,6 +165,10 @@ class BenchConfig:
     timeout_s: float = 600.0
     device: str = "cpu"
     train_limit: int | None = None  # use only the first n training samples (--quick)
+    #: SGD momentum taken over by the hook (momentum correction, ``register_hook(optimizer=)``):
+    #: "auto" for sparse codecs (TopK, RandomK, Threshold), "on" for every compressing method
+    #: with error feedback, "off" never. AdamW always keeps its own moments.
+    momentum_correction: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dataset not in N_TRAIN:
@@ -174,6 +179,8 @@ class BenchConfig:
             raise ValueError(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum_correction not in MOMENTUM_CORRECTION:
+            raise ValueError(f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}")
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if self.epochs is not None and self.epochs < 1:
@@ -215,10 +222,34 @@ def make_optimizer(cfg: BenchConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
 
 
-def hook_options(method: Method, opt: torch.optim.Optimizer) -> dict:
-    """Keyword arguments of :func:`register_hook` besides the method. A hook that needs the
-    optimizer (momentum correction, issue 19) gets it here, e.g. ``"momentum_optimizer": opt``."""
-    return {"error_feedback": method.error_feedback}
+def _codec_of(method):
+    """The codec a hook method runs (itself, or a protocol's ``codec``), or None."""
+    return method if isinstance(method, Codec) else getattr(method, "codec", None)
+
+
+def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> bool:
+    """Whether the hook takes over ``opt``'s momentum for ``method`` (``cfg.momentum_correction``)."""
+    mode = "auto" if cfg is None else cfg.momentum_correction
+    if mode == "off" or not isinstance(opt, torch.optim.SGD) or method.method is None:
+        return False
+    if not any(g.get("momentum", 0.0) for g in opt.param_groups):
+        return False
+    biased = bool(getattr(method.method, "biased", False))
+    if not biased or method.error_feedback is False:
+        return False
+    if mode == "on":
+        return True
+    return bool(getattr(_codec_of(method.method), "sparse", False))
+
+
+def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> dict:
+    """Keyword arguments of :func:`register_hook` besides the method: error feedback as the
+    row asks, and ``optimizer=opt`` where the hook corrects SGD's momentum (DGC: momentum
+    accumulated per rank before compression and masked where a sparse codec sent)."""
+    kw = {"error_feedback": method.error_feedback}
+    if corrects_momentum(method, opt, cfg):
+        kw["optimizer"] = opt
+    return kw
 
 
 def free_port() -> int:
@@ -356,7 +387,7 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, **kw)
         opt = make_optimizer(cfg, net.parameters())
         if method.method is not None:
-            state = register_hook(net, method.method, **hook_options(method, opt))
+            state = register_hook(net, method.method, **hook_options(method, opt, cfg))
         stats_of = state.stats if state is not None else None
     shard_x, shard_y = xtr[rank::world], ytr[rank::world]
     n = (len(xtr) // world) // cfg.batch_size * cfg.batch_size  # equal step counts on every rank

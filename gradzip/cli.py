@@ -25,6 +25,8 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="default: " + ", ".join(f"{v:g} for {k}" for k, v in bench.DEFAULT_WEIGHT_DECAY.items()))
     b.add_argument("--lr-schedule", default="cosine", choices=list(bench.LR_SCHEDULES),
                    help="cosine (default): from lr down to 0 over the whole run, after the warm-up")
+    b.add_argument("--momentum-correction", default="auto", choices=list(bench.MOMENTUM_CORRECTION),
+                   help="SGD momentum applied per rank before compression and masked where sent: auto (sparse codecs), on, off")
     b.add_argument("--warmup-epochs", type=float, default=0.0, help="linear learning-rate warm-up (default: 0)")
     b.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     b.add_argument("--quick", action="store_true",
@@ -54,7 +56,7 @@ def config_from_args(args) -> bench.BenchConfig:
     return bench.BenchConfig(
         dataset=args.dataset, workers=args.workers, epochs=epochs, batch_size=args.batch_size,
         optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs, seed=seeds[0], seeds=seeds,
+        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs, momentum_correction=args.momentum_correction, seed=seeds[0], seeds=seeds,
         device=args.device,
     )
 

@@ -65,6 +65,9 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> Any:
     return fn(out, inp, group=group, async_op=True)
 
 
+_SPLITS: dict = {}  # (group, world, local size) -> (node groups, cross groups)
+
+
 def ring_allreduce_link(nbytes: float, world: int) -> float:
     """Bytes one rank sends in a ring allreduce of ``nbytes``: ``2(N-1)/N * S``."""
     return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
@@ -98,6 +101,22 @@ class Communicator:
         self.intra = intra
         self.stats = stats if stats is not None else Stats()
         self._pending: list[_Pending] = []
+
+    def split(self, local_size: int) -> tuple["Communicator", "Communicator"]:
+        """Communicators on this rank's node (its ``local_size`` ranks, numbered node by node
+        as torchrun does) and on the ranks with its local rank on every node. The process
+        groups are made once per process and size, by every rank in the same order."""
+        key = (id(self.group), self.world_size, local_size)
+        if key not in _SPLITS:
+            ranks = list(range(self.world_size)) if self.group is None else dist.get_process_group_ranks(self.group)
+            nodes = [dist.new_group(ranks[m * local_size : (m + 1) * local_size]) for m in range(self.world_size // local_size)]
+            cross = [dist.new_group(ranks[i::local_size]) for i in range(local_size)]
+            _SPLITS[key] = (nodes, cross)
+        nodes, cross = _SPLITS[key]
+        return (
+            Communicator(nodes[self.rank // local_size], self.stats, defer=self.defer, intra=True),
+            Communicator(cross[self.rank % local_size], self.stats, defer=self.defer),
+        )
 
     # -- single collectives (async; each returns a Work) ------------------------------
     def _timed(self, work, nbytes: int, control: bool, link: float, gather: bool = False):

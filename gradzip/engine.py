@@ -38,10 +38,12 @@ import torch.distributed as dist
 import gradzip.args as args
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
-from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, ring_allreduce_link
+from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
 from .feedback import ErrorFeedback
+from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
 from .stats import Stats
+from .wire import accum_dtype
 
 __all__ = ["Engine", "layout_of", "all_finite", "STATE_VERSION"]
 
@@ -97,6 +99,8 @@ class Engine:
         error_feedback: bool | None = None,
         on_nonfinite: str = "skip",
         layout: list | None = None,
+        momentum: Momentum | None = None,
+        clip: float | None = None,
     ) -> None:
         self.stats_ = Stats()
         self.comm = Communicator(process_group, self.stats_)
@@ -108,6 +112,9 @@ class Engine:
         if layout is not None:
             self.protocol.check_names([n for n, _, _ in layout])
         self.memory = ErrorFeedback() if self.error_feedback else None
+        self.momentum = momentum
+        self.moments = ErrorFeedback() if momentum is not None else None  # its buffers, rolled back alike
+        self.clip = args.optional(args.number, "clip", clip, 0.0, lo_open=True)
         self.tensor_state: dict[str, dict] = {}
         self.step = 0
         self.layout = layout
@@ -128,6 +135,7 @@ class Engine:
         *,
         dest: torch.Tensor | None = None,
         zero_is_unused: bool = False,
+        params: Sequence[torch.Tensor] | None = None,
     ) -> torch.futures.Future:
         """Start averaging ``tensors`` over the ranks; a future of one flat tensor.
 
@@ -143,6 +151,9 @@ class Engine:
         the average of a parameter unused on every rank): it is sent as zeros and its
         residual is left as it is, so that no mass is spent on an average that may be
         dropped. A used parameter whose gradient is exactly zero only waits a step.
+
+        ``params``: the parameters the gradients belong to, where momentum correction
+        applies weight decay (``Engine(momentum=...)``).
         """
         names, tensors = list(names), list(tensors)
         if len(names) != len(tensors):
@@ -151,7 +162,7 @@ class Engine:
         out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
         with self._lock:
             self._inflight += 1
-        return self.comm.submit(self._run(names, tensors, out_dtype, dest, zero_is_unused))
+        return self.comm.submit(self._run(names, tensors, out_dtype, dest, zero_is_unused, params))
 
     def flush(self) -> None:
         """Issue all outstanding collectives (call after the last bucket of a step)."""
@@ -166,7 +177,7 @@ class Engine:
             self._finish_step_locked()
 
     # -- one call ----------------------------------------------------------------------
-    def _run(self, names, tensors, out_dtype, dest, zero_is_unused=False):
+    def _run(self, names, tensors, out_dtype, dest, zero_is_unused=False, params=None):
         step = self.step  # end_step() may run before this call's last round completes
         try:
             if not self._verified:
@@ -186,7 +197,7 @@ class Engine:
             )
             protocol = self._plain_protocol if plain_call else self.protocol
             raw = sum(t.numel() * t.element_size() for t in tensors)
-            self.stats_.add(bytes_raw=raw, bytes_link_raw=ring_allreduce_link(raw, self.comm.world_size))
+            self.stats_.add(bytes_raw=raw, bytes_link_raw=protocol.link_raw(raw, self.comm.world_size))
             plain = protocol.plain(call)
             local: list = []
             with codec_time(self.stats_):
@@ -196,6 +207,8 @@ class Engine:
                     call.frozen = frozenset(n for n, (lo, hi) in zip(names, lo_hi) if lo == hi == 0.0)
                 elif (not plain or self.on_nonfinite == "raise") and not all_finite(tensors):  # else the average shows it
                     local = [n for n, t in zip(names, tensors) if not all_finite([t])]
+                if self.clip is not None or self.momentum is not None:
+                    self._precondition(call, params)
             out, bad, local = yield from self._flagged(protocol.exchange(call), call, local, flag=not plain)
             # Finite inputs can still average to more than the output dtype holds (an
             # overflowing float16 gradient). Every rank holds the same ``out``, so every
@@ -244,6 +257,33 @@ class Engine:
         # Without a flag (a plain call) a NaN/Inf anywhere shows in the average itself.
         return out, flagged is not None and bool(flagged.item()), local
 
+    def adopt_momentum(self, buffers: dict) -> None:
+        """Start momentum correction from buffers an optimizer already held (``{name: tensor}``)."""
+        for name, buf in buffers.items():
+            self.moments.set(momentum_key(name), buf.detach().to(accum_dtype(buf.dtype), copy=True))
+        if self.moments is not None:
+            self.moments.release()
+
+    def _precondition(self, call: Call, params) -> None:
+        """Local gradient clipping (each tensor's norm to ``clip / sqrt(N)``, DGC's rule) and
+        momentum correction, on the call's tensors; a frozen (unused) tensor is left as it is."""
+        idx = [i for i, n in enumerate(call.names) if n not in call.frozen]
+        tensors = list(call.tensors)
+        if self.clip is not None:
+            limit = self.clip / math.sqrt(self.comm.world_size)
+            norms = torch.stack([torch.linalg.vector_norm(tensors[i].float()) for i in idx]).tolist() if idx else []
+            for i, norm in zip(idx, norms):
+                if norm > limit:
+                    tensors[i] = tensors[i] * (limit / norm)
+        if self.momentum is not None:
+            sub = [tensors[i] for i in idx]
+            got = self.momentum.apply(self.moments, [call.names[i] for i in idx], sub,
+                                      [params[i] for i in idx] if params is not None else None)
+            for i, t in zip(idx, got):
+                tensors[i] = t
+            call.momentum = {call.names[i]: self.moments.residual(momentum_key(call.names[i])) for i in idx}
+        call.tensors = tensors
+
     @staticmethod
     def _feedback_nonfinite(call: Call) -> list:
         """Names whose error-feedback state is not finite after the first round: new
@@ -286,6 +326,7 @@ class Engine:
         """What every rank must agree on (flat keys, plain values)."""
         d = {f"method.{k}": v for k, v in self.method.config().items()}
         d.update(error_feedback=self.error_feedback, start_iter=self.start_iter, on_nonfinite=self.on_nonfinite)
+        d.update(momentum=self.momentum.describe() if self.momentum is not None else None, clip=self.clip)
         if self.layout is not None:
             blob = json.dumps(self.layout, sort_keys=True).encode()
             d["layout"] = f"{len(self.layout)} tensors, sha256 {hashlib.sha256(blob).hexdigest()[:16]}"
@@ -311,10 +352,13 @@ class Engine:
         if self._nonfinite:
             for n, store in self._undo_store.items():
                 self.tensor_state[n] = store
-            if self.memory is not None:
-                self.memory.restore()
-        elif self.memory is not None:
-            self.memory.release()
+            for mem in (self.memory, self.moments):
+                if mem is not None:
+                    mem.restore()
+        else:
+            for mem in (self.memory, self.moments):
+                if mem is not None:
+                    mem.release()
         self._nonfinite = False
         self._step_ended = False
         self._undo_store = {}
@@ -331,6 +375,7 @@ class Engine:
             "error_feedback": self.error_feedback,
             "step": self.step,
             "residuals": self.memory.state_dict() if self.memory is not None else {},
+            "momentum": self.moments.state_dict() if self.moments is not None else {},
             "tensor_state": {k: dict(v) for k, v in self.tensor_state.items()},
             "stats": self.stats_.state_dict(),
         }
@@ -354,5 +399,9 @@ class Engine:
         self.step = int(sd["step"])
         if self.memory is not None:
             self.memory.load_state_dict(sd["residuals"])
+        if self.moments is not None:
+            self.moments.load_state_dict(sd.get("momentum", {}))
+        elif sd.get("momentum"):
+            raise ValueError("the checkpoint holds momentum buffers of momentum correction: pass the optimizer again")
         self.tensor_state = {k: dict(v) for k, v in sd["tensor_state"].items()}
         self.stats_.load_state_dict(sd["stats"])

@@ -1,4 +1,4 @@
-"""Local SGD: each rank steps on its own and the models are averaged now and then.
+"""Local SGD and DiLoCo: each rank steps on its own and the models are averaged now and then.
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = LocalSGD(opt, model, period=schedules.PostLocal(warmup_steps=500, period=8),
@@ -7,51 +7,94 @@
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
     opt.synchronize()          # drain the pipeline: every rank now holds the same model
 
+    # DiLoCo: an outer optimizer (SGD, Nesterov, lr 0.7, momentum 0.9) on the averaged
+    # pseudo-gradient every 32 steps, sent in int8 with error feedback; streaming: 4
+    # fragments synced in turn, each reduce overlapping 2 inner steps, merged with alpha.
+    opt = DiLoCo(torch.optim.AdamW(model.parameters(), lr=4e-4), model, period=32,
+                 compression=gradzip.Int8(), fragments=4, delay=2, alpha=0.5)
+
 What is averaged is the model *delta* since the last push (parameters and
 floating-point buffers such as BatchNorm's running statistics; integer buffers
 are left alone), through any gradzip codec or protocol with error feedback, by the
 :class:`gradzip.engine.Engine` that the DDP hook and the DistributedOptimizer
-use. The exact update rules (plain, ``overlap=True``, ``push_every`` /
-``pull_every``) are in ``docs/local_sgd.md``; in short, each rank keeps
+use. The exact update rules are in ``docs/local_sgd.md``; in short, each rank keeps
 
-* ``G``, the global model: identical on every rank; it changes only by adding
-  an averaged delta ``D`` when a push is *collected*;
+* ``G``, the global model: identical on every rank; it changes only when a push is
+  *collected*: by ``G <- G + D`` (plain averaging, ``D`` the averaged delta), or by an
+  **outer optimizer** step on the pseudo-gradient ``-D`` (DiLoCo; buffers are always
+  averaged plainly);
 * ``B``, the base: the local model minus the progress not yet pushed;
 * ``x``, the local model (the module's own tensors).
 
 At a **push** (``push_every``, default ``period``): ``d = x - B`` is handed to the
-engine, ``B <- x``. Its average ``D`` is *collected* (``G <- G + D``) at once, or
-with ``overlap=True`` at the next push, so that it travels while the next local
-steps compute. At a **pull** (``pull_every``, default ``period``) after a collect:
+engine, ``B <- x``. Its average ``D`` is *collected* at once, or with ``overlap=True``
+at the next push, so that it travels while the next local steps compute. At a
+**pull** (``pull_every``, default ``period``) after a collect:
 ``e = x - B; B <- G + d_inflight; x <- B + e``: the local model adopts the global
-one and keeps its own unpushed progress ``e`` (and, with overlap, its own delta
-still in flight, until the average that replaces it arrives). Pulls are local;
-only pushes communicate.
+one and keeps its own unpushed progress ``e``. Pulls are local; only pushes communicate.
 
-With ``push_every == pull_every`` this is plain periodic averaging: at a sync,
-``x <- G + D`` (bit for bit ``G``, since ``e = 0``), and with overlap
-``x <- x + (D_prev - d_prev)``: the previous average replaces the own delta it
-was computed from, one period late (staleness at most one period).
+**Streaming** (``fragments``, ``delay``, ``alpha``): the tensors are cut into
+``fragments`` runs of about equal bytes (:func:`gradzip.schedules.split_fragments`),
+synchronized in turn (:class:`gradzip.schedules.Streaming`): fragment ``f`` is pushed
+``delay`` steps before its sync step, its reduce travels while those inner steps
+compute, and at the sync step the outer step runs on its part of ``G`` and the local
+fragment is merged: ``x <- (1 - alpha) * G + alpha * x`` (torchft's ``lerp``), ``B <- G``.
 
 All ranks must start from the same parameters and buffers (same seed, or
 broadcast them before wrapping).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import gradzip.args as args
 
+from .checkpoint import reshard
 from .codecs.base import Codec
 from .codecs.cast import Identity
 from .engine import Engine, check_real, layout_of
 from .protocols.base import Protocol
 from .registry import register_frontend
-from .schedules import as_schedule
+from .schedules import Constant, Streaming, as_schedule, long_run_period, split_fragments
 
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "DiLoCo", "DILOCO_OUTER", "reshard_state"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+
+#: DiLoCo's outer optimizer (Douillard et al. 2023): ``torch.optim.SGD`` with these arguments.
+DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def _outer_factory(outer, outer_kwargs):
+    """``None`` (plain averaging) or a function ``params -> torch.optim.Optimizer``."""
+    if outer_kwargs is not None and not isinstance(outer_kwargs, dict):
+        raise TypeError(
+            f"outer_kwargs must be a dict of the outer optimizer's arguments, got {type(outer_kwargs).__name__}"
+        )
+    if isinstance(outer, torch.optim.Optimizer):
+        raise TypeError(
+            "outer must be an optimizer class or a factory params -> optimizer (e.g. "
+            "lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)), not an optimizer "
+            "instance: the outer optimizer steps LocalSGD's global copy of the model, which it builds itself"
+        )
+    if outer is None:
+        if outer_kwargs is None:
+            return None
+        outer = torch.optim.SGD
+    if not callable(outer):
+        raise TypeError(f"outer must be None, an optimizer class or a factory params -> optimizer, got {outer!r}")
+    kw = dict(outer_kwargs or {})
+    return lambda params: outer(params, **kw)
+
+
+def _brief(opt: torch.optim.Optimizer) -> str:
+    """``SGD(lr=0.7, momentum=0.9, nesterov=True)``: an optimizer's class and first group's main settings."""
+    g = opt.param_groups[0] if opt.param_groups else {}
+    keys = ("lr", "momentum", "nesterov", "betas", "weight_decay")
+    shown = [f"{k}={g[k]!r}" for k in keys if k in g and g[k] not in (0, False)]
+    return f"{type(opt).__name__}({', '.join(shown)})"
 
 
 @register_frontend
@@ -59,20 +102,36 @@ class LocalSGD(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` steps locally and averages ``model`` on a schedule.
 
     Args:
-        optimizer: the local optimizer (any ``torch.optim.Optimizer``).
+        optimizer: the local (inner) optimizer (any ``torch.optim.Optimizer``).
         model: the module whose parameters and floating-point buffers are averaged.
         period: when to synchronize: an integer in [1, inf) (``Constant``), a
             :mod:`gradzip.schedules` schedule, or any callable ``step -> bool``
             (``step`` counts local steps from 1). Every rank must give the same answers.
-        compression: a gradzip codec or protocol for the deltas (default ``Identity()``).
+        compression: a gradzip codec or protocol for the deltas (default ``Identity()``),
+            with error feedback for biased ones: what it drops is sent later.
         overlap: collect each average at the next push instead of at once, so it
             travels while the next local steps compute.
-        process_group: the process group (default: the global one).
+        process_group: the group the averages run on (default: the global one). When a
+            worker is itself a DDP/FSDP group, this is the group that joins one rank of
+            each worker (the ranks that hold the same shard): see ``docs/local_sgd.md``.
         push_every: when to push deltas (default: ``period``); same forms as ``period``.
         pull_every: when to pull the global model (default: ``period``); same forms.
         error_feedback: ``None`` turns it on for biased methods.
+        outer: the outer optimizer: ``None`` (with ``outer_kwargs=None``: plain averaging,
+            ``G <- G + D``), an optimizer class, or a factory ``params -> optimizer``,
+            called with the global copy of the parameters (and ``**outer_kwargs``). It steps
+            on the pseudo-gradient ``-D`` (global minus the averaged local model).
+        outer_kwargs: arguments of ``outer``; with ``outer=None`` they are
+            ``torch.optim.SGD``'s (``{"lr": 1.0}`` is plain averaging, bit for bit).
+        fragments: streaming: cut the model into this many fragments of about equal
+            bytes, synchronized in turn; ``period`` must be an integer multiple of it.
+        delay: streaming: inner steps each fragment's reduce overlaps (``0 <= delay <
+            period / fragments``).
+        alpha: streaming: merge weight of the local fragment at its sync,
+            ``x <- (1 - alpha) * G + alpha * x``.
 
-    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers work.
+    ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers work;
+    ``outer`` is the outer optimizer (``None`` for plain averaging).
     A NaN/Inf in any rank's delta raises ``FloatingPointError`` on every rank
     (averaging it would poison every model).
     """
@@ -89,6 +148,11 @@ class LocalSGD(torch.optim.Optimizer):
         push_every=None,
         pull_every=None,
         error_feedback: bool | None = None,
+        outer=None,
+        outer_kwargs: dict | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -98,7 +162,21 @@ class LocalSGD(torch.optim.Optimizer):
         if not isinstance(compression, (Codec, Protocol)):
             raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
         args.flag("overlap", overlap)
+        make_outer = _outer_factory(outer, outer_kwargs)
+        fragments = args.integer("fragments", fragments, 1)
+        delay = args.integer("delay", delay, 0)
+        alpha = args.number("alpha", alpha, 0.0, 1.0)
         schedule = as_schedule("period", period)
+        self.streaming: Streaming | None = None
+        if fragments > 1 or delay > 0 or alpha > 0:
+            if overlap or push_every is not None or pull_every is not None:
+                raise ValueError(
+                    "fragments, delay and alpha (streaming) replace overlap, push_every and pull_every; "
+                    "give one or the other"
+                )
+            if not isinstance(schedule, Constant):
+                raise ValueError(f"streaming needs an integer period, got {period!r}")
+            self.streaming = Streaming(schedule.period, fragments, delay)
         self.push_at = schedule if push_every is None else as_schedule("push_every", push_every)
         self.pull_at = schedule if pull_every is None else as_schedule("pull_every", pull_every)
 
@@ -112,11 +190,18 @@ class LocalSGD(torch.optim.Optimizer):
         self.model = model
         self.overlap = overlap
         self.compression = compression
+        self.fragments, self.delay, self.alpha = fragments, delay, alpha
         self._names = [n for n, _ in entries]
-        groups: dict = {}
-        for i, (_, t) in enumerate(entries):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        self._groups = [(idx, dtype) for (_, dtype), idx in groups.items()]
+        # Fragments: runs of the tensors in module order, of about equal bytes; within a
+        # fragment, the tensors in ``_names`` order. One fragment: everything, as before.
+        if fragments == 1:
+            frags = [list(range(len(entries)))]
+        else:
+            order = self._module_order(model, self._names)
+            runs = split_fragments([entries[i][1].numel() * entries[i][1].element_size() for i in order], fragments)
+            frags = [sorted(order[j] for j in run) for run in runs]
+        self._fragments = [[self._names[i] for i in idx] for idx in frags]
+        self._groups = [self._dtype_groups(entries, idx) for idx in frags]  # per fragment: [(names, dtype)]
         self.engine = Engine(
             compression,
             process_group=process_group,
@@ -127,7 +212,18 @@ class LocalSGD(torch.optim.Optimizer):
         with torch.no_grad():
             self._global = {n: t.detach().clone() for n, t in entries}
             self._base = {n: t.detach().clone() for n, t in entries}
-        self._inflight: dict | None = None  # {"futures": [...], "delta": {n: d}, "avg": {n: D} once waited}
+        params = {n for n, _ in model.named_parameters()}
+        self._outer_names = [n for n in self._names if n in params]  # buffers are averaged plainly
+        self.outer = None
+        if make_outer is not None:
+            self.outer = make_outer([self._global[n] for n in self._outer_names])
+            if not isinstance(self.outer, torch.optim.Optimizer):
+                raise TypeError(f"outer must build a torch.optim.Optimizer, it built {type(self.outer).__name__}")
+            got = {id(p) for g in self.outer.param_groups for p in g["params"]}
+            if got != {id(self._global[n]) for n in self._outer_names}:
+                raise ValueError("the outer optimizer must optimize exactly the parameters it is given")
+        # A push in flight: {"frag", "futures", "delta": {n: d}, "flushed", "avg": {n: D} once waited}.
+        self._inflight: dict | None = None
         self._pull_pending = False
         self._aligned = True  # every rank holds x == G and nothing is in flight
         self.local_step = 0
@@ -138,7 +234,20 @@ class LocalSGD(torch.optim.Optimizer):
         return self.optimizer.state
 
     def __repr__(self) -> str:
-        return f"LocalSGD({self.optimizer!r}, push_at={self.push_at!r}, pull_at={self.pull_at!r}, overlap={self.overlap})"
+        parts = [_brief(self.optimizer)]
+        if self.streaming is not None:
+            parts += [f"period={self.streaming.period}", f"fragments={self.fragments}", f"delay={self.delay}",
+                      f"alpha={self.alpha}"]
+        elif self.push_at is self.pull_at:
+            p = self.push_at
+            parts.append(f"period={p.period if isinstance(p, Constant) else p!r}")
+        else:
+            parts += [f"push_at={self.push_at!r}", f"pull_at={self.pull_at!r}"]
+        parts.append(f"compression={self.compression!r}")
+        if self.overlap:
+            parts.append("overlap=True")
+        parts.append(f"outer={_brief(self.outer) if self.outer is not None else None}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -153,70 +262,147 @@ class LocalSGD(torch.optim.Optimizer):
         out += [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
         return out
 
-    def _tensors(self) -> list:
+    @staticmethod
+    def _module_order(model: torch.nn.Module, names: list) -> list:
+        """Indices into ``names`` in module order (a module's parameters, then its buffers)."""
+        where = {n: i for i, n in enumerate(names)}
+        order = []
+        for prefix, mod in model.named_modules():
+            for local, _ in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                i = where.pop(f"{prefix}.{local}" if prefix else local, None)
+                if i is not None:
+                    order.append(i)
+        return order + sorted(where.values())
+
+    @staticmethod
+    def _dtype_groups(entries, idx) -> list:
+        groups: dict = {}
+        for i in idx:
+            t = entries[i][1]
+            groups.setdefault((t.device, t.dtype), []).append(entries[i][0])
+        return [(names, dtype) for (_, dtype), names in groups.items()]
+
+    def _tensors(self, names=None) -> list:
         """The model's current tensors, by name (a module may have replaced a buffer object)."""
         now = dict(self._named_tensors(self.model))
         try:
-            return [now[n].detach() for n in self._names]
+            return [now[n].detach() for n in (self._names if names is None else names)]
         except KeyError as e:
             raise RuntimeError(f"model tensor {e.args[0]!r} is gone since LocalSGD was created") from None
 
     @property
     def in_flight(self) -> bool:
-        """Whether a pushed average has not been collected yet (``overlap=True``)."""
+        """Whether a pushed average has not been collected yet (``overlap=True`` or ``delay > 0``)."""
         return self._inflight is not None
+
+    @property
+    def fragment_names(self) -> list:
+        """The tensor names of each fragment (one fragment without streaming)."""
+        return [list(f) for f in self._fragments]
 
     # -- the step ----------------------------------------------------------------------
     def step(self, closure=None):
         loss = self.optimizer.step(closure)
         self.local_step += 1
         t = self.local_step
+        self._progress()
+        if self.streaming is not None:
+            return self._streaming_step(t, loss)
         pushed = bool(self.push_at(t))
         if pushed:
-            self._push(blocking=False)
+            self._collect()
+            self._push(0, collect_in=None if self.overlap else 0)
+            if not self.overlap:
+                self._collect()
         pulled = bool(self.pull_at(t)) and self._pull()
         self._aligned = pushed and pulled and self._inflight is None
+        return loss
+
+    def _streaming_step(self, t: int, loss):
+        f = self.streaming.prepared(t)
+        if f is not None:
+            self._push(f, collect_in=self.delay)
+        g = self.streaming.synced(t)
+        if g is not None:
+            self._collect()
+            self._merge(g)
+        self._aligned = g is not None and self.fragments == 1 and self.alpha == 0 and self._inflight is None
         return loss
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Collect what is in flight, push what is left, pull: every rank then holds ``x == G``.
 
+        Streaming: the fragment in flight is collected and merged as at its sync step,
+        then every fragment is pushed and collected (one outer step each) and ``x <- G``.
         A collective: every rank must call it at the same point.
         """
         if self._aligned:
             return
-        self._push(blocking=True)
-        self._pull()
+        if self.streaming is not None:
+            if self._inflight is not None:
+                f = self._inflight["frag"]
+                self._collect()
+                self._merge(f)
+            for f in range(self.fragments):
+                self._push(f, collect_in=0)
+                self._collect()
+            for n, t in zip(self._names, self._tensors()):
+                t.copy_(self._global[n])
+                self._base[n].copy_(self._global[n])
+            self._pull_pending = False
+        else:
+            self._collect()
+            self._push(0, collect_in=0)
+            self._collect()
+            self._pull()
         self._aligned = True
 
     @torch.no_grad()
-    def _push(self, blocking: bool) -> None:
-        self._collect()
-        tensors = self._tensors()
-        deltas = [t - self._base[n] for n, t in zip(self._names, tensors)]
+    def _push(self, frag: int, collect_in: int | None) -> None:
+        """Hand fragment ``frag``'s delta ``x - B`` to the engine; ``B <- x``.
+
+        ``collect_in``: local steps until it is collected (``None``: unknown). The engine
+        issues every collective's first round now. On a backend that defers later rounds
+        to ``flush()`` (gloo: waiting on a round blocks the host) and a collect two or more
+        steps away, the flush waits for the next ``step()``: by then the first round (the
+        size exchange and the non-finite flag, or the whole payload for an allreduce) has
+        completed during that step's forward and backward, and the payload travels during
+        the remaining steps. Otherwise it flushes now (NCCL waits on the device).
+        """
+        assert self._inflight is None, "a push is already in flight"
+        names = self._fragments[frag]
+        tensors = self._tensors(names)
+        deltas = {n: t - self._base[n] for n, t in zip(names, tensors)}
         futures = [
-            self.engine.reduce([self._names[i] for i in idx], [deltas[i] for i in idx], out_dtype=dtype)
-            for idx, dtype in self._groups
+            self.engine.reduce(gnames, [deltas[n] for n in gnames], out_dtype=dtype)
+            for gnames, dtype in self._groups[frag]
         ]
-        self.engine.flush()
-        self.engine.end_step()
-        for n, t in zip(self._names, tensors):
+        self._inflight = {"frag": frag, "futures": futures, "delta": deltas, "flushed": False}
+        if not self.engine.comm.defer or (collect_in is not None and collect_in <= 1):
+            self._progress()
+        for n, t in zip(names, tensors):
             self._base[n].copy_(t)
-        self._inflight = {"futures": futures, "delta": dict(zip(self._names, deltas))}
-        if blocking or not self.overlap:
-            self._collect()
+
+    def _progress(self) -> None:
+        """Issue the deferred rounds of the push in flight and close its engine step."""
+        inf = self._inflight
+        if inf is not None and not inf["flushed"]:
+            self.engine.flush()
+            self.engine.end_step()
+            inf["flushed"] = True
 
     def _average(self) -> dict:
-        """The in-flight push's average per tensor (waits for it; issues no collective)."""
+        """The in-flight push's average per tensor (waits for it; issues only its deferred rounds)."""
         inf = self._inflight
         if "avg" not in inf:
+            self._progress()
             avg = {}
-            for fut, (idx, _) in zip(inf["futures"], self._groups):
+            for fut, (gnames, _) in zip(inf["futures"], self._groups[inf["frag"]]):
                 flat, pos = fut.wait(), 0
-                for i in idx:
-                    d = inf["delta"][self._names[i]]
-                    avg[self._names[i]] = flat[pos : pos + d.numel()].view(d.shape)
+                for n in gnames:
+                    d = inf["delta"][n]
+                    avg[n] = flat[pos : pos + d.numel()].view(d.shape)
                     pos += d.numel()
             inf["avg"] = avg
             inf["futures"] = None
@@ -224,11 +410,24 @@ class LocalSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _collect(self) -> None:
+        """Apply the in-flight average to ``G``: the outer step on ``-D``, or ``G <- G + D``."""
         if self._inflight is None:
             return
         avg = self._average()
-        for n in self._names:
-            self._global[n].add_(avg[n])
+        names = self._fragments[self._inflight["frag"]]
+        if self.outer is None:
+            for n in names:
+                self._global[n].add_(avg[n])
+        else:
+            stepped = set(names)
+            for n in self._outer_names:
+                if n in stepped:
+                    self._global[n].grad = avg[n].neg()  # the pseudo-gradient: global - mean(local)
+            for n in names:
+                if self._global[n].grad is None:  # a buffer: averaged plainly
+                    self._global[n].add_(avg[n])
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
         self._inflight = None
         self._pull_pending = True
 
@@ -247,9 +446,22 @@ class LocalSGD(torch.optim.Optimizer):
         self._pull_pending = False
         return True
 
+    @torch.no_grad()
+    def _merge(self, frag: int) -> None:
+        """Streaming: ``x <- lerp(G, x, alpha)``, ``B <- G`` on fragment ``frag``."""
+        names = self._fragments[frag]
+        for n, t in zip(names, self._tensors(names)):
+            g = self._global[n]
+            if self.alpha == 0:
+                t.copy_(g)
+            else:
+                t.copy_(torch.lerp(g, t, self.alpha))
+            self._base[n].copy_(g)
+        self._pull_pending = False
+
     # -- state -------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes."""
+        """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes (fragment pushes)."""
         d = self.engine.stats()
         d["syncs"] = d["steps"]
         d["steps"] = self.local_step
@@ -259,26 +471,34 @@ class LocalSGD(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict plus ``"local_sgd"`` and ``"gradzip"`` (the engine).
 
-        An average still in flight is waited for (no collective is issued) and
-        saved uncollected, so a resumed run collects it where the unbroken run
-        would. Tensors and plain values only: ``torch.load(weights_only=True)``.
+        An average still in flight is waited for and saved uncollected, so a resumed
+        run collects it where the unbroken run would. Waiting issues no collective of
+        its own, but a push whose later rounds were deferred to the next ``step()``
+        (gloo) issues them now, as that step would: call ``state_dict()`` on every rank
+        at the same step. Tensors and plain values only: ``torch.load(weights_only=True)``.
         The model's own tensors are not included: save ``model.state_dict()`` too.
         """
         sd = dict(self.optimizer.state_dict())
-        inflight_delta, inflight_avg = {}, {}
+        inflight_delta, inflight_avg, frag = {}, {}, -1
         if self._inflight is not None:
             inflight_avg = {n: v.clone() for n, v in self._average().items()}
             inflight_delta = {n: v.clone() for n, v in self._inflight["delta"].items()}
+            frag = self._inflight["frag"]
         sd["local_sgd"] = {
             "version": STATE_VERSION,
             "local_step": self.local_step,
             "overlap": self.overlap,
+            "streaming": self.streaming.config() if self.streaming is not None else None,
+            "alpha": self.alpha,
+            "fragments": [list(f) for f in self._fragments],
             "global": {n: v.clone() for n, v in self._global.items()},
             "base": {n: v.clone() for n, v in self._base.items()},
+            "inflight_fragment": frag,
             "inflight_delta": inflight_delta,
             "inflight_avg": inflight_avg,
             "pull_pending": self._pull_pending,
             "aligned": self._aligned,
+            "outer": self.outer.state_dict() if self.outer is not None else None,
         }
         sd["gradzip"] = self.engine.state_dict()
         return sd
@@ -287,15 +507,32 @@ class LocalSGD(torch.optim.Optimizer):
         if "local_sgd" not in state_dict or "gradzip" not in state_dict:
             raise ValueError("state_dict was not saved by LocalSGD.state_dict() (no 'local_sgd'/'gradzip' entries)")
         sd = dict(state_dict)
-        mine = sd.pop("local_sgd")
-        if mine.get("version") != STATE_VERSION:
-            raise ValueError(f"local_sgd state version {mine.get('version')!r} is not supported (expected {STATE_VERSION})")
+        mine = dict(sd.pop("local_sgd"))
+        version = mine.get("version")
+        if version == 1:  # before outer optimizers and streaming: one fragment, plain averaging
+            mine.update(streaming=None, alpha=0.0, fragments=[list(self._names)], outer=None,
+                        inflight_fragment=0 if mine["inflight_avg"] else -1)
+        elif version != STATE_VERSION:
+            raise ValueError(f"local_sgd state version {version!r} is not supported (expected {STATE_VERSION})")
         if bool(mine["overlap"]) != self.overlap:
             raise ValueError(f"overlap differs from the checkpoint: saved {mine['overlap']}, now {self.overlap}")
+        now = self.streaming.config() if self.streaming is not None else None
+        if mine["streaming"] != now or float(mine["alpha"]) != self.alpha:
+            raise ValueError(
+                f"streaming differs from the checkpoint: saved {mine['streaming']} alpha={mine['alpha']}, "
+                f"now {now} alpha={self.alpha}"
+            )
         if sorted(mine["global"]) != sorted(self._names):
             missing = sorted(set(self._names) - set(mine["global"]))
             extra = sorted(set(mine["global"]) - set(self._names))
             raise ValueError(f"checkpoint tensors differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
+        if [list(f) for f in mine["fragments"]] != self._fragments:
+            raise ValueError("the checkpoint's fragments differ from this model's (fragments or tensor sizes changed)")
+        if (mine["outer"] is None) != (self.outer is None):
+            raise ValueError(
+                f"the checkpoint was saved {'without' if mine['outer'] is None else 'with'} an outer optimizer, "
+                f"this LocalSGD has {'none' if self.outer is None else 'one'}"
+            )
         with torch.no_grad():
             for n in self._names:
                 for key, dst in (("global", self._global), ("base", self._base)):
@@ -303,11 +540,17 @@ class LocalSGD(torch.optim.Optimizer):
                     if src.shape != dst[n].shape:
                         raise ValueError(f"{key} tensor {n!r} has shape {tuple(src.shape)}, model has {tuple(dst[n].shape)}")
                     dst[n].copy_(src)
+        if self.outer is not None:
+            self.outer.load_state_dict(mine["outer"])
         if mine["inflight_avg"]:
+            frag = int(mine["inflight_fragment"])
+            names = self._fragments[frag]
             self._inflight = {
+                "frag": frag,
                 "futures": None,
-                "delta": {n: mine["inflight_delta"][n].to(self._global[n].device).clone() for n in self._names},
-                "avg": {n: mine["inflight_avg"][n].to(self._global[n].device).clone() for n in self._names},
+                "flushed": True,
+                "delta": {n: mine["inflight_delta"][n].to(self._global[n].device).clone() for n in names},
+                "avg": {n: mine["inflight_avg"][n].to(self._global[n].device).clone() for n in names},
             }
         else:
             self._inflight = None
@@ -316,3 +559,113 @@ class LocalSGD(torch.optim.Optimizer):
         self.local_step = int(mine["local_step"])
         self.engine.load_state_dict(sd.pop("gradzip"))
         self.optimizer.load_state_dict(sd)
+
+    # -- tools (gradzip plan) ----------------------------------------------------------
+    @classmethod
+    def plan_terms(cls, *a, **kw) -> dict:
+        """What ``gradzip plan`` needs to cost this method from its spec arguments (the
+        constructor's, without optimizer and model), as plain values: ``compression``
+        (a codec or protocol), ``period`` (long-run steps between pushes of a fragment),
+        ``fragments``, ``delay`` (steps a sync may travel behind compute: ``period`` with
+        ``overlap``) and ``error_feedback``."""
+        sig = inspect.signature(cls.__init__)
+        try:
+            bound = sig.bind(None, None, None, *a, **kw)
+        except TypeError as e:
+            raise ValueError(f"{cls.__name__}: {e}") from None
+        bound.apply_defaults()
+        v = bound.arguments
+        push = v.get("push_every") or v["period"]
+        period = long_run_period(push)
+        fragments = int(v.get("fragments", 1))
+        delay = int(v.get("delay", 0))
+        if fragments > 1 or delay > 0:
+            Streaming(period, fragments, delay)  # the same checks as the constructor
+        if v.get("overlap"):
+            delay = period
+        return {
+            "compression": v["compression"] if v["compression"] is not None else Identity(),
+            "period": period,
+            "fragments": fragments,
+            "delay": delay,
+            "error_feedback": v.get("error_feedback"),
+        }
+
+
+@register_frontend
+class DiLoCo(LocalSGD):
+    """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): :class:`LocalSGD` with
+    DiLoCo's outer optimizer by default.
+
+    Every ``period`` inner steps (per fragment, when streaming) the pseudo-gradient
+    ``G - mean(x)`` goes through ``compression`` (error feedback on by default for biased
+    codecs) and the outer optimizer steps ``G`` with it. ``outer=None`` is
+    ``torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)``; ``outer_kwargs``
+    override those arguments (``{"lr": 1.0, "momentum": 0.0, "nesterov": False}`` is
+    plain averaging), or are passed to ``outer`` when it is given. The other arguments
+    are :class:`LocalSGD`'s.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        period: int,
+        compression: Codec | Protocol | None = None,
+        *,
+        process_group=None,
+        outer=None,
+        outer_kwargs: dict | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        error_feedback: bool | None = None,
+    ) -> None:
+        if outer is None:
+            outer_kwargs = {**DILOCO_OUTER, **(outer_kwargs or {})}
+        super().__init__(
+            optimizer,
+            model,
+            period,
+            compression,
+            process_group=process_group,
+            error_feedback=error_feedback,
+            outer=outer,
+            outer_kwargs=outer_kwargs,
+            fragments=fragments,
+            delay=delay,
+            alpha=alpha,
+        )
+
+
+def reshard_state(states: list, world_size: int, *, preserve: str = "sum") -> list:
+    """``LocalSGD.state_dict()`` of ``N`` ranks to ``world_size`` new ones.
+
+    The engine part (residuals) goes through :func:`gradzip.checkpoint.reshard`. The
+    global model ``G`` and the outer optimizer's state (its momentum) are identical on
+    every rank, so they are copied. ``B``, the in-flight push and the inner optimizer's
+    state are per rank: the states must be saved when every rank holds ``x == G`` with
+    nothing in flight (after ``synchronize()``, or at a sync step of plain periodic
+    averaging), and every new rank takes old rank 0's inner optimizer state (it is
+    per-rank state such as Adam's moments; rank 0's is as good a start as any).
+    """
+    if not states:
+        raise ValueError("states must hold at least one state_dict")
+    for r, s in enumerate(states):
+        mine = s["local_sgd"]
+        if not mine["aligned"] or mine["inflight_avg"]:
+            raise ValueError(
+                f"rank {r}'s state was saved mid-period or with a push in flight; reshard states saved after "
+                "synchronize() (every rank then holds the global model)"
+            )
+        for n, g in mine["global"].items():
+            if not torch.equal(g, states[0]["local_sgd"]["global"][n]):
+                raise ValueError(f"the global model differs between rank 0 and rank {r} in {n!r}")
+    engines = reshard([s["gradzip"] for s in states], world_size, preserve=preserve)
+    out = []
+    for e in engines:
+        sd = {k: v for k, v in states[0].items() if k not in ("local_sgd", "gradzip")}
+        sd["local_sgd"] = states[0]["local_sgd"]
+        sd["gradzip"] = e
+        out.append(sd)
+    return out

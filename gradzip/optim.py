@@ -67,6 +67,7 @@ import gradzip.args as args
 from .codecs.base import Codec
 from .codecs.cast import Identity
 from .engine import Engine, check_real, layout_of
+from .momentum import Momentum
 from .protocols.base import Protocol
 
 __all__ = ["DistributedOptimizer"]
@@ -139,6 +140,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start_iter: steps before this one use a plain allreduce.
         on_nonfinite: ``"skip"`` (a NaN/Inf anywhere makes the whole step's average NaN
             and leaves residuals untouched) or ``"raise"``; see :class:`gradzip.engine.Engine`.
+        momentum_correction: take over the wrapped ``torch.optim.SGD``'s momentum and weight
+            decay and apply them before compression (:mod:`gradzip.momentum`); other
+            optimizers raise ``ValueError``.
+        clip: local gradient clipping before compression (norm ``clip / sqrt(world_size)``
+            per gradient).
 
     Like torch's ``PostLocalSGDOptimizer`` it delegates to the wrapped optimizer
     (``param_groups`` and ``state`` are the wrapped optimizer's own), so LR
@@ -161,6 +167,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         error_feedback: bool | None = None,
         start_iter: int = 0,
         on_nonfinite: str = "skip",
+        momentum_correction: bool = False,
+        clip: float | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -209,6 +217,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_mb = float(bucket_mb)
 
         named = [(names_of[id(p)], p) for p in reversed(trainable)]
+        args.flag("momentum_correction", momentum_correction)
+        momentum, buffers = Momentum.adopt(optimizer, named) if momentum_correction else (None, {})
         self.engine = Engine(
             compression,
             process_group=process_group,
@@ -216,7 +226,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             error_feedback=error_feedback,
             on_nonfinite=on_nonfinite,
             layout=layout_of(named),
+            momentum=momentum,
+            clip=clip,
         )
+        self.engine.adopt_momentum(buffers)
         world = self.engine.comm.world_size
         self._pre = 1.0 / f if f != 1.0 else None
         post = f * (world if op == "sum" else 1)
@@ -286,7 +299,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in b.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
             grads.append(g.div(self.gradient_predivide_factor) if self._pre is not None else g)
-        b.future = self.engine.reduce(b.names, grads, out_dtype=b.dtype)
+        b.future = self.engine.reduce(b.names, grads, out_dtype=b.dtype,
+                                      params=b.params if self.engine.momentum is not None else None)
         self._next += 1
         if self._next == len(self._buckets):
             self.engine.flush()

@@ -13,6 +13,12 @@ with ``--profile``), the wire from the ring formulas. Scaling efficiency is
 step is ``compute`` alone). It prints the step time and efficiency per method,
 the fastest method per world size, and plots both curves.
 
+Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
+compression=Int8(), fragments=4, delay=2)``) are costed by
+:func:`gradzip.costmodel.periodic.periodic_step_cost` from the plain numbers their
+``plan_terms`` gives (the sync's collectives every period, divided by the period;
+per fragment when streaming; the wire hidden behind ``delay`` steps of compute).
+
 The prediction is for time per step only: methods also differ in how many steps
 they need to reach an accuracy (``gradzip bench`` measures that).
 """
@@ -31,7 +37,8 @@ import torch
 import gradzip.args as args
 
 from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
-from .registry import parse_list, register_value
+from .costmodel.periodic import periodic_step_cost
+from .registry import Spec, parse_list, register_value
 
 DEFAULT_METHODS = (
     "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
@@ -44,13 +51,28 @@ BN_BUFFERS = ("running_mean", "running_var")
 register_value("DDP", None)  # plain DDP: no hook
 
 
-def parse_methods(spec: str, *, link: Link | None = None, profile=None) -> dict:
+def parse_methods(spec: str, *, link: Link | None = None, profile=None, local_size: int | None = None) -> dict:
     """``"DDP, TopK(ratio=0.01), PowerSGD(rank=2)"`` to ``{label: method}`` (``DDP``: ``None``).
 
     The method grammar of :mod:`gradzip.registry`: every registered codec and protocol,
-    with arguments. ``Policy(..., auto=True)`` gets the plan's link and profile unless given.
+    with arguments. ``Policy(..., auto=True)`` gets the plan's link and profile unless
+    given, ``Hierarchical(...)`` the plan's ``local_size``.
     """
-    return parse_list(spec, {"link": link, "profile": profile})
+    methods = parse_list(spec, {"link": link, "profile": profile, "local_size": local_size})
+    for m in methods.values():
+        frontend_terms(m)  # a front end the plan cannot cost fails here, before any dry run
+    return methods
+
+
+def frontend_terms(method) -> dict | None:
+    """``None`` for a codec or protocol; for a front end (a :class:`~gradzip.registry.Spec`),
+    the plain numbers its ``plan_terms`` gives (``ValueError`` if it has none)."""
+    if not isinstance(method, Spec):
+        return None
+    terms = getattr(method.cls, "plan_terms", None)
+    if terms is None:
+        raise ValueError(f"gradzip plan cannot cost the front end {method.cls.__name__} (it has no plan_terms)")
+    return terms(*method.args, **method.kwargs)
 
 
 def import_plugins(modules) -> None:
@@ -107,6 +129,8 @@ def project(
     *,
     bucket_cap_mb: float = 25.0,
     progress=None,
+    local_size: int = 1,
+    intra: Link | None = None,
 ) -> list[dict]:
     """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``."""
     worlds = sorted(set(worlds))
@@ -115,8 +139,16 @@ def project(
     rows = []
     for label, method in methods.items():
         t0 = time.perf_counter()
+        terms = frontend_terms(method)
         for n in worlds:
-            sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache, label=label)
+            if terms is not None:
+                sc = periodic_step_cost(
+                    terms["compression"], layers, n, link, compute_s, profile, period=terms["period"],
+                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label,
+                )
+            else:
+                sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
+                               label=label, local_size=local_size, intra=intra)
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
@@ -270,6 +302,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), required=True,
                    help="one-way latency per message, e.g. 50us, 0.2ms")
     p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
+    p.add_argument("--local-size", type=_positive_int, default=1,
+                   help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank")
+    p.add_argument("--intra-bandwidth", type=_arg(parse_bandwidth, "bandwidth"), default=None,
+                   help="bandwidth between the ranks of a node (default: --bandwidth)")
+    p.add_argument("--intra-latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), default=None,
+                   help="latency between the ranks of a node (default: --latency)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods in the method grammar (default: {DEFAULT_METHODS})")
     p.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
@@ -300,7 +338,11 @@ def run(args) -> int:
                 f"measured on this machine (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
                 f"fastest of {args.repeats}, {args.threads} thread(s))"
             )
-        methods = parse_methods(args.methods, link=link, profile=profile)
+        intra = None
+        if args.intra_bandwidth is not None or args.intra_latency is not None:
+            intra = Link(args.intra_bandwidth or args.bandwidth,
+                         args.latency if args.intra_latency is None else args.intra_latency)
+        methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size)
         if args.state_dict:
             layers = layers_from_state_dict(args.state_dict)
             what = args.state_dict
@@ -313,7 +355,8 @@ def run(args) -> int:
     nparams = sum(math.prod(s) for _, s in layers)
     print(
         f"gradzip plan: {what}: {nparams:,} fp32 gradients in {len(layers)} tensors "
-        f"({4 * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}",
+        f"({4 * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}"
+        + (f" per node of {args.local_size} ranks, {intra or link} inside a node" if args.local_size > 1 else ""),
         flush=True,
     )
     print(f"codec profile: {source}", flush=True)
@@ -321,7 +364,8 @@ def run(args) -> int:
     def progress(label, secs):
         print(f"  {label}: {secs:.1f} s", flush=True)
 
-    rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+    rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb,
+                   progress=progress, local_size=args.local_size, intra=intra)
     print()
     print(format_table(rows))
     print("\nPredicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
@@ -339,6 +383,8 @@ def run(args) -> int:
                 "tensors": len(layers),
                 "compute_s": args.compute,
                 "link": link.to_dict(),
+                "local_size": args.local_size,
+                "intra_link": intra.to_dict() if intra is not None else None,
                 "worlds": sorted(set(args.worlds)),
                 "bucket_cap_mb": args.bucket_cap_mb,
                 "methods": list(methods),

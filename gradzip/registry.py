@@ -41,7 +41,7 @@ __all__ = [
 _CLASSES: dict[str, type] = {}
 _VALUES: dict[str, Any] = {}  # other names the grammar accepts (e.g. Link)
 _FRONTENDS: set = set()  # front ends that are not Registered subclasses
-KINDS = ("codec", "protocol", "frontend")
+KINDS = ("codec", "protocol", "frontend", "schedule")
 
 
 class Registered:

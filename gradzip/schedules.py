@@ -15,6 +15,11 @@ a collective is issued), so it depends on ``step`` alone. Any callable
 
 ``sync_steps(schedule, n)`` lists the steps in ``1..n`` at which a schedule
 synchronizes.
+
+Streaming DiLoCo syncs the model by fragments: :func:`split_fragments` cuts the
+tensors (in model order) into fragments of about equal bytes, and
+:class:`Streaming` ``(period, fragments, delay)`` says which fragment is
+pushed (*prepared*) and which is collected (*synced*) at each step.
 """
 from __future__ import annotations
 
@@ -24,7 +29,10 @@ from typing import Callable
 
 import gradzip.args as args
 
-__all__ = ["Schedule", "Constant", "PostLocal", "Increasing", "as_schedule", "sync_steps"]
+__all__ = [
+    "Schedule", "Constant", "PostLocal", "Increasing", "Streaming", "as_schedule", "sync_steps", "split_fragments",
+    "long_run_period",
+]
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -158,3 +166,88 @@ def as_schedule(name: str, value) -> Callable[[int], bool]:
 def sync_steps(schedule: Callable[[int], bool], n: int) -> list[int]:
     """The steps in ``1..n`` at which ``schedule`` synchronizes."""
     return [t for t in range(1, n + 1) if schedule(t)]
+
+
+class Streaming(Schedule):
+    """Round-robin fragment syncs (Streaming DiLoCo; torchft's ``DiLoCo`` schedule).
+
+    With ``H = period``, ``F = fragments`` and ``h = H / F`` (``H`` must be a multiple of
+    ``F``), fragment ``f`` is *synced* (its average collected, the outer step taken and
+    merged) at steps ``(f + 1) * h + k * H`` for ``k = 0, 1, ...``, and *prepared* (its
+    pseudo-gradient taken and its reduce started) ``delay`` steps earlier, at
+    ``(f + 1) * h - delay + k * H``. So one fragment syncs every ``h`` steps, each fragment
+    every ``H`` steps, and with ``0 <= delay < h`` at most one fragment is in flight at a
+    time. ``Streaming(H)`` (one fragment, no delay) is :class:`Constant` ``(H)``.
+
+    Calling the schedule answers whether a fragment is synced at ``step``.
+    """
+
+    def __init__(self, period: int, fragments: int = 1, delay: int = 0) -> None:
+        self.period = _check_int("period", period, 1)
+        self.fragments = _check_int("fragments", fragments, 1)
+        if self.period % self.fragments:
+            raise ValueError(
+                f"period must be a multiple of fragments (each fragment syncs every period steps, one every "
+                f"period/fragments), got period={self.period}, fragments={self.fragments}"
+            )
+        self.interval = self.period // self.fragments
+        self.delay = args.integer("delay", delay, 0, self.interval - 1)
+
+    def synced(self, step: int) -> int | None:
+        """The fragment whose sync completes at ``step``, or ``None``."""
+        if step < self.interval or step % self.interval:
+            return None
+        return (step // self.interval - 1) % self.fragments
+
+    def prepared(self, step: int) -> int | None:
+        """The fragment whose pseudo-gradient is taken and sent at ``step``, or ``None``."""
+        return self.synced(step + self.delay) if step >= 1 else None
+
+    def __call__(self, step: int) -> bool:
+        return self.synced(step) is not None
+
+    def config(self) -> dict:
+        return {"name": "Streaming", "period": self.period, "fragments": self.fragments, "delay": self.delay}
+
+
+def split_fragments(nbytes, fragments: int) -> list[list[int]]:
+    """Cut tensors of ``nbytes`` (in order) into ``fragments`` contiguous, non-empty runs of about equal bytes.
+
+    The cut ``k`` lies at the tensor boundary nearest to ``k / fragments`` of the total
+    bytes (the earlier one on a tie), moved where needed so that every fragment holds at
+    least one tensor. Returns the indices of each fragment.
+    """
+    sizes = [int(b) for b in nbytes]
+    fragments = _check_int("fragments", fragments, 1)
+    n = len(sizes)
+    if fragments > n:
+        raise ValueError(f"fragments must be at most the number of tensors ({n}), got {fragments}")
+    total = sum(sizes)
+    prefix = [0]
+    for b in sizes:
+        prefix.append(prefix[-1] + b)
+    cuts = [0]
+    for k in range(1, fragments):
+        target = total * k / fragments
+        j = bisect.bisect_left(prefix, target)  # prefix[j - 1] < target <= prefix[j]
+        if j > 0 and (j > n or target - prefix[j - 1] <= prefix[j] - target):
+            j -= 1
+        j = min(max(j, cuts[-1] + 1), n - (fragments - k))
+        cuts.append(j)
+    cuts.append(n)
+    return [list(range(cuts[k], cuts[k + 1])) for k in range(fragments)]
+
+
+def long_run_period(schedule) -> int:
+    """The interval between syncs in the long run: an int, :class:`Constant`, :class:`PostLocal`
+    (after its warm-up), :class:`Increasing` (its ``max_period``) or :class:`Streaming` (each
+    fragment's). ``ValueError`` for any other callable (its rate is unknown)."""
+    if isinstance(schedule, bool):
+        raise ValueError(f"not a schedule: {schedule!r}")
+    if isinstance(schedule, int):
+        return _check_int("period", schedule, 1)
+    if isinstance(schedule, (Constant, PostLocal, Streaming)):
+        return schedule.period
+    if isinstance(schedule, Increasing):
+        return schedule.max_period
+    raise ValueError(f"the long-run period of {schedule!r} is unknown (use an int or a gradzip.schedules schedule)")

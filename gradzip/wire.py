@@ -1,23 +1,24 @@
 """Wire formats: the bytes that really cross the network.
 
-A compressor turns one tensor into a :class:`Payload`. Payloads of summable
-compressors are tensors in a wire dtype that allreduce adds up. The others are
-*frames*: a 16-byte header plus a body of packed bytes. One message per bucket
-(or per call) carries the frames of all its tensors::
+A codec turns one tensor into a :class:`Payload`. Payloads of summable codecs
+are tensors in a wire dtype that allreduce adds up. The others are *frames*: an
+entry in the message's table plus a body of packed bytes. One message per call
+(a DDP bucket) carries the frames of all its tensors, with one header::
 
-    message = header[0] .. header[T-1] | body[0] pad | body[1] pad | ...
+    message = header | entry[0] .. entry[T-1] | body[0] | body[1] | ...
 
-Header (little-endian, 16 bytes)::
+Header (little-endian, 8 bytes): ``u8 version`` (:data:`WIRE_VERSION`), ``u8 0``,
+``u16 0``, ``u32 T`` (the frame count). Entry, per frame (6 bytes, 10 with a scale)::
 
-    u8  fmt        format code (the FMT_* constants below)
-    u8  vdtype     dtype code of the values in the body, where it has values
-    u16 reserved   zero
-    f32 scale      a per-frame scalar (threshold tau, ...)
-    i64 nbytes     body length in bytes, before padding
+    u8  fmt        format code (registered by the codec that writes it, see formats())
+    u8  vdtype     dtype code of the values in the body; bit 7 set: a scale follows
+    u32 nbytes     body length in bytes
+    f32 scale      only where bit 7 is set: a per-frame scalar (threshold tau, QSGD s)
 
-Bodies are zero-padded to a multiple of 8 bytes, so every body starts aligned
-for int64/float64 views. A receiver learns the tensor count and shapes from its
-own model, never from the wire, so the headers hold no shapes.
+Bodies follow back to back, without padding (a receiver copies a body that it
+must view as a wider dtype at an unaligned offset). A receiver learns the tensor
+count and shapes from its own model, never from the wire. Version 1 (gradzip
+0.1) gave every frame a 16-byte header and padded bodies to 8 bytes.
 """
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ from typing import Any
 
 import torch
 
-HEADER = struct.Struct("<BBHfq")
-HEADER_BYTES = HEADER.size  # 16
-ALIGN = 8
+WIRE_VERSION = 2
+HEADER = struct.Struct("<BBHI")
+HEADER_BYTES = HEADER.size  # 8, once per message
+ENTRY = struct.Struct("<BBI")
+ENTRY_BYTES = ENTRY.size  # 6 per frame
+SCALE = struct.Struct("<f")
+_HAS_SCALE = 0x80
 
 # Format codes are unique across the package: a codec declares the formats it writes
 # (``Codec.formats``) and registering a code twice raises. Two belong to no codec:
@@ -123,42 +128,50 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret uint8 bytes as ``dtype`` (bodies are 8-byte aligned, so no copy)."""
+    """Reinterpret uint8 bytes as ``dtype`` (a copy where ``b`` is not aligned for it)."""
     if dtype == torch.uint8:
         return b
     if b.numel() == 0:
         return torch.empty(0, dtype=dtype, device=b.device)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if b.storage_offset() % size or not b.is_contiguous():
+        b = b.clone()
     return b.view(dtype)
 
 
-def _padded(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def frame_nbytes(body_nbytes: int, scale: bool = False) -> int:
+    """Bytes one frame adds to a message: its entry and body."""
+    return ENTRY_BYTES + (SCALE.size if scale else 0) + body_nbytes
 
 
-def frame_nbytes(body_nbytes: int) -> int:
-    """Bytes one frame occupies in a message: header plus padded body."""
-    return HEADER_BYTES + _padded(body_nbytes)
+def _entry(p: "Payload") -> bytes:
+    nb = p.body.numel() * p.body.element_size()
+    vcode = dtype_code(p.vdtype) if p.vdtype is not None else 0
+    if p.scale:
+        return ENTRY.pack(p.fmt, vcode | _HAS_SCALE, nb) + SCALE.pack(float(p.scale))
+    return ENTRY.pack(p.fmt, vcode, nb)
+
+
+def message_nbytes(payloads: list["Payload"]) -> int:
+    """Bytes of the message :func:`pack_frames` writes for ``payloads``."""
+    return HEADER_BYTES + sum(frame_nbytes(p.body.numel() * p.body.element_size(), bool(p.scale)) for p in payloads)
 
 
 def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> torch.Tensor:
     """Concatenate framed payloads into one uint8 message."""
-    headers = bytearray()
-    total = HEADER_BYTES * len(payloads)
+    table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(payloads)))
     for p in payloads:
-        nb = p.body.numel() * p.body.element_size()
-        vcode = dtype_code(p.vdtype) if p.vdtype is not None else 0
-        headers += HEADER.pack(p.fmt, vcode, 0, float(p.scale), nb)
-        total += _padded(nb)
+        table += _entry(p)
+    total = len(table) + sum(p.body.numel() * p.body.element_size() for p in payloads)
     if device is None:
         device = payloads[0].body.device if payloads else torch.device("cpu")
-    msg = torch.zeros(total, dtype=torch.uint8, device=device)
-    if payloads:
-        msg[: len(headers)] = torch.frombuffer(headers, dtype=torch.uint8).to(device)
-    off = len(headers)
+    msg = torch.empty(total, dtype=torch.uint8, device=device)
+    msg[: len(table)] = torch.frombuffer(table, dtype=torch.uint8).to(device)
+    off = len(table)
     for p in payloads:
         b = as_bytes(p.body)
         msg[off : off + b.numel()] = b
-        off += _padded(b.numel())
+        off += b.numel()
     return msg
 
 
@@ -170,25 +183,34 @@ def unpack_frames(
     ``msg`` may carry trailing padding (from a padded allgather); it is ignored.
     """
     count = len(shapes)
-    hbytes = HEADER_BYTES * count
-    if msg.numel() < hbytes:
-        raise ValueError(f"corrupt message: {msg.numel()} bytes, need {hbytes} for {count} headers")
-    raw = msg[:hbytes].cpu().numpy().tobytes()
-    out = []
-    off = hbytes
-    for i, (fmt, vcode, _, scale, nb) in enumerate(HEADER.iter_unpack(raw)):
-        if nb < 0 or off + nb > msg.numel():
+    need = HEADER_BYTES + ENTRY_BYTES * count
+    if msg.numel() < need:
+        raise ValueError(f"corrupt message: {msg.numel()} bytes, need at least {need} for {count} frames")
+    raw = msg[: need + SCALE.size * count].cpu().numpy().tobytes()
+    version, _, _, n = HEADER.unpack_from(raw, 0)
+    if version != WIRE_VERSION:
+        raise ValueError(f"message of wire version {version}; this gradzip reads version {WIRE_VERSION}")
+    if n != count:
+        raise ValueError(f"corrupt message: {n} frames, the receiver expects {count}")
+    pos, entries = HEADER_BYTES, []
+    for i in range(count):
+        if pos + ENTRY_BYTES > len(raw):
+            raise ValueError(f"corrupt message: entry {i} is cut off")
+        fmt, vcode, nb = ENTRY.unpack_from(raw, pos)
+        pos += ENTRY_BYTES
+        scale = 0.0
+        if vcode & _HAS_SCALE:
+            if pos + SCALE.size > len(raw):
+                raise ValueError(f"corrupt message: the scale of entry {i} is cut off")
+            (scale,) = SCALE.unpack_from(raw, pos)
+            pos += SCALE.size
+        entries.append((fmt, vcode & ~_HAS_SCALE, nb, scale))
+    out, off = [], pos
+    for i, (fmt, vcode, nb, scale) in enumerate(entries):
+        if off + nb > msg.numel():
             raise ValueError(f"corrupt message: frame {i} claims {nb} bytes at offset {off}")
-        body = msg[off : off + nb]
-        off += _padded(nb)
         out.append(
-            Payload(
-                body=body,
-                shape=shapes[i],
-                dtype=dtypes[i],
-                fmt=fmt,
-                vdtype=code_dtype(vcode),
-                scale=scale,
-            )
+            Payload(body=msg[off : off + nb], shape=shapes[i], dtype=dtypes[i], fmt=fmt, vdtype=code_dtype(vcode), scale=scale)
         )
+        off += nb
     return out

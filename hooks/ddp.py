@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.engine import Engine, check_real, layout_of
+from gradzip.momentum import Momentum
 
 
 class HookState:
@@ -51,10 +52,12 @@ class HookState:
 
 def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     grads = bucket.gradients()
-    names = state.names_of(bucket.parameters())
+    params = bucket.parameters()
+    names = state.names_of(params)
     buf = bucket.buffer()  # flat, as the engine's result: the future is returned as it is, so
     # an error (FloatingPointError with on_nonfinite="raise") reaches backward() unwrapped
-    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf, zero_is_unused=state.find_unused)
+    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf, zero_is_unused=state.find_unused,
+                              params=params if state.engine.momentum is not None else None)
     if state.engine.on_nonfinite == "raise":
         state.futures.append(fut)
     if bucket.is_last():
@@ -78,6 +81,8 @@ def register_hook(
     start_iter: int = 0,
     error_feedback: bool | None = None,
     on_nonfinite: str = "skip",
+    optimizer: torch.optim.Optimizer | None = None,
+    clip: float | None = None,
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -92,6 +97,14 @@ def register_hook(
         on_nonfinite: ``"skip"`` (a step where any rank's gradient holds a NaN/Inf
             yields an all-NaN average, so GradScaler skips it, and leaves residuals
             untouched) or ``"raise"`` (``FloatingPointError`` on every rank).
+
+        optimizer: a ``torch.optim.SGD`` whose momentum and weight decay the hook takes
+            over (momentum correction, :mod:`gradzip.momentum`): momentum is applied on
+            every rank before compression, sparse codecs zero it where they send, and the
+            optimizer is left a plain SGD. Other optimizers raise ``ValueError``: with
+            AdamW, leave it out (error feedback works on the gradient).
+        clip: local gradient clipping: each gradient's norm is limited to
+            ``clip / sqrt(world_size)`` before compression (DGC's rule).
 
     With ``find_unused_parameters=True``, a parameter unused on a rank is sent as zeros
     and keeps its residual (``Engine.reduce(zero_is_unused=True)``).
@@ -108,6 +121,7 @@ def register_hook(
         process_group = getattr(ddp_model, "process_group", None)
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
     check_real(trained)
+    momentum, buffers = Momentum.adopt(optimizer, trained) if optimizer is not None else (None, {})
     engine = Engine(
         method,
         process_group=process_group,
@@ -115,7 +129,10 @@ def register_hook(
         error_feedback=error_feedback,
         on_nonfinite=on_nonfinite,
         layout=layout_of(trained),
+        momentum=momentum,
+        clip=clip,
     )
+    engine.adopt_momentum(buffers)
     names = {id(p): n for n, p in trained}
     state = HookState(engine, names, find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     ddp_model.register_comm_hook(state, _gradzip_hook)

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["NBITS", "pack_bits", "unpack_bits", "pack_nbit", "unpack_nbit", "packed_nbytes"]
+__all__ = ["NBITS", "pack_bits", "unpack_bits", "pack_nbit", "unpack_nbit", "packed_nbytes", "pack_uint", "unpack_uint"]
 
 NBITS = (2, 4, 8)
 _WORD = 32
@@ -125,3 +125,45 @@ def unpack_nbit(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     return ((flat.reshape(-1, 1) >> shifts) & mask).reshape(-1)[:n]
+
+
+def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack non-negative integers below ``2**bits`` (``bits`` in [1, 63]) into a bit stream:
+    value ``i`` holds bits ``[i * bits, (i + 1) * bits)``, least significant first, bytes
+    little-endian. ``ceil(len * bits / 8)`` bytes. Sparse frames' index deltas use it."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
+        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    v = values.reshape(-1).to(torch.int64)
+    n = v.numel()
+    nbytes = (n * bits + 7) // 8
+    if not n:
+        return torch.zeros(0, dtype=torch.uint8, device=values.device)
+    shifts = torch.arange(bits, dtype=torch.int64, device=v.device)
+    stream = ((v.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    if _NUMPY_BITS and stream.device.type == "cpu":
+        return torch.from_numpy(np.packbits(stream.numpy(), bitorder="little"))
+    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=v.device)
+    padded[: stream.numel()] = stream
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=v.device)
+    return (padded.view(nbytes, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+
+
+def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_uint`: ``n`` int64 values of ``bits`` bits each."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
+        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    _check_n(n)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_uint expects uint8, got {packed.dtype}")
+    if packed.numel() * 8 < n * bits:
+        raise ValueError(f"{packed.numel()} bytes hold fewer than {n} values of {bits} bits")
+    if not n:
+        return torch.zeros(0, dtype=torch.int64, device=packed.device)
+    flat = packed.reshape(-1)[: (n * bits + 7) // 8]
+    if _NUMPY_BITS and flat.device.type == "cpu":
+        stream = torch.from_numpy(np.unpackbits(flat.contiguous().numpy(), count=n * bits, bitorder="little"))
+    else:
+        shifts = torch.arange(8, dtype=torch.uint8, device=flat.device)
+        stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)[: n * bits]
+    shifts = torch.arange(bits, dtype=torch.int64, device=flat.device)
+    return (stream.view(n, bits).to(torch.int64) << shifts).sum(dim=1)

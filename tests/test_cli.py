@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gradzip import bench, cli
 
@@ -285,3 +286,27 @@ def test_place_labels_separates_coincident_points():
 def test_ratio_tick_labels():
     assert [bench._ratio_label(x) for x in (1, 10, 100, 1000, 10000, 0.5)] == ["1×", "10×", "100×", "1,000×", "10,000×",
                                                                                "0.5×"]
+
+
+def test_bench_corrects_momentum_for_sparse_codecs_under_sgd_only():
+    """The bench hands SGD to the hook (momentum correction) for sparse codecs by default;
+    AdamW, exact methods and rows without error feedback keep the optimizer's own momentum."""
+    from gradzip.bench import BenchConfig, Method, hook_options, parse_methods
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    plain_sgd = torch.optim.SGD([w], lr=0.1)
+    adamw = torch.optim.AdamW([w], lr=0.1)
+    m = parse_methods("TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2)")
+    assert hook_options(m["TopK(0.01)"], sgd)["optimizer"] is sgd
+    assert hook_options(m["Threshold(policy='adaptive')"], sgd)["optimizer"] is sgd
+    for label in ("Identity", "SignSGD", "PowerSGD(rank=2)"):
+        assert "optimizer" not in hook_options(m[label], sgd), label
+    assert "optimizer" not in hook_options(m["TopK(0.01)"], adamw)
+    assert "optimizer" not in hook_options(m["TopK(0.01)"], plain_sgd)
+    assert "optimizer" not in hook_options(Method("no EF", m["TopK(0.01)"].method, error_feedback=False), sgd)
+    on, off = BenchConfig(momentum_correction="on"), BenchConfig(momentum_correction="off")
+    assert hook_options(m["SignSGD"], sgd, on)["optimizer"] is sgd
+    assert "optimizer" not in hook_options(m["TopK(0.01)"], sgd, off)
+    with pytest.raises(ValueError, match="momentum_correction"):
+        BenchConfig(momentum_correction="always")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
 from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX, exact_tau
-from gradzip.wire import FMT_DENSE, FMT_EMPTY, HEADER_BYTES, pack_frames
+from gradzip.codecs.sparse import pack_gaps
+from gradzip.wire import ENTRY_BYTES, FMT_DENSE, FMT_EMPTY, HEADER_BYTES, pack_frames
 
 settings.register_profile("gz", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("gz")
@@ -115,7 +116,7 @@ def test_threshold_frame_never_exceeds_the_bitmap_bound(data):
     p = gz.Threshold(tau=tau).compress(x)
     n = x.numel()
     framed = pack_frames([p])
-    assert framed.numel() <= math.ceil(n / 4) + HEADER_BYTES + 7
+    assert framed.numel() <= math.ceil(n / 4) + HEADER_BYTES + ENTRY_BYTES + 4  # the entry carries tau
     if p.fmt == FMT_SIGNED_INDEX:
         assert p.body.numel() <= math.ceil(n / 4)
     if p.fmt == FMT_BITMAP2:
@@ -173,7 +174,7 @@ def test_threshold_shake_up_uses_smaller_tau_every_k_steps():
 def test_threshold_nothing_selected_gives_header_only_frame():
     p = gz.Threshold(tau=1.0).compress(torch.full((1000,), 1e-3))
     assert p.fmt == FMT_EMPTY and p.body.numel() == 0
-    assert pack_frames([p]).numel() == HEADER_BYTES
+    assert pack_frames([p]).numel() == HEADER_BYTES + ENTRY_BYTES + 4  # header, entry, tau: no body
 
 
 @pytest.mark.parametrize("mode", ["exact", "sampled"])
@@ -204,8 +205,10 @@ def test_topk_exact_selects_exactly_k():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     comp = gz.TopK(ratio=0.05)
     p = comp.compress(x)
-    assert p.body.numel() == 50 * 8  # 50 int32 indices + 50 fp32 values
     y = comp.decompress(p)
+    idx = (y != 0).nonzero().reshape(-1)
+    gaps = pack_gaps(idx)  # width, count, the gaps at the width of the largest (< 1000: 10 bits at most)
+    assert p.body.numel() == gaps.numel() + 50 * 4 and gaps.numel() <= 2 + math.ceil(50 * 10 / 8)
     assert int((y != 0).sum()) == 50
     assert torch.equal(torch.sort(x.abs(), descending=True).values[:50], torch.sort(y.abs(), descending=True).values[:50])
 
@@ -217,19 +220,28 @@ def test_topk_sampled_count_close_to_k():
     assert 900 <= int((y != 0).sum()) <= 1000
 
 
-def test_topk_dense_fallback_when_sparse_is_larger():
-    p = gz.TopK(ratio=0.9).compress(torch.randn(100, generator=torch.Generator().manual_seed(0)))
-    assert p.body.numel() == 400
+def test_topk_falls_back_to_a_mask_then_to_dense():
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    p = gz.TopK(ratio=0.5).compress(x)  # a bit per element (13 bytes) and 50 values beat the gaps
+    assert p.fmt == 5 and p.body.numel() == 13 + 50 * 4
+    assert torch.equal(gz.TopK().decompress(p) != 0, x.abs() >= x.abs().sort().values[50])
+    assert gz.TopK(ratio=0.99).compress(x).fmt == FMT_DENSE  # 99 values and a mask: more than 400 bytes
 
 
 def test_topk_values_in_gradient_dtype_unless_they_overflow_it():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     p = gz.TopK(ratio=0.01).compress(x, TensorContext(dtype=torch.float16))
-    assert p.vdtype == torch.float16 and p.body.numel() == 10 * (4 + 2)
+    gaps = pack_gaps((gz.TopK().decompress(p) != 0).nonzero().reshape(-1)).numel()
+    assert p.vdtype == torch.float16 and p.body.numel() == gaps + 10 * 2
     x[3] = 1e6  # a compensated float32 value beyond float16's range
     p = gz.TopK(ratio=0.01).compress(x, TensorContext(dtype=torch.float16))
-    assert p.vdtype == torch.float32 and p.body.numel() == 10 * (4 + 4)
+    assert p.vdtype == torch.float32 and p.body.numel() > 10 * 4
     assert gz.TopK().decompress(p)[3] == 1e6
+    # values="fp16" asks for half values: finite ones saturate, error feedback keeps the rest
+    q, r = gz.TopK(ratio=0.01, values="fp16").encode(x, feedback=True)
+    assert q.vdtype == torch.float16
+    d = gz.TopK().decompress(q)
+    assert float(d[3]) == 65504.0 and torch.equal(r.double() + d.double(), x.double())
 
 
 def test_randomk_indices_are_shared_and_change_per_step():

@@ -29,7 +29,8 @@ from gradzip.costmodel import (
 )
 from gradzip.policy import Policy
 from gradzip.protocols import AllGather, Allreduce, TwoPhase
-from gradzip.wire import HEADER_BYTES
+from gradzip.costmodel import sample
+from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, message_nbytes
 
 MiB = 2**20
 
@@ -88,16 +89,18 @@ def test_dry_run_bytes_are_the_real_exchange():
     before = x.clone()
     d = dry_run(AllGather(TopK(0.01)), [x], world_size=4)
     # size exchange (one int64), then one frame: header + 100 int32 indices + 100 fp32 values
-    assert d.collectives == [Collective("allreduce", 8, control=True), Collective("allgather", HEADER_BYTES + 100 * 8)]
+    assert d.collectives == [Collective("allreduce", 8, control=True),
+                             Collective("allgather", message_nbytes([TopK(0.01).compress(x)]))]
     assert d.rounds == 2
     comp = TopK(0.01)
     # from 4 ranks a codec that is not summable travels in two phases: lengths, the pieces to
     # their owners, the owners' message length, then the owners' re-encoded pieces
     t = dry_run(TopK(0.01), [x], world_size=4)
-    piece = HEADER_BYTES + 25 * 8  # 2,500 elements a piece: 25 indices and values
+    pieces = [message_nbytes([TopK(0.01).compress(p)]) for p in x.reshape(-1).split(2500)]  # 25 of 2,500 each
     assert t.collectives == [
-        Collective("alltoall", 32, control=True, offrank=24), Collective("alltoall", 4 * piece, offrank=3 * piece),
-        Collective("allreduce", 8, control=True), Collective("allgather", piece),
+        Collective("alltoall", 32, control=True, offrank=24),
+        Collective("alltoall", sum(pieces), offrank=sum(pieces[1:])),
+        Collective("allreduce", 8, control=True), Collective("allgather", pieces[0]),
     ]
     own = x.reshape(-1)[:2500]  # rank 0's piece: the top-k of the piece, then of its average
     assert torch.allclose(t.out[:2500], comp.decompress(comp.compress(own)))
@@ -212,9 +215,11 @@ def test_step_cost_hand_computed():
     assert ddp.efficiency == pytest.approx(0.05 / ddp.total_s)
 
     topk = step_cost(AllGather(TopK(0.01)), layers, 4, link, 0.05, prof)
-    # frames: 2 headers; a.weight k = ceil(655.36) = 656 -> 656 * 8 bytes; a.bias k = ceil(2.56) = 3 -> 24 bytes
-    msg = 2 * HEADER_BYTES + 656 * 8 + 24
-    assert msg == 5304
+    # one message of two frames: a.bias (k = ceil(2.56) = 3) and a.weight (k = ceil(655.36) = 656),
+    # each its packed positions and fp32 values; the bucket's samples are seeded by its first index
+    frames = [TopK(0.01).compress(sample(s, seed=1 + j)) for j, s in enumerate([(256,), (256, 256)])]
+    msg = message_nbytes(frames)
+    assert msg == HEADER_BYTES + 2 * ENTRY_BYTES + sum(f.body.numel() for f in frames) and msg < 8 + 12 + 659 * 6
     assert topk.bytes_per_rank == ENGINE_FLAG_BYTES + 8 + msg and topk.collectives == 3
     wire = (2 * 3 / 4 * 8 * 4 / 1e9 + 6e-4) + (2 * 3 / 4 * 8 * 8 / 1e9 + 6e-4) + (3 * 8 * msg / 1e9 + 3e-4)
     assert topk.wire_s == pytest.approx(wire, rel=1e-12)

@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
-from gradzip import bench
-from gradzip.local_sgd import LocalSGD
-from gradzip.schedules import Constant, Increasing, PostLocal, as_schedule, sync_steps
+from gradzip import bench, registry
+from gradzip.costmodel import CodecFit, CodecProfile, Link, step_cost
+from gradzip.costmodel.periodic import periodic_step_cost
+from gradzip.local_sgd import DILOCO_OUTER, DiLoCo, LocalSGD, reshard_state
+from gradzip.schedules import Constant, Increasing, PostLocal, Streaming, as_schedule, split_fragments, sync_steps
 
 from .mp_utils import run_ranks
 
@@ -371,6 +373,7 @@ def _digits(rank, world):
 
 def _two_ranks(rank, world):
     return {
+        "diloco": _diloco_two(rank, world),
         "h1": _h1_vs_synchronous(rank, world),
         "refs": _against_references(rank, world),
         "asym": _asymmetric(rank, world),
@@ -443,10 +446,14 @@ def test_overlap_averages_while_the_next_local_steps_compute(two):
         ev = r["events"][True]["events"]
         issued = [e[1] for e in ev if e[0] == "issued"]
         collects = [e[1] for e in ev if e[0] == "collect"]
-        assert issued == [4, 8, 12, 16, 20, 24, 28, 32, 32]  # eight pushes, then synchronize()'s
+        # Eight pushes, then synchronize()'s. The first push (step 4) runs the engine's one-time
+        # configuration check first; its later rounds, the payload among them, are deferred (gloo)
+        # and go out in the next step() (after the local update of step 5), as every rank does.
+        assert issued == [5, 8, 12, 16, 20, 24, 28, 32, 32]
+        assert ev[ev.index(("issued", 5)) - 1] == ("compute", 5)
         # The average of the push at step t is collected at the next push, t + 4 ...
         assert collects == [8, 12, 16, 20, 24, 28, 32, 32, 32]
-        for t in range(4, 32, 4):
+        for t in range(8, 32, 4):
             i_issue = ev.index(("issued", t))
             i_collect = next(i for i, e in enumerate(ev) if e[0] == "collect" and e[1] == t + 4)
             window = ev[i_issue:i_collect]
@@ -497,3 +504,443 @@ def test_h8_cuts_bytes_8x_and_stays_within_2pp_of_synchronous(two):
     steps = d["H8"]["stats"]["steps"]
     assert steps % 8 == 0 and d["H8"]["stats"]["syncs"] == steps // 8
     assert d["H8_overlap"]["stats"]["syncs"] == steps // 8 + 1  # + synchronize() draining the pipeline
+
+
+# ======================================================================================
+# DiLoCo: outer optimizer, streaming, state, worker groups, plan.
+def test_streaming_schedule_spreads_fragments_evenly():
+    for H, F, tau in [(12, 3, 0), (12, 3, 1), (12, 3, 3), (8, 1, 5), (16, 4, 2)]:
+        s = Streaming(H, F, tau)
+        h = H // F
+        synced = {t: s.synced(t) for t in range(1, 4 * H + 1) if s.synced(t) is not None}
+        # One sync every h steps, round robin, so each fragment syncs once per period ...
+        assert list(synced) == list(range(h, 4 * H + 1, h))
+        assert list(synced.values()) == [k % F for k in range(4 * F)]
+        for f in range(F):
+            assert [t for t, g in synced.items() if g == f] == [(f + 1) * h + k * H for k in range(4)]
+        # ... prepared tau steps before, and never two fragments in flight.
+        for t in range(1, 4 * H + 1):
+            assert s.prepared(t) == s.synced(t + tau)
+        preps = [t for t in range(1, 4 * H + 1) if s.prepared(t) is not None]
+        events = sorted([(t, 1, "sync") for t in synced] + [(t, 0, "prep") for t in preps])
+        kinds = [e[2] for e in events]
+        assert kinds == ["prep", "sync"] * (4 * F), (H, F, tau)
+        assert sync_steps(s, 2 * H) == list(range(h, 2 * H + 1, h))
+    assert sync_steps(Streaming(5), 12) == sync_steps(Constant(5), 12)
+
+
+def test_split_fragments_balances_bytes_in_order():
+    g = torch.Generator().manual_seed(0)
+    for F in (2, 3, 4, 8):
+        sizes = [int(v) for v in torch.randint(1, 1000, (40,), generator=g)]
+        runs = split_fragments(sizes, F)
+        assert [i for r in runs for i in r] == list(range(40)) and all(runs)  # contiguous, in order, non-empty
+        per = [sum(sizes[i] for i in r) for r in runs]
+        assert max(per) - sum(sizes) / F <= max(sizes), (per, F)  # each within one tensor of total/F
+    assert split_fragments([1] * 10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert split_fragments([100, 1, 1, 1, 100], 2) == [[0, 1], [2, 3, 4]]
+    assert split_fragments([1, 1, 100], 3) == [[0], [1], [2]]  # every fragment holds a tensor
+    with pytest.raises(ValueError, match="at most the number of tensors"):
+        split_fragments([1, 2], 3)
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"fragments": 2, "overlap": True}, ValueError, "replace overlap"),
+        ({"delay": 1, "push_every": 2}, ValueError, "replace overlap"),
+        ({"fragments": 2, "period": PostLocal(2, 4)}, ValueError, "integer period"),
+        ({"fragments": 3, "period": 8}, ValueError, "period must be a multiple of fragments"),
+        ({"fragments": 2, "period": 8, "delay": 4}, ValueError, r"delay must be an integer in \[0, 3\]"),
+        ({"alpha": 1.5, "period": 4}, ValueError, r"alpha must be a finite number in \[0, 1\]"),
+        ({"fragments": 3, "period": 3}, ValueError, "at most the number of tensors"),
+        ({"outer": "sgd"}, TypeError, "outer must be None, an optimizer class or a factory"),
+        ({"outer_kwargs": [0.7]}, TypeError, "outer_kwargs must be a dict"),
+    ],
+)
+def test_bad_diloco_arguments(kw, err, match):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(err, match=match):
+        LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, **kw)
+
+
+def test_outer_must_be_a_factory_not_an_instance():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="not an optimizer instance"):
+        DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), model, 4, outer=torch.optim.SGD(model.parameters(), lr=0.7))
+    with pytest.raises(TypeError, match="period"):
+        DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), model)  # DiLoCo has no default period
+
+
+def test_diloco_is_a_front_end_spec():
+    m = gz.parse("DiLoCo(period=32, compression=Int8())")
+    assert isinstance(m, registry.Spec) and m.cls is DiLoCo and m.kwargs == {"period": 32, "compression": gz.Int8()}
+    methods = bench.parse_methods("DiLoCo(period=32, compression=Int8()), LocalSGD(period=8, outer_kwargs={'lr': 0.7})")
+    assert methods["DiLoCo(period=32, compression=Int8())"].method.cls is DiLoCo
+    assert DiLoCo.plan_terms(period=32, compression=gz.Int8(), fragments=4, delay=2) == {
+        "compression": gz.Int8(), "period": 32, "fragments": 4, "delay": 2, "error_feedback": None,
+    }
+    assert LocalSGD.plan_terms(period=PostLocal(100, 8), overlap=True)["delay"] == 8  # overlap: a whole period
+    with pytest.raises(ValueError, match="multiple of fragments"):
+        DiLoCo.plan_terms(period=30, fragments=4)
+    with pytest.raises(ValueError, match="long-run period"):
+        LocalSGD.plan_terms(period=lambda t: t % 3 == 0)
+
+
+def test_plan_costs_periodic_averaging_per_period_and_per_fragment():
+    link = Link(1e8, 1e-4)
+    layers = [(f"l{i}.weight", (64, 64)) for i in range(8)]
+    prof = CodecProfile(machine={"cpu": "hand-made"}, measure_missing=False)
+    prof.add(gz.Allreduce(gz.Identity()), CodecFit(1e-4, 1e-9), error_feedback=False)
+    one = step_cost(gz.Identity(), layers, 4, link, 0.0, prof, bucket_cap_mb=100, first_bucket_mb=100)
+    plain = periodic_step_cost(None, layers, 4, link, 0.05, prof, period=8)
+    assert plain.bytes_per_rank == one.bytes_per_rank / 8 == 8 * 64 * 64 * 4 / 8
+    assert plain.wire_s == pytest.approx(one.wire_s / 8) and plain.codec_s == pytest.approx(one.codec_s / 8)
+    assert plain.total_s == pytest.approx(0.05 + plain.codec_s + plain.wire_s)
+    stream = periodic_step_cost(None, layers, 4, link, 0.05, prof, period=8, fragments=4)
+    assert stream.detail["sync_bytes"] == [2 * 64 * 64 * 4] * 4
+    assert stream.detail["peak_bytes_per_step"] == plain.detail["peak_bytes_per_step"] / 4  # 1/F of the peak
+    assert stream.bytes_per_rank == plain.bytes_per_rank  # the same bytes over a period
+    hidden = periodic_step_cost(None, layers, 4, link, 0.05, prof, period=8, fragments=4, delay=1)
+    assert hidden.wire_s == 0.0  # each fragment's sync travels behind one 50 ms step
+    slow = periodic_step_cost(None, layers, 4, Link(1e6, 1e-4), 0.05, prof, period=8, fragments=4, delay=1)
+    assert slow.wire_s == pytest.approx(sum(max(0.0, w - 0.05) for w in slow.detail["sync_wire_s"]) / 8)
+    assert periodic_step_cost(None, layers, 1, link, 0.05, prof, period=8).total_s == 0.05
+
+
+# -- multi-rank: 2 ranks (in the shared spawn) -----------------------------------------
+def run_with(rank, steps, cls=LocalSGD, bn=False, seed=0, **kw):
+    model = make_model(seed, bn=bn)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, **kw)
+    for s in range(steps):
+        local_step(model, opt, s, rank)
+    return model, opt
+
+
+def _outer_reference(rank, world, H, steps, lr=0.7, m=0.9):
+    """DiLoCo written out: every H steps Delta = mean(G - x) (dist.all_reduce), then Nesterov
+    momentum on G: b <- m b + Delta (b = Delta at first), G <- G - lr (Delta + m b); x <- G."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    G = [p.detach().clone() for p in params]
+    buf = [None] * len(params)
+    for s in range(steps):
+        local_step(model, opt, s, rank)
+        if (s + 1) % H == 0:
+            with torch.no_grad():
+                flat = torch.cat([(p - g).reshape(-1) for p, g in zip(params, G)]).div_(world)
+                dist.all_reduce(flat)
+                D = [d.view_as(p) for d, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
+                for i, (p, g) in enumerate(zip(params, G)):
+                    delta = D[i].neg()
+                    if buf[i] is None:
+                        buf[i] = delta.clone()
+                    else:
+                        buf[i].mul_(m).add_(delta)
+                    g.add_(delta.add(buf[i], alpha=m), alpha=-lr)
+                    p.copy_(g)
+    return tensors(model)
+
+
+class MassProbe(DiLoCo):
+    """DiLoCo that sums, per tensor, the deltas it pushes and the averages it applies (float64)."""
+
+    def _push(self, frag, collect_in):
+        names = self._fragments[frag]
+        for n, t in zip(names, self._tensors(names)):
+            self.pushed[n] = self.pushed.get(n, 0) + (t - self._base[n]).double()
+        super()._push(frag, collect_in)
+
+    def _collect(self):
+        if self._inflight is not None:
+            for n, D in self._average().items():
+                self.applied[n] = self.applied.get(n, 0) + D.double()
+        super()._collect()
+
+
+def _error_feedback_mass(rank, world):
+    model = make_model()
+    opt = MassProbe(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, period=4,
+                    compression=gz.TopK(0.05), fragments=2, delay=1)
+    opt.pushed, opt.applied = {}, {}
+    for s in range(24):
+        local_step(model, opt, s, rank)
+    assert not opt.in_flight
+    return {"pushed": opt.pushed, "applied": opt.applied, "residuals": opt.state_dict()["gradzip"]["residuals"]}
+
+
+class StreamRecording(DiLoCo):
+    """DiLoCo that logs when the payload all-gather of a push goes out and when it is collected."""
+
+    def __init__(self, *a, events, **kw):
+        super().__init__(*a, **kw)
+        self.events = events
+        comm = self.engine.comm
+        real = comm.allgather
+
+        def allgather(out, inp, *args, control=False, **kwargs):
+            if not control:  # the payload, not the configuration check
+                self.events.append(("issued", self.local_step))
+            return real(out, inp, *args, control=control, **kwargs)
+
+        comm.allgather = allgather
+
+    def arrived(self) -> bool:
+        return self._inflight["futures"] is not None and all(f.done() for f in self._inflight["futures"])
+
+    def _collect(self):
+        if self._inflight is not None:
+            done = self._inflight.get("avg") is not None or self.arrived()
+            self.events.append(("collect", self.local_step, done))
+        super()._collect()
+
+
+def _streaming_events(rank, world):
+    """H=8, 2 fragments, delay 3: fragment f is pushed at 4f+1 (+8k), synced at 4f+4."""
+    events = []
+    model = make_model()
+    opt = StreamRecording(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, 8,
+                          gz.TopK(0.1), fragments=2, delay=3, events=events)
+    for s in range(24):
+        t = s + 1
+        if t % 4 == 3 and opt.in_flight:
+            # Two steps after a push: the payload went out in the last step(); the loop checks
+            # (never waits through DiLoCo) until it has arrived on its own.
+            deadline = time.monotonic() + 60
+            while not opt.arrived() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            events.append(("arrived", opt.local_step, opt.arrived()))
+        events.append(("compute", t))
+        local_step(model, opt, s, rank)
+    return events
+
+
+def _checkpoint_case(rank, k, n, bn, **kw):
+    def build(seed):
+        model = make_model(seed, bn=bn)
+        return model, DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, **kw)
+
+    model, opt = build(0)
+    for s in range(n):
+        local_step(model, opt, s, rank)
+    unbroken = tensors(model) + [opt._global[k_].clone() for k_ in opt._names]
+
+    model, opt = build(0)
+    for s in range(k):
+        local_step(model, opt, s, rank)
+    state = {"in_flight": opt.in_flight, "flushed": opt._inflight["flushed"] if opt.in_flight else None}
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    del model, opt
+    model, opt = build(123)
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    for s in range(k, n):
+        local_step(model, opt, s, rank)
+    resumed = tensors(model) + [opt._global[k_].clone() for k_ in opt._names]
+    momentum = [v["momentum_buffer"] for v in ckpt["opt"]["local_sgd"]["outer"]["state"].values()]
+    return {**state, "unbroken": unbroken, "resumed": resumed, "momentum": len(momentum)}
+
+
+def _reshard(rank, world):
+    kw = dict(period=4, compression=gz.TopK(0.1))
+    model, opt = run_with(rank, 10, DiLoCo, **kw)
+    opt.synchronize()
+    states = [None] * world
+    dist.all_gather_object(states, opt.state_dict())
+    again = reshard_state(states, world)
+    model2 = make_model(7)
+    model2.load_state_dict(model.state_dict())
+    opt2 = DiLoCo(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9), model2, **kw)
+    opt2.load_state_dict(again[rank])
+    for s in range(10, 16):
+        local_step(model2, opt2, s, rank)
+    return {"states": states, "final": tensors(model2)}
+
+
+def _diloco_two(rank, world):
+    out = {"outer_ref": _outer_reference(rank, world, 4, 16)}
+    out["diloco"] = tensors(run_with(rank, 16, DiLoCo, period=4)[0])
+    out["diloco_kwargs"] = tensors(run_with(rank, 16, period=4, outer_kwargs=DILOCO_OUTER)[0])
+    # Outer SGD with lr 1 and no momentum is plain averaging, bit for bit, in every form.
+    out["plain"] = tensors(run_with(rank, 16, period=4)[0])
+    out["lr1"] = [
+        tensors(run_with(rank, 16, period=4, outer_kwargs={"lr": 1.0})[0]),
+        tensors(run_with(rank, 16, period=4, outer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.0))[0]),
+        tensors(run_with(rank, 16, DiLoCo, period=4, outer_kwargs={"lr": 1.0, "momentum": 0.0, "nesterov": False})[0]),
+        tensors(run_with(rank, 16, period=4, outer=torch.optim.SGD, outer_kwargs={"lr": 1.0})[0]),
+    ]
+    kw = dict(bn=True, period=3, compression=gz.TopK(0.1), overlap=True)
+    out["plain_topk_overlap"] = tensors(run_with(rank, 13, **kw)[0])
+    out["lr1_topk_overlap"] = tensors(run_with(rank, 13, outer_kwargs={"lr": 1.0}, **kw)[0])
+    out["mass"] = _error_feedback_mass(rank, world)
+    out["events"] = _streaming_events(rank, world)
+    stream = dict(bn=True, period=8, compression=gz.TopK(0.1), fragments=2, delay=2, alpha=0.5)
+    out["ckpt"] = {
+        "diloco_mid_period": _checkpoint_case(rank, 6, 12, bn=True, period=4, compression=gz.Int8()),
+        "fragment_pushed": _checkpoint_case(rank, 2, 14, **stream),  # its later rounds not issued yet
+        "fragment_in_flight": _checkpoint_case(rank, 3, 14, **stream),
+        "stream_mid_period": _checkpoint_case(rank, 5, 14, **stream),
+    }
+    model, opt = run_with(rank, 11, DiLoCo, period=8, fragments=4, delay=1, alpha=0.5)
+    out["stream_fragments"] = opt.fragment_names
+    opt.synchronize()
+    out["stream_synced"] = tensors(model)
+    out["reshard"] = _reshard(rank, world)
+    data = bench.load_dataset("digits", 0)
+    cfg = bench.BenchConfig(dataset="digits", workers=world, epochs=2)
+    res = bench.train_one(rank, world, bench.Method("d", gz.parse("DiLoCo(period=8, compression=Int8())")), cfg, data)
+    out["bench"] = {k: res[k] for k in ("accuracy", "steps", "ratio")}
+    return out
+
+
+def test_outer_step_equals_hand_written_nesterov(two):
+    for r in two:
+        d = r["diloco"]
+        for a, b, c in zip(d["outer_ref"], d["diloco"], d["diloco_kwargs"]):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert max_diff(d["diloco"], d["plain"]) > 1e-3  # the outer step is not plain averaging
+    for a, b in zip(two[0]["diloco"]["diloco"], two[1]["diloco"]["diloco"]):
+        assert torch.equal(a, b)  # step 16 is a sync
+
+
+def test_outer_sgd_lr1_without_momentum_is_todays_local_sgd_bit_for_bit(two):
+    for r in two:
+        d = r["diloco"]
+        plain = r["refs"]["period_4"]
+        for a, b in zip(plain, d["plain"]):
+            assert torch.equal(a, b)
+        for form in d["lr1"]:
+            for a, b in zip(plain, form):
+                assert torch.equal(a, b)
+        for a, b in zip(d["plain_topk_overlap"], d["lr1_topk_overlap"]):
+            assert torch.equal(a, b)
+
+
+def test_error_feedback_keeps_the_pseudo_gradient_mass(two):
+    """TopK drops most of each pseudo-gradient; what it drops stays in the residuals:
+    sum over ranks and syncs of the deltas == W * sum of the applied averages + the residuals."""
+    W = len(two)
+    m0 = two[0]["diloco"]["mass"]
+    for n, pushed0 in m0["pushed"].items():
+        pushed = sum(r["diloco"]["mass"]["pushed"][n] for r in two)
+        applied = m0["applied"][n]
+        assert torch.equal(applied, two[1]["diloco"]["mass"]["applied"][n])
+        resid = sum(r["diloco"]["mass"]["residuals"][n].double() for r in two)
+        assert (pushed - W * applied - resid).abs().max() < 1e-5, n
+        assert (pushed - W * applied).abs().max() > 1e-3, n  # compression did drop mass, kept in the residuals
+
+
+def test_streaming_overlaps_each_fragment_with_delay_inner_steps(two):
+    for r in two:
+        ev = r["diloco"]["events"]
+        issued = [e[1] for e in ev if e[0] == "issued"]
+        collects = [(e[1], e[2]) for e in ev if e[0] == "collect"]
+        # Pushed at 1, 5, 9, ...: the payload goes out in the next step() (deferred flush, gloo) ...
+        assert issued == [2, 6, 10, 14, 18, 22]
+        # ... and is collected at the sync step, 3 steps after the push, without waiting for it.
+        assert collects == [(t, True) for t in (4, 8, 12, 16, 20, 24)]
+        for t in (2, 6, 10, 14, 18, 22):
+            i = ev.index(("issued", t))
+            window = ev[i : ev.index(("collect", t + 2, True))]
+            assert [e[0] for e in window] == ["issued", "arrived", "compute", "compute"]
+            assert window[1] == ("arrived", t, True)  # arrived while the loop computed, unasked
+
+
+def test_checkpoint_resume_is_bit_identical_mid_period_and_with_a_fragment_in_flight(two):
+    for r in two:
+        c = r["diloco"]["ckpt"]
+        assert c["diloco_mid_period"]["momentum"] > 0 and not c["diloco_mid_period"]["in_flight"]
+        assert c["fragment_pushed"]["in_flight"] and c["fragment_pushed"]["flushed"] is False
+        assert c["fragment_in_flight"]["in_flight"] and c["fragment_in_flight"]["flushed"] is True
+        assert not c["stream_mid_period"]["in_flight"]
+        for label, case in c.items():
+            for a, b in zip(case["unbroken"], case["resumed"]):
+                assert torch.equal(a, b), label
+
+
+def test_streaming_fragments_and_synchronize(two):
+    frags = two[0]["diloco"]["stream_fragments"]
+    assert [f for f in frags] == [["0.weight"], ["0.bias"], ["2.weight"], ["2.bias"]]  # module order
+    for a, b in zip(two[0]["diloco"]["stream_synced"], two[1]["diloco"]["stream_synced"]):
+        assert torch.equal(a, b)
+
+
+def test_reshard_copies_the_global_model_and_outer_momentum(two):
+    states = two[0]["diloco"]["reshard"]["states"]
+    for a, b in zip(two[0]["diloco"]["reshard"]["final"], two[1]["diloco"]["reshard"]["final"]):
+        assert torch.equal(a, b)  # resumed from resharded states, the replicas still agree at step 16
+    three = reshard_state(states, 3)
+    assert len(three) == 3
+    for sd in three:
+        assert sd["local_sgd"]["outer"] == states[0]["local_sgd"]["outer"]
+        for n, g in states[0]["local_sgd"]["global"].items():
+            assert torch.equal(sd["local_sgd"]["global"][n], g)
+    for n in states[0]["gradzip"]["residuals"]:
+        old = sum(s["gradzip"]["residuals"][n].double() for s in states)
+        new = sum(s["gradzip"]["residuals"][n].double() for s in three)
+        assert (old - new).abs().max() < 1e-6
+    mid = dict(states[0], local_sgd={**states[0]["local_sgd"], "aligned": False})
+    with pytest.raises(ValueError, match="saved mid-period"):
+        reshard_state([mid, states[1]], 3)
+
+
+def test_bench_runs_diloco_from_its_spec(two):
+    b = two[0]["diloco"]["bench"]
+    assert b["steps"] == 44 and b["ratio"] > 8 * 3  # period 8 and int8
+    assert b["accuracy"] > 0.8, b
+
+
+# -- multi-rank: 4 ranks ----------------------------------------------------------------
+def _four_ranks(rank, world):
+    out = {}
+    # 2 worker groups x 2 DDP ranks: DDP averages gradients in {0, 1} and {2, 3} every step;
+    # DiLoCo averages pseudo-gradients in {0, 2} and {1, 3} every 4 steps.
+    ddp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    outer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = make_model()
+    ddp = DDP(model, process_group=ddp_groups[rank // 2])
+    opt = DiLoCo(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), model, 4, gz.Int8(),
+                 process_group=outer_groups[rank % 2])
+    snaps = {}
+    for s in range(10):
+        local_step(ddp, opt, s, rank)
+        snaps[s + 1] = tensors(model)
+    opt.synchronize()
+    out["ddp"] = {"snaps": snaps, "final": tensors(model), "world": opt.engine.comm.world_size}
+    # No hang with delay > 0: 200 steps, 3 fragments, each overlapping 3 steps, TopK (two rounds).
+    model, opt = run_with(rank, 200, DiLoCo, period=12, compression=gz.TopK(0.1), fragments=3, delay=3, alpha=0.5)
+    opt.synchronize()
+    out["long"] = {"final": tensors(model), "syncs": opt.stats()["syncs"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_four_ranks, 4, timeout=240, pg_timeout=60)
+
+
+def test_diloco_over_ddp_worker_groups(four):
+    assert all(r["ddp"]["world"] == 2 for r in four)
+    for t in range(1, 11):
+        snap = [r["ddp"]["snaps"][t] for r in four]
+        for a, b in zip(snap[0], snap[1]):
+            assert torch.equal(a, b)  # the DDP group's ranks agree at every step
+        if t % 4 == 0:
+            for other in snap[1:]:
+                for a, b in zip(snap[0], other):
+                    assert torch.equal(a, b)  # after an outer sync all four agree
+        else:
+            assert max_diff(snap[0], snap[2]) > 1e-4  # between syncs the worker groups differ
+    for r in four[1:]:
+        for a, b in zip(four[0]["ddp"]["final"], r["ddp"]["final"]):
+            assert torch.equal(a, b)
+
+
+def test_streaming_with_delay_runs_200_steps_on_4_ranks_without_hanging(four):
+    for r in four:
+        assert r["long"]["syncs"] == 200 // 4 + 3  # one fragment every 4 steps, then synchronize()'s three
+        for a, b in zip(four[0]["long"]["final"], r["long"]["final"]):
+            assert torch.equal(a, b)

@@ -28,7 +28,7 @@ from gradzip.engine import Engine
 from gradzip.protocols.int8_allreduce import int8_lanes
 from gradzip.kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from gradzip.kernels.reference import pack_2bit
-from gradzip.wire import HEADER_BYTES, Payload, pack_frames, unpack_frames
+from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, Payload, pack_frames, unpack_frames
 
 from .mp_utils import run_ranks
 from .refs import RefMemory
@@ -442,7 +442,8 @@ def expected_step_bytes(label, comp, n, world):
         _, lanes = int8_lanes(world)
         return FLAG_BYTES + 4 * nb + 8 * math.ceil(n / lanes)  # scales, then lane-packed words
     body = body_bytes(comp, n)
-    return FLAG_BYTES + 8 + HEADER_BYTES + math.ceil(body / 8) * 8  # size exchange, header, padded body
+    scale = 4 if label.startswith("QSGD") else 0  # QSGD's entry carries its levels
+    return FLAG_BYTES + 8 + HEADER_BYTES + ENTRY_BYTES + scale + body  # size exchange, message header, entry, body
 
 
 SMALL = [("a", (40, 3)), ("b", (7,)), ("c", (1,)), ("d", (0,)), ("e", (1823,))]

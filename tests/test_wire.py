@@ -49,8 +49,9 @@ def test_frames_roundtrip_and_alignment():
         ),
     ]
     msg = wire.pack_frames(ps)
-    assert msg.numel() == 3 * 16 + 8 + 0 + 16
-    assert msg.numel() == sum(wire.frame_nbytes(b.numel()) for b in bodies)
+    # one 8-byte header, three 6-byte entries (the first with a 4-byte scale), the bodies back to back
+    assert msg.numel() == 8 + 3 * 6 + 4 + 5 + 0 + 12
+    assert msg.numel() == wire.message_nbytes(ps) == 8 + sum(wire.frame_nbytes(b.numel(), bool(p.scale)) for b, p in zip(bodies, ps))
     # Trailing padding (from a padded all-gather) is ignored.
     padded = torch.cat([msg, torch.full((13,), 255, dtype=torch.uint8)])
     out = wire.unpack_frames(padded, [p.shape for p in ps], [p.dtype for p in ps])
@@ -67,6 +68,10 @@ def test_unpack_frames_rejects_truncated_messages():
         wire.unpack_frames(msg[:30], [p.shape], [p.dtype])
     with pytest.raises(ValueError, match="corrupt"):
         wire.unpack_frames(msg[:10], [p.shape], [p.dtype])
+    bad = msg.clone()
+    bad[0] = 1  # gradzip 0.1's frames
+    with pytest.raises(ValueError, match="wire version 1"):
+        wire.unpack_frames(bad, [p.shape], [p.dtype])
 
 
 def test_dtype_codes():

@@ -63,6 +63,8 @@ class Codec(Registered, register=False):
     biased: ClassVar[bool] = True
     exact: ClassVar[bool] = False
     rounds_sum: ClassVar[bool] = False
+    framable: ClassVar[bool] = True  # a payload decodes from its frame alone (no local data)
+    sparse: ClassVar[bool] = False  # sends some coordinates whole, the rest not at all (momentum masking)
     protocol: str | None = None
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
@@ -80,6 +82,10 @@ class Codec(Registered, register=False):
         """``accumulate`` every peer's payload of one tensor, in order; override to fuse the peers."""
         for p in payloads:
             self.accumulate(p, out)
+
+    def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
+        """Bool mask of the ``n`` elements the payload sends (for momentum factor masking)."""
+        return self.decompress(payload).reshape(-1) != 0
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         """``v -= decompress(payload)`` in place (``v`` is what was compressed); override to

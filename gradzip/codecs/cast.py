@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire import Payload
+from ..wire import Payload, from_bytes
 from .base import Codec, TensorContext, check_input
 
 __all__ = ["Identity", "FP16", "BF16", "saturating_cast"]
@@ -21,7 +21,14 @@ class Identity(Codec):
         return Payload(body=x.reshape(-1), shape=x.shape, dtype=x.dtype, vdtype=x.dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.body.to(payload.dtype).reshape(payload.shape)
+        return _values(payload).to(payload.dtype).reshape(payload.shape)
+
+
+def _values(payload: Payload) -> torch.Tensor:
+    """The payload's values: its body, or a framed body's bytes viewed as the value dtype."""
+    if payload.body.dtype == torch.uint8 and payload.vdtype not in (None, torch.uint8):
+        return from_bytes(payload.body, payload.vdtype)
+    return payload.body
 
 
 _MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -69,7 +76,7 @@ class _Cast(Codec):
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         # Saturating: float16 gradients sent as bfloat16 may round up past 65504.
-        return saturating_cast(payload.body.to(torch.float32), payload.dtype).reshape(payload.shape)
+        return saturating_cast(_values(payload).to(torch.float32), payload.dtype).reshape(payload.shape)
 
 
 class FP16(_Cast):

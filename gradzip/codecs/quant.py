@@ -175,7 +175,8 @@ class _Quantizer(Codec):
         if not payloads:
             return
         self._check_frames(payloads, out.numel())
-        bodies = [p.body for p in payloads]
+        # A body's float32 scales must start 4-byte aligned (frames lie back to back in a message).
+        bodies = [p.body if p.body.storage_offset() % 4 == 0 else p.body.clone() for p in payloads]
         if out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
             K.decode_add_quant(out.view(-1), bodies, self._kind, **self._decode_kw())
             return

@@ -6,24 +6,75 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.warmup as warmup
 import gradzip.kernels as K
+from ..kernels import bitpack
 from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
+from .cast import saturating_cast
 
-__all__ = ["TopK", "RandomK"]
+__all__ = ["TopK", "RandomK", "pack_gaps", "unpack_gaps"]
 
-FMT_SPARSE32 = 4  # body: k int32 indices, then k values in vdtype
-FMT_SPARSE64 = 5  # body: k int64 indices, then k values in vdtype
-
-_INT32_LIMIT = 2**31
+FMT_SPARSE = 4  # body: u8 bits, the index gaps packed at that width, then the values in vdtype
+FMT_SPARSE_MASK = 5  # body: a 1-bit mask of the sent positions (ceil(n / 8) bytes), then the values
+_VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
+def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: int = 0) -> torch.Tensor:
+    """Ascending int64 indices as ``u8 width``, their count as a LEB128 varint, then their
+    gaps (``idx[0]``, then ``idx[i] - idx[i-1] - 1``), each shifted left by ``extra_bits``
+    over that many low bits of ``extra`` (a sign, say), bit-packed at the width the largest
+    needs: about ``log2(n / k)`` bits a position instead of 32."""
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
+    words = gaps if extra is None else (gaps << extra_bits) | extra.to(torch.int64)
+    width = max(1, int(words.max()).bit_length()) if words.numel() else 1
+    head = bytearray([width])
+    k = idx.numel()
+    while True:
+        head.append((k & 0x7F) | (0x80 if k > 0x7F else 0))
+        k >>= 7
+        if not k:
+            break
+    return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), bitpack.pack_uint(words, width)])
+
+
+def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 0):
+    """``(indices, extra or None, the bytes after the gaps)`` of a :func:`pack_gaps` body that is
+    followed by ``value_bytes`` per position; the positions are checked against ``n``."""
+    head = body[:10].cpu().tolist()
+    if len(head) < 2:
+        raise ValueError("corrupt sparse frame: no width and count")
+    width, k, shift, pos = head[0], 0, 0, 1
+    while True:
+        if pos >= len(head):
+            raise ValueError("corrupt sparse frame: the count is cut off")
+        k |= (head[pos] & 0x7F) << shift
+        shift += 7
+        pos += 1
+        if not head[pos - 1] & 0x80:
+            break
+    if not max(extra_bits, 1) <= width <= 63:
+        raise ValueError(f"corrupt sparse frame: gap width {width}")
+    plen = (k * width + 7) // 8
+    if pos + plen + k * value_bytes != body.numel():
+        raise ValueError(f"corrupt sparse frame: {body.numel()} bytes for {k} positions of {width} bits")
+    words = bitpack.unpack_uint(body[pos : pos + plen], k, width)
+    extra = None
+    if extra_bits:
+        extra = words & ((1 << extra_bits) - 1)
+        words = words >> extra_bits
+    idx = torch.cumsum(words + 1, 0) - 1
+    if k and int(idx[-1]) >= n:
+        raise ValueError(f"corrupt sparse frame: index {int(idx[-1])} outside [0, {n})")
+    return idx, extra, body[pos + plen :]
+
+
 class TopK(Codec):
-    """Send the ``k = ceil(ratio * n)`` elements of largest magnitude, with their indices.
+    """Send the ``k = ceil(ratio * n)`` elements of largest magnitude, with their positions.
 
     ``mode="exact"`` uses ``torch.topk``. ``mode="sampled"`` is DGC's estimate
     (Lin et al. 2018): the threshold is the top-``ratio`` quantile of ``|x|`` on a
@@ -33,13 +84,17 @@ class TopK(Codec):
     costs one pass over the tensor plus top-k over the sample and the survivors.
     ``mode="auto"`` is exact below ``sampled_above`` elements and sampled from there.
 
-    Wire: ``FMT_SPARSE32`` (int32 indices then values in the gradient's dtype,
-    or in the input's when a compensated value would overflow the gradient's),
-    ``FMT_SPARSE64`` for tensors of 2**31 elements or more, or ``FMT_DENSE`` (the
-    input as is) when the sparse form would not be smaller.
+    Wire: ``FMT_SPARSE`` (the gaps between the ascending positions, bit-packed at the
+    width of the largest: about ``log2(n / k)`` bits each, then the values), or
+    ``FMT_SPARSE_MASK`` (a bit per element, then the values) where that is smaller, or
+    ``FMT_DENSE`` (the input as is) when no sparse form is. Values travel in the
+    gradient's dtype (or the input's, when a compensated value would overflow the
+    gradient's), or in ``values="fp16"``/``"bf16"``: finite values saturate, and error
+    feedback keeps what the rounding drops.
     """
 
-    formats = {"SPARSE32": FMT_SPARSE32, "SPARSE64": FMT_SPARSE64}
+    formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK}
+    sparse = True
 
     def __init__(
         self,
@@ -49,12 +104,14 @@ class TopK(Codec):
         sample: int = 65536,
         sampled_above: int = 1 << 20,
         seed: int = 0,
+        values: str | None = None,
     ) -> None:
-        self.ratio = args.ratio("ratio", ratio)
+        self.ratio = warmup.check(args.ratio, "ratio", ratio)
         self.mode = args.choice("mode", mode, ("exact", "sampled", "auto"))
         self.sample = args.integer("sample", sample, 1)
         self.sampled_above = args.integer("sampled_above", sampled_above, 1)
         self.seed = args.integer("seed", seed)
+        self.values = None if values is None else args.choice("values", values, tuple(_VALUE_DTYPES))
 
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
@@ -72,32 +129,49 @@ class TopK(Codec):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)
         ctx = ctx or TensorContext(dtype=x.dtype)
-        vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
         v = x.reshape(-1)
         n = v.numel()
         if n == 0:
             return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
-        k = _k_of(self.ratio, n)
+        if self.values is not None:
+            vdtype = _VALUE_DTYPES[self.values]
+        else:
+            vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
+        k = _k_of(warmup.at(self.ratio, ctx.step), n)
         itemsize = torch.empty(0, dtype=vdtype).element_size()
-        wide = n >= _INT32_LIMIT
-        sparse_bytes = k * ((8 if wide else 4) + itemsize)
-        if sparse_bytes >= n * itemsize:
+        if k * itemsize >= n * v.element_size():  # the values alone are no smaller than the input
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
         idx = self.select(v, k, ctx)
-        ibytes = as_bytes(idx if wide else idx.to(torch.int32))
         vals = v[idx]
-        sent = vals.to(vdtype)
-        if vdtype != v.dtype and bool((sent.isinf() & vals.isfinite()).any()):
-            # A compensated value outgrew the gradient's dtype: send this frame in the input's.
-            vdtype, sent = v.dtype, vals
-        body = torch.cat([ibytes, as_bytes(sent)])
-        fmt = FMT_SPARSE64 if wide else FMT_SPARSE32
+        if self.values is not None:
+            sent = saturating_cast(vals, vdtype)
+        else:
+            sent = vals.to(vdtype)
+            if vdtype != v.dtype and bool((sent.isinf() & vals.isfinite()).any()):
+                # A compensated value outgrew the gradient's dtype: send this frame in the input's.
+                vdtype, sent = v.dtype, vals
+        fmt, positions = FMT_SPARSE, pack_gaps(idx)
+        if (n + 7) // 8 < positions.numel():  # a bit per element is smaller
+            mask = torch.zeros(n, dtype=torch.int64, device=v.device)
+            mask[idx] = 1
+            fmt, positions = FMT_SPARSE_MASK, bitpack.pack_uint(mask, 1)
+        body = torch.cat([positions, as_bytes(sent)])
+        if body.numel() >= n * v.element_size():
+            return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
         return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
         return narrow(out, payload.dtype)
+
+    def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
+        mask = torch.zeros(n, dtype=torch.bool, device=payload.body.device)
+        if payload.fmt == FMT_DENSE:
+            mask[:] = True
+        elif payload.fmt != FMT_EMPTY:
+            mask[self._split(payload, n)[0]] = True
+        return mask
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         """``v -= decompress(payload)``, touching only the sent elements."""
@@ -106,9 +180,9 @@ class TopK(Codec):
         if payload.fmt == FMT_DENSE:
             v.sub_(from_bytes(payload.body, payload.vdtype).to(v.dtype).view(v.shape))
             return
-        idx, vals = self._split(payload, v.numel(), validate=False)  # our own frame
+        idx, vals = self._split(payload, v.numel())
         flat = v.view(-1)
-        flat.index_put_((idx.to(torch.int64),), flat[idx.to(torch.int64)] - vals.to(v.dtype))
+        flat.index_put_((idx,), flat[idx] - vals.to(v.dtype))
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         if payload.fmt == FMT_EMPTY:
@@ -119,27 +193,22 @@ class TopK(Codec):
         K.scatter_add_sparse(out, *self._split(payload, out.numel()))
 
     @staticmethod
-    def _split(payload: Payload, n: int, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) of a sparse frame, its indices checked against ``n`` elements."""
-        if payload.fmt not in (FMT_SPARSE32, FMT_SPARSE64):
+    def _split(payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, values) of a sparse frame, validated against ``n`` elements."""
+        if payload.fmt not in (FMT_SPARSE, FMT_SPARSE_MASK):
             raise ValueError(f"TopK cannot decode frame format {payload.fmt}")
-        isize = 8 if payload.fmt == FMT_SPARSE64 else 4
         vsize = torch.empty(0, dtype=payload.vdtype).element_size()
+        if payload.fmt == FMT_SPARSE:
+            idx, _, rest = unpack_gaps(payload.body, n, vsize)
+            return idx, from_bytes(rest, payload.vdtype)
+        mlen = (n + 7) // 8
         nb = payload.body.numel()
-        if nb % (isize + vsize):
-            raise ValueError(f"corrupt top-k frame: {nb} bytes is not a multiple of {isize + vsize}")
-        k = nb // (isize + vsize)
-        idx = from_bytes(payload.body[: k * isize], torch.int64 if isize == 8 else torch.int32)
-        vb = payload.body[k * isize :]
-        if vb.storage_offset() % vsize:  # e.g. float64 values after an odd number of int32 indices
-            vb = vb.clone()
-        vals = from_bytes(vb, payload.vdtype)
-        if k and validate:
-            lo, hi = torch.stack(torch.aminmax(idx)).tolist()
-            if hi >= n or lo < 0:
-                bad = hi if hi >= n else lo
-                raise ValueError(f"corrupt top-k frame: index {bad} outside [0, {n})")
-        return idx, vals
+        if nb < mlen or (nb - mlen) % vsize:
+            raise ValueError(f"corrupt sparse frame: {nb} bytes for a mask of {n} positions")
+        idx = bitpack.unpack_uint(payload.body[:mlen], n, 1).nonzero().reshape(-1)
+        if idx.numel() * vsize != nb - mlen:
+            raise ValueError(f"corrupt sparse frame: {idx.numel()} positions for {nb - mlen} value bytes")
+        return idx, from_bytes(payload.body[mlen:], payload.vdtype)
 
 
 class RandomK(Codec):
@@ -153,13 +222,15 @@ class RandomK(Codec):
     """
 
     summable = True
+    framable = False  # the indices are never sent: only an allreduce of the values carries it
+    sparse = True
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
-        self.ratio = args.ratio("ratio", ratio)
+        self.ratio = warmup.check(args.ratio, "ratio", ratio)
         self.seed = args.integer("seed", seed)
 
     def indices(self, n: int, ctx: TensorContext, device) -> torch.Tensor:
-        k = _k_of(self.ratio, n)
+        k = _k_of(warmup.at(self.ratio, ctx.step), n)
         if k == n:
             return torch.arange(n, device=device)
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
@@ -180,3 +251,8 @@ class RandomK(Codec):
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         flat = v.view(-1)
         flat[payload.local] -= payload.body.to(v.dtype)
+
+    def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
+        mask = torch.zeros(n, dtype=torch.bool, device=payload.body.device)
+        mask[payload.local] = True
+        return mask

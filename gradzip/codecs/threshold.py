@@ -51,13 +51,15 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.warmup as warmup
 import gradzip.kernels as K
-from ..wire import FMT_EMPTY, Payload, accum_dtype, as_bytes, from_bytes, narrow
+from ..wire import FMT_EMPTY, Payload, accum_dtype, narrow
 from .base import Codec, TensorContext, check_input
+from .sparse import pack_gaps, unpack_gaps
 
 __all__ = ["Threshold", "exact_tau"]
 
-FMT_SIGNED_INDEX = 2  # body: int32 words, index in bits 0..30, sign in bit 31; value = +-scale
+FMT_SIGNED_INDEX = 2  # body: packed gaps of the positions, each with a sign bit (sparse.pack_gaps); +-scale
 FMT_BITMAP2 = 3  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -scale
 
 _POLICIES = ("fixed", "adaptive", "target")
@@ -87,6 +89,7 @@ class Threshold(Codec):
     """Strom's threshold sparsification with DL4J's adaptive tau (module docstring)."""
 
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
+    sparse = True
 
     def __init__(
         self,
@@ -110,7 +113,7 @@ class Threshold(Codec):
         self.band = (low, high)
         self.decay = args.number("decay", decay, 0.0, 1.0, lo_open=True, hi_open=True)
         self.growth = args.optional(args.number, "growth", growth, 1.0, lo_open=True)
-        self.density = args.ratio("density", density)
+        self.density = warmup.check(args.ratio, "density", density)
         self.shake_every = args.integer("shake_every", shake_every, 0)
         self.shake_factor = args.number("shake_factor", shake_factor, 1.0, lo_open=True)
 
@@ -132,7 +135,7 @@ class Threshold(Codec):
         if self.policy == "target" and n:
             if feedback:  # tau is a top-k of |v|: v is needed whole (Codec.encode compensates)
                 return super().encode(x, ctx, residual, feedback=True, out=out)
-            k = min(n, max(1, math.ceil(self.density * n)))
+            k = min(n, max(1, math.ceil(warmup.at(self.density, ctx.step) * n)))
             kth = float(torch.topk(x.reshape(-1).abs(), k, sorted=False).values.min())
             base = kth if kth > 0 else self.current_tau(ctx)
         else:
@@ -183,8 +186,14 @@ class Threshold(Codec):
         if count == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=x.device)
             return Payload(body=empty, shape=x.shape, dtype=dtype, fmt=FMT_EMPTY, scale=tau)
-        if n < _MAX_INDEX and 4 * count <= (n + 3) // 4:
-            return Payload(body=as_bytes(sel.indices()), shape=x.shape, dtype=dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
+        bitmap = (n + 3) // 4
+        # Packed gaps take at least one byte a position (with the sign bit, for gaps that fit
+        # 7 bits); only where that can beat the bitmap is the index list built at all.
+        if n < _MAX_INDEX and count < bitmap:
+            idx, neg = K.decode_signed_indices(sel.indices())
+            body = pack_gaps(idx, neg, extra_bits=1)
+            if body.numel() < bitmap:
+                return Payload(body=body, shape=x.shape, dtype=dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
         return Payload(body=sel.bitmap(), shape=x.shape, dtype=dtype, fmt=FMT_BITMAP2, scale=tau)
 
     # -- decode ------------------------------------------------------------------------
@@ -198,12 +207,10 @@ class Threshold(Codec):
         if payload.fmt == FMT_EMPTY:
             return
         if payload.fmt == FMT_SIGNED_INDEX:
-            words = from_bytes(payload.body, torch.int32)
-            if words.numel():
-                top = int((words & 0x7FFFFFFF).max())
-                if top >= out.numel():
-                    raise ValueError(f"corrupt threshold frame: index {top} >= numel {out.numel()}")
-            K.scatter_add_signed(out, words, tau)
+            idx, neg, rest = unpack_gaps(payload.body, out.numel(), 0, extra_bits=1)
+            vals = torch.full(idx.shape, tau, dtype=out.dtype, device=out.device)
+            vals[neg.bool()] = -tau
+            K.scatter_add_sparse(out, idx, vals)
             return
         if payload.fmt == FMT_BITMAP2:
             K.decode_add_bitmap2(out, [payload.body], [tau])

@@ -48,15 +48,26 @@ class LoopbackComm:
     ``world_size = 1024`` allocates the gathered buffer but never fills or decodes it.
     """
 
-    def __init__(self, world_size: int, stats: Stats | None = None) -> None:
+    def __init__(self, world_size: int, stats: Stats | None = None, *, scope: str = "world", log=None) -> None:
         self.world_size = check_world(world_size)
         self.rank = 0
         self.stats = stats if stats is not None else Stats()
-        self.log: list[Collective] = []
+        self.scope = scope
+        self.log: list[Collective] = [] if log is None else log
         self._todo: list = []
+        self._children: list = []
+
+    def split(self, local_size: int):
+        """Loopback stand-ins of ``Communicator.split``: the node's ranks and the ranks of the
+        same local rank on every node, logging into this communicator's log."""
+        node = LoopbackComm(local_size, self.stats, scope="intra", log=self.log)
+        cross = LoopbackComm(self.world_size // local_size, self.stats, scope="cross", log=self.log)
+        self._children = [node, cross]
+        return node, cross
 
     def _count(self, kind: str, nbytes: int, control: bool, offrank: float | None = None) -> None:
-        c = Collective(kind, nbytes, control, offrank)
+        group = None if self.scope == "world" else self.world_size
+        c = Collective(kind, nbytes, control, offrank, self.scope, group)
         self.stats.add(
             bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0,
             bytes_link=c.link_bytes(self.world_size),
@@ -94,6 +105,8 @@ class LoopbackComm:
         todo, self._todo = self._todo, []
         for fn in todo:
             fn()
+        for child in self._children:
+            child.complete()
 
 
 @dataclass
@@ -110,8 +123,8 @@ class DryRun:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.collectives)
 
-    def wire_time(self, world: int, link: Link) -> float:
-        return wire_time(self.collectives, world, link)
+    def wire_time(self, world: int, link: Link, **cluster) -> float:
+        return wire_time(self.collectives, world, link, **cluster)
 
 
 def dry_run(

@@ -164,29 +164,65 @@ def link_bytes(kind: str, nbytes: float, world: int, offrank: float | None = Non
 class Collective:
     """One collective of a protocol: ``kind`` is ``"allreduce"``, ``"allgather"`` or
     ``"alltoall"``; ``nbytes`` the bytes this rank hands to it (for an all-gather: its own
-    part); ``offrank`` for an all-to-all, the part addressed to other ranks (None: even)."""
+    part); ``offrank`` for an all-to-all, the part addressed to other ranks (None: even).
+    ``scope``: ``"world"`` (the whole process group), ``"intra"`` (the ranks of one node)
+    or ``"cross"`` (one rank per node, as a hierarchical protocol's inter-node step), on a
+    group of ``group`` ranks (None: the world)."""
 
     kind: str
     nbytes: int
     control: bool = False
     offrank: float | None = None
+    scope: str = "world"
+    group: int | None = None
 
     def time(self, world: int, link: Link) -> float:
+        n = self.group or world
         if self.kind == "allreduce":
-            return allreduce_time(self.nbytes, world, link)
+            return allreduce_time(self.nbytes, n, link)
         if self.kind == "allgather":
-            return allgather_time(self.nbytes, world, link)
+            return allgather_time(self.nbytes, n, link)
         if self.kind == "alltoall":
-            return alltoall_time(self.nbytes, world, link, self.offrank)
+            return alltoall_time(self.nbytes, n, link, self.offrank)
         raise ValueError(f"unknown collective kind {self.kind!r}")
 
     def link_bytes(self, world: int) -> float:
-        return link_bytes(self.kind, self.nbytes, world, self.offrank)
+        return link_bytes(self.kind, self.nbytes, self.group or world, self.offrank)
 
 
-def wire_time(collectives: Iterable[Collective], world: int, link: Link) -> float:
-    """Seconds on the wire: the collectives one after the other."""
-    return sum(c.time(world, link) for c in collectives)
+def wire_time(
+    collectives: Iterable[Collective], world: int, link: Link, *, local_size: int = 1, intra: Link | None = None
+) -> float:
+    """Seconds on the wire: the collectives one after the other.
+
+    On one node (``local_size`` 1, or the whole world on one node) every collective runs
+    on ``link``. On nodes of ``local_size`` ranks that share one ``link`` each (their NIC):
+
+    * ``intra`` collectives run on the node's own ``intra`` link (default: ``link``);
+    * ``cross`` collectives (one rank per node; the ``local_size`` such groups run at once
+      and share the NIC) run at ``1 / local_size`` of ``link``'s bandwidth;
+    * ``world`` rings (allreduce, all-gather over ranks numbered node by node) cross each
+      node boundary once, so the NIC carries one rank's ring traffic: ``link`` as it is;
+    * a ``world`` all-to-all sends every rank's messages to the other nodes' ranks through
+      the NIC at once: ``local_size * (N - local_size) / N`` of a rank's bytes, on ``link``.
+    """
+    local_size = check_world(local_size)
+    if local_size == 1 or local_size >= world:
+        return sum(c.time(world, intra if (c.scope == "intra" and intra) else link) for c in collectives)
+    shared = Link(link.bandwidth_bps / local_size, link.latency_s)
+    total = 0.0
+    for c in collectives:
+        if c.scope == "intra":
+            total += c.time(world, intra or link)
+        elif c.scope == "cross":
+            total += c.time(world, shared)
+        elif c.kind == "alltoall":
+            n = c.group or world
+            remote = local_size * (n - local_size) / n * (c.nbytes if c.offrank is None else c.offrank * n / (n - 1))
+            total += 8.0 * remote / link.bandwidth_bps + (n - 1) * link.latency_s
+        else:
+            total += c.time(world, link)
+    return total
 
 
 register_value("Link", Link)

@@ -142,6 +142,8 @@ def step_cost(
     dtype: torch.dtype = torch.float32,
     cache: WireCache | None = None,
     label: str | None = None,
+    local_size: int = 1,
+    intra: Link | None = None,
 ) -> StepCost:
     """Predict one step of data-parallel training of ``layers`` (``[(name, shape)]``).
 
@@ -151,6 +153,9 @@ def step_cost(
     codec from the route's fit, with error feedback as the route runs. A bucket whose
     protocol sums every tensor as it is (``DryRun.plain``) sends no engine flag. On one
     rank the step is ``compute_s`` alone.
+
+    ``local_size``: ranks per node, which share one ``link`` (their NIC); ``intra``: the
+    link between the ranks of a node (see :func:`~gradzip.costmodel.link.wire_time`).
     """
     check_world(world)
     compute_s = args.number("compute_s", compute_s, 0.0)
@@ -183,7 +188,7 @@ def step_cost(
             codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
         if not plain:  # the engine's flag (a bucket summed as it is needs none; see gradzip.engine)
             colls.append(Collective("allreduce", FLAG_BYTES, control=True))
-    wire = wire_time(colls, world, link)
+    wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)
     detail = {"tensors_per_method": groups_used} if len(groups_used) > 1 else {}
     return StepCost(
         name, world, float(compute_s), codec, wire, sum(c.nbytes for c in colls), len(colls), len(buckets), detail

@@ -3,12 +3,14 @@ from .allgather import AllGather
 from .allreduce import Allreduce
 from .base import Call, Exchange, Protocol, as_protocol, codec_time
 from .filter import Filter
+from .hierarchical import Hierarchical
 from .int8_allreduce import Int8Allreduce
 from .parallel import aligned_starts, parallel
 from .powersgd import PowerSGD
+from .reduce_scatter import ReduceScatter
 from .twophase import TwoPhase
 
 __all__ = [
-    "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter",
-    "Int8Allreduce", "PowerSGD", "TwoPhase", "parallel", "aligned_starts",
+    "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter", "Hierarchical",
+    "Int8Allreduce", "PowerSGD", "ReduceScatter", "TwoPhase", "parallel", "aligned_starts",
 ]

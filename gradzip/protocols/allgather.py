@@ -25,8 +25,8 @@ class AllGather(Protocol):
     rounds = 2
 
     def __init__(self, codec: Codec) -> None:
-        if not isinstance(codec, Codec):
-            raise ValueError(f"codec must be a gradzip codec, got {codec!r}")
+        if not isinstance(codec, Codec) or not codec.framable:
+            raise ValueError(f"codec must be a gradzip codec whose payloads travel in frames, got {codec!r}")
         self.codec = codec
 
     @property

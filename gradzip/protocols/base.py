@@ -18,12 +18,12 @@ from typing import ClassVar, Generator
 import torch
 
 from ..codecs.base import Codec, TensorContext
-from ..comm import Round
+from ..comm import Round, ring_allreduce_link
 from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
 from ..wire import Payload
 
-__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time"]
+__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time", "nested"]
 
 Exchange = Generator[Round, None, torch.Tensor]
 
@@ -52,6 +52,12 @@ class Protocol(Registered, register=False):
     def check_names(self, names) -> None:
         """Raise ``ValueError`` for configuration that refers to tensors none of ``names``
         match (the front end calls it with the model's tensor names)."""
+
+    def link_raw(self, nbytes: int, world: int) -> float:
+        """Link bytes of the plain collective this protocol stands in for, on ``nbytes`` of
+        gradients (the stats' ``bytes_link_raw``): a ring allreduce, unless the protocol
+        replaces another collective (a reduce-scatter sends half of it)."""
+        return ring_allreduce_link(nbytes, world)
 
     def routes(self, layers, world: int) -> list:
         """How a call over ``layers`` (``[(name, shape)]``) splits into methods, for the cost
@@ -121,6 +127,9 @@ class Call:
     #: ``(key, dtype) -> TensorContext``: the state of a protocol's own keys (pieces of a
     #: tensor, say), kept and rolled back by the engine like the tensors' own.
     make_context: object = None
+    #: Momentum buffers by name (momentum correction, :mod:`gradzip.momentum`): a sparse codec's
+    #: payload zeroes them where it sends.
+    momentum: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -213,7 +222,15 @@ class Call:
             r = self.memory.check_shape(name, g)
             payload, new = codec.encode(g, ctx, r, feedback=True, out=self.memory.buffer(name, g))
         self._store(name, new)
+        self._mask(codec, name, payload, 0, self.tensors[i].numel())
         return payload
+
+    def _mask(self, codec: Codec, name: str, payload: Payload, a: int, b: int) -> None:
+        """Momentum factor masking: zero the momentum where a sparse codec sent."""
+        u = self.momentum.get(name)
+        if u is not None and codec.sparse and b > a:
+            piece = u.view(-1)[a:b]
+            piece.masked_fill_(codec.sent_mask(payload, b - a), 0.0)
 
     def encode_pieces(self, codec: Codec, i: int, bounds: list, keys: list) -> list:
         """Encode tensor ``i``'s flat elements ``[bounds[j], bounds[j+1])`` as pieces, each with
@@ -235,6 +252,8 @@ class Call:
             for a, b, c in zip(bounds, bounds[1:], ctxs)
         ]
         self._store(name, out.view(t.shape))
+        for a, b, p in zip(bounds, bounds[1:], payloads):
+            self._mask(codec, name, p, a, b)
         return payloads
 
     def encode_owned(self, codec: Codec, key: str, v: torch.Tensor, dtype: torch.dtype, *, feedback: bool = True) -> Payload:
@@ -272,6 +291,25 @@ class Call:
             self._x.pop(self.names[i], None)
             self._store(self.names[i], residual)
 
+    def charge(self, i: int, applied: torch.Tensor) -> None:
+        """Tensor ``i`` is frozen (sent as zeros), but the protocol gives every rank one shared
+        result instead of the sum of what each rank sent (PowerSGD's ``P Q^T``): with error
+        feedback its residual becomes ``r - applied``, what a rank that sent ``g + r`` keeps
+        (``g`` is zero here), so that the ranks' residuals and the average still add up to
+        what the ranks put in when other ranks used the tensor. ``applied`` is all zero when
+        no rank did (DDP then drops the average): the residual is then left as it is."""
+        name = self.names[i]
+        if self.memory is None or name not in self.frozen or not bool(applied.any()):
+            return
+        t = self.tensors[i]
+        r = self.memory.check_shape(name, t)
+        new = self.memory.buffer(name, t)
+        if r is None:
+            new.zero_()
+        else:
+            new.copy_(r)
+        self._store(name, new.sub_(applied.reshape(t.shape)))
+
     def _store(self, name: str, new: torch.Tensor) -> None:
         self.memory.set(name, new)
         self.updated[name] = new
@@ -294,6 +332,7 @@ class Call:
         sub.updated = self.updated
         sub.frozen = self.frozen
         sub.make_context = self.make_context
+        sub.momentum = self.momentum
         return sub
 
     def context(self, key: str, dtype: torch.dtype) -> TensorContext:
@@ -305,6 +344,18 @@ class Call:
     def codec(self):
         """Time a block as codec work (see :func:`codec_time`)."""
         return codec_time(self.comm.stats)
+
+
+def nested(protocol: Exchange) -> Exchange:
+    """Run ``protocol`` inside another one that has rounds after it: its rounds, none of them
+    the last (so the communicator waits for each before going on); returns its result."""
+    try:
+        rnd = next(protocol)
+        while True:
+            yield Round(rnd.works, last=False)
+            rnd = next(protocol)
+    except StopIteration as stop:
+        return stop.value
 
 
 @contextmanager

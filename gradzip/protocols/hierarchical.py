@@ -1,0 +1,121 @@
+"""``Hierarchical(inner, local_size=L)``: reduce inside a node uncompressed, compress across nodes.
+
+With ``N`` ranks on ``N / L`` nodes of ``L`` ranks each (rank ``r`` on node ``r // L`` as
+local rank ``r % L``, as torchrun numbers them), one call runs:
+
+1. **Inside the node**, an allreduce (SUM) of the call's gradients over the node's ``L``
+   ranks, uncompressed: the node's sum ``S``.
+2. **Across nodes**, local rank ``l`` of every node takes piece ``l`` of each tensor of
+   ``S / L`` (the node's mean; pieces as ``TwoPhase`` cuts them) and runs ``inner``'s
+   protocol on it with the local rank ``l`` of the other nodes: ``L`` groups of ``N / L``
+   ranks, each on ``1 / L`` of the bytes, compressed, with error feedback keyed by the
+   piece (``name@l/L``). Their average over the nodes is piece ``l`` of the average
+   over all ranks.
+3. **Inside the node**, an all-gather of the pieces: every rank holds the whole average.
+
+Only step 2 crosses nodes, so the slow inter-node links carry ``1 / L`` of the
+compressed call per rank; steps 1 and 3 use the fast links inside a node (booked as
+``bytes_link_intra``). The process groups (one per node and one per local rank) are
+created on the first call, identically on every rank. ``local_size`` defaults to the
+``LOCAL_WORLD_SIZE`` that torchrun sets.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+import gradzip.args as args
+
+from ..codecs.base import Codec
+from ..comm import Round
+from ..wire import accum_dtype, narrow
+from .base import Call, Exchange, Protocol, as_protocol, nested
+from .twophase import piece_bounds
+
+__all__ = ["Hierarchical", "shard_key"]
+
+def shard_key(name: str, local: int, local_size: int) -> str:
+    return f"{name}@{local}/{local_size}"
+
+
+class Hierarchical(Protocol):
+    def __init__(self, inner, *, local_size: int | None = None) -> None:
+        if not isinstance(inner, (Codec, Protocol)) or isinstance(inner, Hierarchical):
+            raise TypeError(f"inner must be a gradzip codec or protocol (not Hierarchical), got {type(inner).__name__}")
+        self.inner = inner
+        if local_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+            local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        self.local_size = args.optional(args.integer, "local_size", local_size, 1)
+        self._comms = weakref.WeakKeyDictionary()  # the call's communicator -> (node, cross)
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return self.inner.biased
+
+    @classmethod
+    def spec_defaults(cls, kwargs: dict, context: dict) -> dict:
+        """In a method spec, the tool's node size (``gradzip plan --local-size``) unless given."""
+        return {"local_size": context["local_size"]} if context.get("local_size") else {}
+
+    def check_names(self, names) -> None:
+        as_protocol(self.inner).check_names(names)
+
+    def _setup(self, call: Call):
+        world, rank = call.world_size, call.rank
+        L = self.local_size
+        if L is None:
+            raise ValueError("Hierarchical needs local_size (or LOCAL_WORLD_SIZE, as torchrun sets it)")
+        L = min(L, world)  # fewer ranks than a node holds: one node
+        if world % L:
+            raise ValueError(f"Hierarchical: {world} ranks are not whole nodes of local_size={L}")
+        if call.comm not in self._comms:
+            self._comms[call.comm] = call.comm.split(L)
+        node, across = self._comms[call.comm]
+        return L, rank % L, node, across
+
+    def exchange(self, call: Call) -> Exchange:
+        L, local, node, across = self._setup(call)
+        count = len(call.tensors)
+        acc_dtype = accum_dtype(call.out_dtype)
+        with call.codec():
+            flat = (torch.cat([t.reshape(-1).to(acc_dtype) for t in call.tensors]) if count
+                    else torch.empty(0, dtype=acc_dtype, device=call.device))
+            call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
+        yield Round([node.allreduce(flat)])  # the node's sum, uncompressed
+        with call.codec():
+            flat.div_(L)  # the node's mean
+            bounds = [piece_bounds(t.numel(), L) for t in call.tensors]
+            pieces = [flat[call.offsets[i] + bounds[i][local] : call.offsets[i] + bounds[i][local + 1]] for i in range(count)]
+            sub = Call(
+                comm=across,
+                names=[shard_key(n, local, L) for n in call.names],
+                tensors=pieces,
+                contexts=[call.context(shard_key(n, local, L), t.dtype) for n, t in zip(call.names, call.tensors)],
+                memory=call.memory,
+                out_dtype=acc_dtype,
+                make_context=call.make_context,
+            )
+            sub.updated = call.updated
+        inner = as_protocol(self.inner, across.world_size, feedback=call.memory is not None)
+        got = yield from nested(inner.exchange(sub))
+        with call.codec():
+            widths = [max((b[j + 1] - b[j]) for j in range(L)) for b in bounds]  # the widest piece of each tensor
+            mine = torch.zeros(sum(widths), dtype=acc_dtype, device=call.device)
+            pos = 0
+            for i in range(count):
+                k = bounds[i][local + 1] - bounds[i][local]
+                mine[pos : pos + k] = got[sub.slice(i)]
+                pos += widths[i]
+            gathered = torch.empty(L * mine.numel(), dtype=acc_dtype, device=call.device)
+        yield Round([node.allgather(gathered, mine)], last=True)
+        with call.codec():
+            out = call.output()
+            rows = gathered.view(L, -1)
+            for i in range(count):
+                start = sum(widths[:i])
+                for j in range(L):
+                    a, b = bounds[i][j], bounds[i][j + 1]
+                    out[call.offsets[i] + a : call.offsets[i] + b] = narrow(rows[j, start : start + b - a], call.out_dtype)
+        return out

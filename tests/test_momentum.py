@@ -1,0 +1,198 @@
+"""Momentum correction, codec schedules, local clipping, and the lean frames."""
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip as gz
+from gradzip import wire
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.sparse import pack_gaps, unpack_gaps
+from gradzip.hooks import register_hook
+
+from .mp_utils import run_ranks
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=m, nesterov=nesterov, weight_decay=wd)
+    state = register_hook(ddp, gz.TopK(0.1), optimizer=opt)
+    assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in opt.param_groups)
+    for s in range(steps):
+        x, y = batch(s, rank)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], state.state_dict()
+
+
+def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
+    """DGC written out: per rank u = m u + g + wd p, v = r + (u, or g' + m u), send top-k(v),
+    r = v - sent, u = 0 where sent; a plain SGD step on the average of what was sent."""
+    model = make_model()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    codec = gz.TopK(0.1)
+    u = [[None] * len(params) for _ in range(world)]
+    r = [[None] * len(params) for _ in range(world)]
+    for s in range(steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            x, y = batch(s, rank)
+            F.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.clone() for p in params])
+        for i, p in enumerate(params):
+            acc = torch.zeros(p.numel())
+            for rank in range(world):
+                g = grads[rank][i].add(p.detach(), alpha=wd)
+                u[rank][i] = g.clone() if u[rank][i] is None else torch.add(g, u[rank][i], alpha=m)
+                send = g + m * u[rank][i] if nesterov else u[rank][i]
+                v = send.clone() if r[rank][i] is None else send + r[rank][i]
+                pay = codec.compress(v, TensorContext(name=names[i], step=s))
+                codec.accumulate(pay, acc)
+                sent = codec.decompress(pay)
+                r[rank][i] = v - sent
+                u[rank][i] = u[rank][i].masked_fill(sent != 0, 0.0)
+            with torch.no_grad():
+                p.add_(acc.div_(world).view_as(p), alpha=-lr)
+    return [p.detach().clone() for p in params], u
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_momentum_correction_equals_dgc_written_out(nesterov):
+    res = run_ranks(_ddp, 2, 5, nesterov)
+    want, u = reference(2, 5, nesterov)
+    names = [n for n, _ in make_model().named_parameters()]
+    for rank, (got, sd) in enumerate(res):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        for i, n in enumerate(names):
+            assert torch.equal(sd["momentum"][f"{n}:momentum"], u[rank][i].view_as(sd["momentum"][f"{n}:momentum"]))
+
+
+def test_momentum_correction_refuses_what_it_cannot_take_over():
+    model = make_model()
+    for opt in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)):
+        with pytest.raises(ValueError, match="momentum correction"):
+            gz.momentum.Momentum.adopt(opt, list(model.named_parameters()))
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="does not hold parameters"):
+        gz.momentum.Momentum.adopt(other, list(model.named_parameters()))
+
+
+def _checkpoint(rank, world, steps, k):
+    method = "TopK(ratio=Exponential(0.5, 0.05, steps=4, stages=3))"
+
+    def fresh():
+        model = make_model()
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        return model, ddp, opt, register_hook(ddp, gz.parse(method), optimizer=opt, clip=1.0)
+
+    def run(ddp, opt, a, b):
+        for s in range(a, b):
+            x, y = batch(s, rank)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    model, ddp, opt, state = fresh()
+    run(ddp, opt, 0, steps)
+    unbroken = [p.detach().clone() for p in model.parameters()]
+    model, ddp, opt, state = fresh()
+    run(ddp, opt, 0, k)
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict(), "g": state.state_dict()}, buf)
+    model, ddp, opt, state = fresh()
+    ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model.load_state_dict(ck["m"])
+    opt.load_state_dict(ck["o"])
+    state.load_state_dict(ck["g"])
+    run(ddp, opt, k, steps)
+    return unbroken, [p.detach().clone() for p in model.parameters()]
+
+
+def test_momentum_and_schedule_resume_bit_identically():
+    for unbroken, resumed in run_ranks(_checkpoint, 2, 7, 3):
+        assert all(torch.equal(a, b) for a, b in zip(unbroken, resumed))
+
+
+def test_schedules_follow_the_step_and_check_their_ends():
+    sched = gz.warmup.Exponential(0.25, 0.001, steps=400, stages=5)
+    assert [sched(s) for s in (0, 99)] == [0.25, 0.25]
+    assert sched(100) == pytest.approx(0.25 * (0.004) ** 0.25) and sched(400) == pytest.approx(0.001)
+    comp = gz.TopK(ratio=sched)
+    x = torch.randn(1000)
+    sent = [int((comp.decompress(comp.compress(x, TensorContext(step=s))) != 0).sum()) for s in (0, 150, 500)]
+    assert sent == [250, math.ceil(1000 * sched(150)), 1]
+    with pytest.raises(ValueError, match="ratio"):
+        gz.TopK(ratio=gz.warmup.Linear(0.5, 2.0, steps=10))
+    p = gz.PowerSGD(rank=gz.warmup.Linear(4, 1, steps=10))
+    assert [p.rank_at(s) for s in (0, 5, 10, 99)] == [4, 2, 1, 1]
+
+
+def test_local_clipping_scales_by_one_over_sqrt_n():
+    eng_sd = run_ranks(_clipped, 4)
+    for out, norm in eng_sd:
+        assert norm == pytest.approx(2.0 / math.sqrt(4), rel=1e-6)
+
+
+def _clipped(rank, world):
+    eng = gz.Engine(gz.Identity(), clip=2.0)
+    g = torch.full((100,), 10.0)  # norm 100, clipped to 2 / sqrt(4) on every rank
+    f = eng.reduce(["w"], [g])
+    eng.flush()
+    eng.end_step()
+    out = f.wait()
+    return out, float(out.norm())
+
+
+# -- lean frames -----------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5000), data=st.data())
+def test_packed_gaps_round_trip(n, data):
+    k = data.draw(st.integers(0, min(n, 300)))
+    idx = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=k, max_size=k))), dtype=torch.int64)
+    signs = torch.tensor(data.draw(st.lists(st.integers(0, 1), min_size=k, max_size=k)), dtype=torch.int64)
+    vals = torch.randn(k)
+    body = torch.cat([pack_gaps(idx, signs, extra_bits=1), vals.view(torch.uint8)])
+    got, extra, rest = unpack_gaps(body, n, 4, extra_bits=1)
+    assert torch.equal(got, idx) and torch.equal(extra, signs) and torch.equal(rest.clone().view(torch.float32), vals)
+    if k:
+        with pytest.raises(ValueError, match="corrupt"):
+            unpack_gaps(body[:-1], n, 4, extra_bits=1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_sparse_frames_round_trip_in_messages(data):
+    """Frames of every sparse codec, packed into one message with others, decode to what each
+    codec sent, whatever the sizes, densities and value dtypes."""
+    codecs = [gz.TopK(0.01), gz.TopK(0.3), gz.TopK(0.05, values="bf16"), gz.Threshold(tau=1.5), gz.Threshold(tau=0.1),
+              gz.SignSGD(block=7), gz.QSGD(levels=3, block=5)]
+    picks = data.draw(st.lists(st.sampled_from(range(len(codecs))), min_size=1, max_size=6))
+    xs = [torch.randn(data.draw(st.integers(0, 700)), generator=torch.Generator().manual_seed(i)) for i in range(len(picks))]
+    pays = [codecs[c].compress(x, TensorContext(name=f"t{i}")) for i, (c, x) in enumerate(zip(picks, xs))]
+    msg = wire.pack_frames(pays)
+    assert msg.numel() == wire.message_nbytes(pays)
+    got = wire.unpack_frames(torch.cat([msg, torch.zeros(5, dtype=torch.uint8)]), [p.shape for p in pays],
+                             [p.dtype for p in pays])
+    for c, p, q in zip(picks, pays, got):
+        assert torch.equal(codecs[c].decompress(p), codecs[c].decompress(q))
