@@ -2,7 +2,7 @@
 
     python benchmarks/report.py
 
-Reads benchmarks/results/accuracy_mnist_2ranks_cpu.json, step_time.json,
+Reads benchmarks/results/accuracy_*.json (``gradzip bench`` results, any schema), step_time.json,
 step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json,
 overhead_2ranks.json, overhead_4ranks.json and kernels_nvidia-h100-80gb-hbm3.json,
 whichever exist; every number in the README's results section comes from here.
@@ -29,7 +29,50 @@ def _machine(m: dict) -> str:
     return f"{m['cpu']}, {m['cores']} cores{extra}, torch {m['torch']}, {m['date']}"
 
 
+def _pm(r: dict, key: str, signed: bool = False) -> str:
+    """``mean ± std [min..max]`` in percent (points) of ``r[key]``, ``r[key + "_std"]``, ..."""
+    f = (lambda v: f"{100 * v:+.2f}") if signed else (lambda v: f"{100 * v:.2f}")  # noqa: E731
+    std = r.get(f"{key}_std")
+    if std is None:  # one seed: no spread
+        return f(r[key])
+    return f"{f(r[key])} ± {100 * std:.2f} [{f(r[f'{key}_min'])}..{f(r[f'{key}_max'])}]"
+
+
 def accuracy(doc: dict) -> str:
+    """The table of ``gradzip bench`` / ``benchmarks/accuracy.py``: results.json, schema 2
+    (per-method rows aggregated over seeds), or the first one-seed layout."""
+    if doc.get("schema", 1) < 2:
+        return _accuracy_v1(doc)
+    cfg = doc["config"]
+    n = len(cfg["seeds"])
+    lines = [
+        f"`{doc['command']}`" if doc.get("command") else "`gradzip bench`",
+        "",
+        f"({cfg['dataset']}, {cfg['workers']} {'nccl' if cfg['device'] == 'cuda' else 'gloo'} ranks, {cfg['epochs']} "
+        f"epochs of {cfg['steps_per_epoch']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} "
+        f"momentum {cfg['momentum']:g} weight decay {cfg['weight_decay']:g}, {cfg['lr_schedule']} schedule"
+        f"{', warm-up ' + format(cfg['warmup_epochs'], 'g') + ' epochs' if cfg.get('warmup_epochs') else ''}; "
+        f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
+        "",
+        f"Link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's (`stats()[\"ratio\"]`); "
+        f"handed: the same over bytes handed to `torch.distributed`. Accuracy: final test accuracy (%), mean ± "
+        f"sample std [min..max] over {n} seed{'s' if n > 1 else ''}; last 3: the mean of the test accuracies after "
+        f"each of the last 3 epochs; Δ: against Identity on the same seed, in points.",
+        "",
+        "| method | link ratio | handed ratio | link MB/step | test acc (%) | last 3 (%) | Δ acc (pp) | ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        delta = _pm({**r, "delta": r["delta_accuracy"]}, "delta", signed=True) \
+            if "delta_accuracy" in r else ""
+        lines.append(
+            f"| {r['method']} | {r['ratio']:.1f}× | {r['ratio_handed']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} "
+            f"| {_pm(r, 'accuracy')} | {100 * r['accuracy_last3']:.2f} | {delta} | {1000 * r['seconds_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _accuracy_v1(doc: dict) -> str:
     cfg = doc["config"]
     lines = [
         f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, "
@@ -151,8 +194,10 @@ def kernels(doc: dict) -> str:
 
 
 def main() -> None:
+    accuracy_files = sorted(f for f in os.listdir(HERE) if f.startswith("accuracy_") and f.endswith(".json")) \
+        if os.path.isdir(HERE) else []
     for name, fn in (
-        ("accuracy_mnist_2ranks_cpu.json", accuracy),
+        *((f, accuracy) for f in accuracy_files),
         ("step_time.json", step_time),
         ("step_time_2ranks.json", step_time),
         ("plan_check.json", plan_check),
