@@ -25,6 +25,15 @@ from .wire import Payload
 
 __version__ = "0.2.0"
 
+
+def __getattr__(name: str):
+    # gradzip.fsdp on first use: importing torch.distributed.fsdp takes seconds.
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module(".fsdp", __name__)
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
+
 __all__ = [
     "Codec",
     "Protocol",

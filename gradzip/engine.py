@@ -38,7 +38,7 @@ import torch.distributed as dist
 import gradzip.args as args
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
-from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, ring_allreduce_link
+from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
 from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
@@ -197,7 +197,7 @@ class Engine:
             )
             protocol = self._plain_protocol if plain_call else self.protocol
             raw = sum(t.numel() * t.element_size() for t in tensors)
-            self.stats_.add(bytes_raw=raw, bytes_link_raw=ring_allreduce_link(raw, self.comm.world_size))
+            self.stats_.add(bytes_raw=raw, bytes_link_raw=protocol.link_raw(raw, self.comm.world_size))
             plain = protocol.plain(call)
             local: list = []
             with codec_time(self.stats_):

@@ -320,6 +320,51 @@ def test_result_depends_on_seed_step_and_name_not_on_the_bucket(rank):
     assert not torch.equal(a, other_seed)
 
 
+def _in_a_flat_buffer(tensors, offset=1):
+    """``tensors`` as views of one flat buffer, the first at ``offset`` elements (as DDP
+    hands a bucket's gradients: at offsets set by the tensors before them)."""
+    flat = torch.zeros(offset + sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    views, pos = [], offset
+    for t in tensors:
+        flat[pos : pos + t.numel()] = t.reshape(-1)
+        views.append(flat[pos : pos + t.numel()].view(t.shape))
+        pos += t.numel()
+    return views
+
+
+@pytest.mark.parametrize("rank", [1, 2, 5])
+@pytest.mark.parametrize("ef", [True, False], ids=["ef", "no-ef"])
+def test_a_tensors_bits_do_not_depend_on_the_tensors_before_it_in_its_call(rank, ef):
+    """Issue #17, item 4. The same tensor reduced alone and after other tensors of various
+    sizes (so that its P^T and Q^T lie at other offsets of the wire buffers, and with
+    tensors of its own shape, in one batch with it) gives the same bits, over two steps
+    (warm start included). Without error feedback the gradients are views of a flat
+    buffer at an odd offset, as in a DDP bucket. Before the fix: differences of 1-4 ulp
+    (1e-7) in most of these cases."""
+    shapes = [(64, 96), (33, 40), (257, 1031)]  # the last: several fused blocks of rows
+    before_it = [[(5,)], [(3, 7)], [(33, 40)], [(64, 96), (7,), (64, 96)], [(11, 13), (1,)]]
+    names = [f"t{j}" for j in range(len(shapes))]
+
+    def grads(step, r, pre=()):
+        ts = [_randn(*s, seed=1000 * step + 10 * r + j) for j, s in enumerate(pre)]
+        ts += [_randn(*s, seed=500 + 1000 * step + 10 * r + j) for j, s in enumerate(shapes)]
+        return ts if ef else _in_a_flat_buffer(ts)
+
+    tail = sum(math.prod(s) for s in shapes)
+    alone = Sim(PowerSGD(rank=rank, seed=3), 2, error_feedback=ef)
+    want = [alone.reduce(names, [grads(step, r) for r in range(2)])[0] for step in range(2)]
+    for pre in before_it:
+        sim = Sim(PowerSGD(rank=rank, seed=3), 2, error_feedback=ef)
+        pre_names = [f"p{j}" for j in range(len(pre))]
+        for step in range(2):
+            got = sim.reduce(pre_names + names, [grads(step, r, pre) for r in range(2)])[0][-tail:]
+            assert torch.equal(got, want[step]), (pre, step, float((got - want[step]).abs().max()))
+        if ef:
+            for n in names:
+                assert torch.equal(sim.mems[0].residual(n), alone.mems[0].residual(n)), (pre, n)
+                assert torch.equal(sim.stores[0][n]["q"], alone.stores[0][n]["q"]), (pre, n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_gradients_are_computed_in_fp32(dtype):
     grads = [[t.to(dtype) for t in grads_for(0, r)] for r in range(2)]
@@ -535,14 +580,24 @@ def test_matches_torchs_powerSGD_hook_on_two_ranks():
 
 
 # --------------------------------------------------------------------------------------
+def odd_model(seed=0):
+    """Layer widths that put every matrix at an odd offset of its bucket, and at other
+    offsets once DDP rebuilds its buckets (whose first one then takes up to 1 MiB)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 37), torch.nn.ReLU(), torch.nn.Linear(37, 29), torch.nn.ReLU(),
+                               torch.nn.Linear(29, 53), torch.nn.ReLU(), torch.nn.Linear(53, 5))
+
+
 def _checkpoint_and_stress(rank, world, k, stress_steps):
     out = {}
-    for label, comp in {
-        "plain": PowerSGD(rank=2, seed=1),
-        "accordion": PowerSGD(rank=1, accordion_rank=3, accordion_interval=2, seed=1),
+    for label, (make, comp) in {
+        "plain": (make_model, PowerSGD(rank=2, seed=1)),
+        "accordion": (make_model, PowerSGD(rank=1, accordion_rank=3, accordion_interval=2, seed=1)),
+        "odd-1": (odd_model, PowerSGD(rank=1, seed=1)),
+        "odd-3": (odd_model, PowerSGD(rank=3, seed=1)),
     }.items():
         def build(seed):
-            model = make_model(seed)
+            model = make(seed)
             ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
             state = register_hook(ddp, comp)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -600,14 +655,19 @@ def _checkpoint_and_stress(rank, world, k, stress_steps):
 @pytest.mark.slow
 def test_checkpoint_resume_is_bit_exact_and_many_buckets_do_not_hang():
     """Checkpoint mid-training (several buckets; DDP groups tensors differently in the
-    resumed run's first step) for plain and Accordion PowerSGD; then 60 steps with one
-    tensor per bucket and rank-dependent batch sizes, one step overflowing on rank 1."""
+    resumed run's first step) for plain and Accordion PowerSGD, and on a model whose
+    matrices then lie at other offsets of their buckets (issue #17, item 4: the resumed
+    run differed from the unbroken one by up to 1.5e-8 for ranks 1 and 3 before P and Q
+    got storage of their own); then 60 steps with one tensor per bucket and
+    rank-dependent batch sizes, one step overflowing on rank 1."""
     k, stress_steps = 5, 60
     res = run_ranks(_checkpoint_and_stress, 2, k, stress_steps, timeout=180)
     for r in res:
-        for label in ("plain", "accordion"):
+        for label in ("plain", "accordion", "odd-1", "odd-3"):
             assert r[label]["same"], label
+        for label in ("plain", "accordion", "odd-1"):
             assert r[label]["qs"] == ["0.weight", "2.weight", "4.weight", "6.weight"], label
+        assert r["odd-3"]["qs"] == ["0.weight", "2.weight", "4.weight"]  # 5 x 53 at rank 3: sent whole
         assert set(r["accordion"]["ranks"][n] for n in r["accordion"]["qs"]) <= {1, 3}
         assert r["stress"]["skipped"] == [10] and r["stress"]["restored"]
         assert all(torch.isfinite(p).all() for p in r["stress"]["params"])

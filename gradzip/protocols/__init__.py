@@ -7,9 +7,10 @@ from .hierarchical import Hierarchical
 from .int8_allreduce import Int8Allreduce
 from .parallel import aligned_starts, parallel
 from .powersgd import PowerSGD
+from .reduce_scatter import ReduceScatter
 from .twophase import TwoPhase
 
 __all__ = [
     "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter", "Hierarchical",
-    "Int8Allreduce", "PowerSGD", "TwoPhase", "parallel", "aligned_starts",
+    "Int8Allreduce", "PowerSGD", "ReduceScatter", "TwoPhase", "parallel", "aligned_starts",
 ]

@@ -18,7 +18,7 @@ from typing import ClassVar, Generator
 import torch
 
 from ..codecs.base import Codec, TensorContext
-from ..comm import Round
+from ..comm import Round, ring_allreduce_link
 from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
 from ..wire import Payload
@@ -52,6 +52,12 @@ class Protocol(Registered, register=False):
     def check_names(self, names) -> None:
         """Raise ``ValueError`` for configuration that refers to tensors none of ``names``
         match (the front end calls it with the model's tensor names)."""
+
+    def link_raw(self, nbytes: int, world: int) -> float:
+        """Link bytes of the plain collective this protocol stands in for, on ``nbytes`` of
+        gradients (the stats' ``bytes_link_raw``): a ring allreduce, unless the protocol
+        replaces another collective (a reduce-scatter sends half of it)."""
+        return ring_allreduce_link(nbytes, world)
 
     def routes(self, layers, world: int) -> list:
         """How a call over ``layers`` (``[(name, shape)]``) splits into methods, for the cost
@@ -284,6 +290,25 @@ class Call:
                 raise ValueError(f"residual of shape {tuple(residual.shape)} for a tensor of {tuple(self.tensors[i].shape)}")
             self._x.pop(self.names[i], None)
             self._store(self.names[i], residual)
+
+    def charge(self, i: int, applied: torch.Tensor) -> None:
+        """Tensor ``i`` is frozen (sent as zeros), but the protocol gives every rank one shared
+        result instead of the sum of what each rank sent (PowerSGD's ``P Q^T``): with error
+        feedback its residual becomes ``r - applied``, what a rank that sent ``g + r`` keeps
+        (``g`` is zero here), so that the ranks' residuals and the average still add up to
+        what the ranks put in when other ranks used the tensor. ``applied`` is all zero when
+        no rank did (DDP then drops the average): the residual is then left as it is."""
+        name = self.names[i]
+        if self.memory is None or name not in self.frozen or not bool(applied.any()):
+            return
+        t = self.tensors[i]
+        r = self.memory.check_shape(name, t)
+        new = self.memory.buffer(name, t)
+        if r is None:
+            new.zero_()
+        else:
+            new.copy_(r)
+        self._store(name, new.sub_(applied.reshape(t.shape)))
 
     def _store(self, name: str, new: torch.Tensor) -> None:
         self.memory.set(name, new)

@@ -1,7 +1,11 @@
 """``Int8Allreduce``: block-wise int8 codes summed exactly by allreduce.
 
-1. allreduce(MAX) of every block's ``max|x|`` (4 bytes per block): the ranks
-   agree on the scales ``S_b`` (``kernels.int8_scales``);
+1. allreduce(MAX) of every block's float32 scale ``S_b = kernels.int8_scales(max|x|)``
+   (4 bytes per block), taken from ``max|x|`` in the accumulation dtype: ``int8_scales``
+   is monotone, so the ranks agree on the scale of the largest ``max|x|``. A block whose
+   scale exceeds float32's range on some rank (a float64 block beyond it; an infinite
+   value, which the engine's non-finite check reports anyway) goes as ``+inf``, wins the
+   MAX, and is then sent as zeros by every rank: error feedback keeps it whole;
 2. every rank quantizes with the agreed ``S_b`` (``kernels.int8_encode``) and the
    ranks allreduce-SUM the codes exactly, as integers. torch.distributed has no
    int16 sum (gloo: "Invalid scalar type"; NCCL has no int16), so the codes
@@ -11,7 +15,8 @@
 Wire cost per rank: ``4 * ceil(n / B)`` bytes of scales plus
 ``8 * ceil(n_call / (63 // w))`` bytes of words (``n_call``: all elements of the
 call): 8/7 byte per element for 2 ranks, 4/3 for 3-4, 8/5 for 5-16, 2 for 17-64,
-8/3 for 65-258. The result is ``sum(q) * S_b / world`` in float32.
+8/3 for 65-258. The result is ``sum(q) * S_b / world`` in float32 (float64 for float64
+gradients), narrowed to the output dtype.
 ``Int8(allreduce=True)`` names this protocol.
 """
 from __future__ import annotations
@@ -55,7 +60,7 @@ class Int8Allreduce(Protocol):
         world = call.world_size
         out = torch.zeros(call.numel, dtype=call.out_dtype, device=call.device)
         with call.codec():
-            vs, layouts, amax = [], [], []
+            vs, layouts, scales = [], [], []
             for i in range(len(call.tensors)):
                 v = call.x(i).reshape(-1)
                 v = v.to(accum_dtype(v.dtype))
@@ -63,15 +68,17 @@ class Int8Allreduce(Protocol):
                 vs.append(v)
                 layouts.append((nb, b))
                 if nb:
-                    amax.append(K.quant_pad(v.abs(), nb, b).amax(dim=1).to(torch.float32))
-            if not amax:  # every tensor is empty, on every rank
+                    amax = K.quant_pad(v.abs(), nb, b).amax(dim=1)  # in v's dtype: float64 stays float64
+                    s = K.int8_scales(amax)  # 0 where the scale exceeds float32 (and for 0 or NaN)
+                    scales.append(torch.where((s == 0) & (amax > 0), float("inf"), s))
+            if not scales:  # every tensor is empty, on every rank
                 for i in range(len(call.tensors)):
                     call.commit(i, vs[i])
                 return out
-            amax = torch.cat(amax)
-        yield Round([call.comm.allreduce(amax, op=dist.ReduceOp.MAX)])
+            scales = torch.cat(scales)
+        yield Round([call.comm.allreduce(scales, op=dist.ReduceOp.MAX)])
         with call.codec():
-            scales = K.int8_scales(amax)
+            scales = torch.where(torch.isinf(scales), 0.0, scales)  # beyond float32 on some rank: sent as zeros
             codes, per_element, pos = [], [], 0
             for i, (v, (nb, b)) in enumerate(zip(vs, layouts)):
                 s = scales[pos : pos + nb]
@@ -88,10 +95,13 @@ class Int8Allreduce(Protocol):
             padded[: flat.numel()] = flat
             shifts = torch.arange(lanes, dtype=torch.int64, device=flat.device) * w
             words = (padded.view(nw, lanes) << shifts).sum(dim=1)
-            call.comm.stats.add(bytes_payload=amax.numel() * 4 + words.numel() * 8)
+            call.comm.stats.add(bytes_payload=scales.numel() * 4 + words.numel() * 8)
         yield Round([call.comm.allreduce(words)], last=True)
         with call.codec():
             sums = ((words.view(nw, 1) >> shifts) & ((1 << w) - 1)).reshape(-1)[: flat.numel()] - 127 * world
-            se = torch.cat([p.to(torch.float32) for p in per_element])
-            out.copy_(narrow((sums.to(torch.float32) * se).div_(world), out.dtype))
+            # float64 gradients decode in float64: a float32 product would overflow for scales
+            # near float32's maximum, though the average fits the gradients' dtype
+            wd = torch.float64 if any(v.dtype == torch.float64 for v in vs) else torch.float32
+            se = torch.cat([p.to(wd) for p in per_element])
+            out.copy_(narrow((sums.to(wd) * se).div_(world), out.dtype))
         return out

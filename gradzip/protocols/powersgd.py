@@ -18,21 +18,40 @@ whatever the gradients' dtype, by modified Gram-Schmidt,
 ``col <- col / (||col|| + eps)`` (a zero column stays zero when ``eps == 0``),
 run twice for ``k > 2`` (see :func:`orthogonalize_`).
 
-Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers
-and are orthogonalized as one batch. On GPUs their products are one ``bmm`` over
-a stack of the ``M``'s (fewer kernel launches); on CPU one ``mm`` per matrix,
-because MKL loops over a batch anyway and the stack would be one more copy of the
-gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
+Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers.
+On GPUs they are orthogonalized as one batch and their products are one ``bmm`` over
+a stack of the ``M``'s (fewer kernel launches); on CPU they are orthogonalized one at a
+time (below) with one ``mm`` per matrix, because MKL loops over a batch anyway and the
+stack would be one more copy of the gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
 1 MiB, :func:`_block_rows`): each block of ``M`` is compensated (``g + r``) and
 multiplied into ``P^T`` while in cache, and each block of ``M_hat`` is written and
 subtracted from ``M`` for the residual while in cache (``Call.x_rows``,
-``Call.fresh_residual``); the values are those of the unfused passes up to the
-blocking of the products. A tensor's result must not depend on which tensors share its call:
-DDP rebuilds its buckets, so a resumed run can group them differently from the
-unbroken one (tested on CPU). On CPU (MKL) a matrix-vector product (``k = 1``)
-depends on the memory alignment of ``M``, so ``M`` is then copied to 64-byte
-alignment where it is not. On GPUs, bit-exact resumption relies on cuBLAS giving
-the same bits for a matrix alone and in a batch (not tested here: no GPU).
+``_decode_rows``); the values are those of the unfused passes up to the
+blocking of the products.
+
+A tensor's result must not depend on which tensors share its call: DDP rebuilds its
+buckets, so a resumed run can group them differently from the unbroken one (tested on
+CPU, bit for bit). The wire buffers hold each matrix's ``P^T`` and ``Q^T`` at offsets
+set by the other tensors of the call, and on CPU the last bits of MKL's products
+depend on the alignment of their operands and output, and a batched reduction splits
+across threads differently from a lone one. So on CPU every matrix's ``P^T`` and
+``Q^T`` are computed, orthogonalized (one matrix at a time) and decoded from storage
+of their own that starts 64-byte aligned (:func:`_slots`), and only copied to and
+from the wire buffers; ``M`` is copied to 64-byte alignment for a matrix-vector
+product (``k = 1``) where it is not aligned, and ``P Q^T`` for ``k > 4`` (a gemm) goes
+through an aligned buffer where its place in the output is not aligned. The copies
+are of ``P`` and ``Q`` only (``(n + m) k`` elements per matrix). Orthogonalization
+splits a long column's norm across threads, so ranks must run with the same number
+of intra-op threads (torchrun's default) to agree bit for bit. On GPUs the matrices
+of a shape stay batched (one ``bmm``); bit-exact resumption there relies on cuBLAS
+giving the same bits for a matrix alone and in a batch (not tested here: no GPU).
+
+Unused parameters (``Call.frozen``: DDP with ``find_unused_parameters=True``): such a
+tensor is sent as zeros, but ``M_hat`` is one shared result rather than the sum of what
+each rank sent, so its residual is charged with it (``Call.charge``: ``r - M_hat``, what
+``M_w - M_hat`` is with a zero gradient), which keeps ``W * M_hat + sum_w r_w`` equal to
+what the ranks put in when other ranks used the tensor; where no rank did, ``M_hat`` is
+exactly zero (``P`` is) and the residual is left as it is.
 
 A tensor is compressed only if it has at least 2 dimensions and
 ``(n + m) * k * min_compression_rate < n * m``; the others (biases, small or
@@ -79,6 +98,10 @@ from ..wire import accum_dtype, narrow
 from .base import Protocol
 
 __all__ = ["PowerSGD", "orthogonalize_"]
+
+#: Bytes: on CPU every matrix's P^T and Q^T start at such a boundary (MKL's products depend
+#: on the alignment of their operands).
+ALIGN = 64
 
 
 def _gram_schmidt_(a: torch.Tensor, eps: float) -> None:
@@ -130,6 +153,14 @@ def _low_rank_product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> 
     return out
 
 
+def _direct(dst: torch.Tensor, k: int) -> bool:
+    """Whether ``P Q^T`` may be written straight into ``dst`` (the call's output, at an offset
+    set by the other tensors): on CPU with ``k > 4`` it is a gemm, whose last bits depend on
+    the output's alignment, so it goes through an aligned buffer unless ``dst`` is aligned.
+    The outer products of ``k <= 4`` are elementwise: the same bits at any address."""
+    return dst.device.type != "cpu" or k <= 4 or dst.data_ptr() % ALIGN == 0
+
+
 def _matrices(call, idx: list, n: int, m: int, k: int, wd):
     """The group's compensated matrices: a ``(B, n, m)`` stack on GPUs, a list of ``(n, m)`` on CPU."""
     mats = [call.x(i).reshape(n, m).to(wd) for i in idx]
@@ -169,7 +200,7 @@ def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tens
     floats as the unfused product and ``Call.commit``."""
     n, m = dst.shape
     keep = call.feeds(i)
-    tmp = None if dst.dtype == x.dtype else torch.empty(min(rows, n), m, dtype=x.dtype)
+    tmp = None if dst.dtype == x.dtype and _direct(dst, pt.shape[0]) else _slots(1, min(rows, n), m, x.dtype, x.device)[0]
     for s in range(0, n, rows):
         e = min(s + rows, n)
         mh = dst[s:e] if tmp is None else tmp[: e - s]
@@ -189,6 +220,36 @@ def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> N
         return
     for j, mj in enumerate(mats):
         torch.mm(a[j], mj.t() if transpose_m else mj, out=out[j])
+
+
+def _slots(count: int, k: int, n: int, dtype, device) -> torch.Tensor:
+    """A ``(count, k, n)`` tensor in which every ``(k, n)`` matrix has storage of its own
+    kind: on CPU each starts at a 64-byte boundary (matrices padded apart where their size
+    is not a multiple of it), so a matrix's products and norms do not depend on how many
+    others share the call or where they lie. On GPUs a plain fresh stack (the batched
+    path: see the module docstring)."""
+    t = torch.empty(count, k, n, dtype=dtype, device=device)
+    if device.type != "cpu" or (
+        t.data_ptr() % ALIGN == 0 and (count == 1 or (k * n * t.element_size()) % ALIGN == 0)
+    ):
+        return t  # the allocator's own alignment (64 bytes on CPU) suffices
+    el = t.element_size()
+    per = ALIGN // el
+    stride = -(-(k * n) // per) * per
+    buf = torch.empty(count * stride + per, dtype=dtype, device=device)
+    return buf.as_strided((count, k, n), (stride, n, 1), (-(buf.data_ptr() // el)) % per)
+
+
+def _orthogonalize_rows_(ts: torch.Tensor, eps: float) -> None:
+    """Orthonormalize the rows of every ``(k, n)`` matrix of ``ts`` (the columns of ``P`` or
+    ``Q``). On CPU one matrix at a time: a batched reduction splits across threads
+    differently from a lone one (``n`` of tens of thousands), so a matrix's bits would
+    depend on how many others of its shape share the call."""
+    if ts.device.type != "cpu" or ts.shape[0] == 1:
+        orthogonalize_(ts.transpose(1, 2), eps)
+        return
+    for j in range(ts.shape[0]):
+        orthogonalize_(ts[j : j + 1].transpose(1, 2), eps)
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -267,16 +328,17 @@ class PowerSGD(Protocol):
         return torch.randn(m, k, generator=g, dtype=torch.float32)
 
     def _start_qs(self, call, groups: list, wd, dev) -> list:
-        """Per group, the ``(B, m, k)`` orthonormal Qs that P = M Q starts from.
+        """Per group, the orthonormal ``Q^T`` of each matrix (``(B, k, m)``, :func:`_slots`)
+        that ``P^T = Q^T M^T`` starts from.
 
         Warm start: last step's averaged Q (truncated, or extended with fresh seeded
         columns, when Accordion changed the rank). Columns that are all zero or not
         finite are redrawn: one host sync per call, not per group.
         """
-        qbs = []
+        qts = []
         for (n, m, k), idx in groups:
-            qs = []
-            for i in idx:
+            qt = _slots(len(idx), k, m, wd, dev)
+            for j, i in enumerate(idx):
                 ctx = call.contexts[i]
                 q = ctx.store.get("q") if self.warm_start else None
                 if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[0] != m:
@@ -285,19 +347,21 @@ class PowerSGD(Protocol):
                     q = q[:, :k]
                 elif q.shape[1] < k:
                     q = torch.cat([q.to(torch.float32).cpu(), self._draw(ctx, m, k)[:, q.shape[1] :]], dim=1)
-                qs.append(q.to(device=dev, dtype=wd))
-            qbs.append(torch.stack(qs))  # a copy: the stored Q is never changed in place
-        if qbs:
-            norms = torch.cat([torch.linalg.vector_norm(qb, dim=1).reshape(-1) for qb in qbs])  # column norms
+                qt[j].copy_(q.t())  # a copy: the stored Q is never changed in place
+            qts.append(qt)
+        if qts:
+            norms = torch.cat([torch.linalg.vector_norm(qt, dim=2).reshape(-1) for qt in qts])  # column norms
             if not bool(((norms > 0) & norms.isfinite()).all()):
-                for ((n, m, k), idx), qb in zip(groups, qbs):
-                    cn = torch.linalg.vector_norm(qb, dim=1)
+                for ((n, m, k), idx), qt in zip(groups, qts):
+                    cn = torch.linalg.vector_norm(qt, dim=2)
                     bad = ~((cn > 0) & cn.isfinite())
                     for j, i in enumerate(idx):
                         if bool(bad[j].any()):
-                            fresh = self._draw(call.contexts[i], m, k).to(device=dev, dtype=wd)
-                            qb[j] = torch.where(bad[j].unsqueeze(0), fresh, qb[j])
-        return [orthogonalize_(qb, self.eps) for qb in qbs]
+                            fresh = self._draw(call.contexts[i], m, k).t().to(device=dev, dtype=wd)
+                            qt[j].copy_(torch.where(bad[j].unsqueeze(1), fresh, qt[j]))
+        for qt in qts:
+            _orthogonalize_rows_(qt, self.eps)
+        return qts
 
     # -- Accordion -------------------------------------------------------------------------
     def _accordion_update(self, ctx: TensorContext, mean_sq: float) -> None:
@@ -341,10 +405,11 @@ class PowerSGD(Protocol):
                 call.commit(i, x)  # sent whole: residual zero
                 pos += x.numel()
             flat[:pos].div_(world)
-            work = []  # per group: (idx, M, P^T, rows of a fused block or 0)
-            for ((n, m, k), idx), qb in zip(groups, self._start_qs(call, groups, wd, dev)):
-                pt = flat[pos : pos + len(idx) * k * n].view(len(idx), k, n)
-                qtb = qb.transpose(1, 2).contiguous()
+            # P^T and Q^T of every matrix are computed in storage of their own (_slots) and
+            # copied to and from the wire buffers, whose offsets depend on the other tensors.
+            work = []  # per group: (idx, M, P^T, Q^T, rows of a fused block or 0)
+            for ((n, m, k), idx), qtb in zip(groups, self._start_qs(call, groups, wd, dev)):
+                pt = _slots(len(idx), k, n, wd, dev)
                 rows = _block_rows(m, flat.element_size()) if _fusable(call, idx, k, wd) else 0
                 if rows:  # P^T = Q^T M^T, each block of M's rows as soon as it is compensated
                     mats = [
@@ -354,8 +419,9 @@ class PowerSGD(Protocol):
                 else:
                     mats = _matrices(call, idx, n, m, k, wd)
                     _matmul(qtb, mats, pt, transpose_m=True)  # P^T = Q^T M^T
+                flat[pos : pos + pt.numel()].view(pt.shape).copy_(pt)
                 pos += pt.numel()
-                work.append((idx, mats, pt, rows))
+                work.append((idx, mats, pt, qtb, rows))
             if track:
                 sq = torch.stack([torch.linalg.vector_norm(call.tensors[i], dtype=wd) ** 2 for i in track])
                 flat[pos:].copy_(sq.div_(world))
@@ -368,13 +434,14 @@ class PowerSGD(Protocol):
                     self._accordion_update(call.contexts[i], v)
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=wd, device=dev)
-                qpos, qts = 0, []
-                for ((n, m, k), idx), (_, mats, pt, _) in zip(groups, work):
-                    orthogonalize_(pt.transpose(1, 2), self.eps)  # the columns of P
-                    qt = qflat[qpos : qpos + len(idx) * k * m].view(len(idx), k, m)
-                    _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M
+                ppos, qpos = n_unc, 0
+                for ((n, m, k), idx), (_, mats, pt, qt, _) in zip(groups, work):
+                    pt.copy_(flat[ppos : ppos + pt.numel()].view(pt.shape))  # sum_w P_w^T
+                    ppos += pt.numel()
+                    _orthogonalize_rows_(pt, self.eps)  # the columns of P
+                    _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M (over the start Q^T)
+                    qflat[qpos : qpos + qt.numel()].view(qt.shape).copy_(qt)
                     qpos += qt.numel()
-                    qts.append(qt)
                 call.comm.stats.add(bytes_payload=qflat.numel() * qflat.element_size())
         if work:
             yield Round([call.comm.allreduce(qflat)], last=True)
@@ -387,19 +454,23 @@ class PowerSGD(Protocol):
                 k = call.tensors[i].numel()
                 out[call.slice(i)] = flat[pos : pos + k]
                 pos += k
-            if work:
-                qflat.div_(world)
-            for ((n, m, k), idx), (_, mats, pt, rows), qt in zip(groups, work, qts if work else []):
+            qpos = 0
+            for ((n, m, k), idx), (_, mats, pt, qt, rows) in zip(groups, work):
+                qt.copy_(qflat[qpos : qpos + qt.numel()].view(qt.shape)).div_(world)
+                qpos += qt.numel()
                 for j, i in enumerate(idx):
                     dst = out[call.slice(i)].view(n, m)
                     if rows:
                         _decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
                     else:
-                        mhat = dst if dst.dtype == wd else torch.empty(n, m, dtype=wd, device=dev)
+                        mhat = dst if dst.dtype == wd and _direct(dst, k) else _slots(1, n, m, wd, dev)[0]
                         _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
                         if mhat is not dst:
                             dst.copy_(narrow(mhat, dst.dtype))
                         call.commit(i, mhat.view(call.tensors[i].shape))
+                    # Frozen here (unused on this rank): M_hat is every rank's share, not the
+                    # zeros it sent; its residual pays for it unless no rank used the tensor.
+                    call.charge(i, dst)
                     if self.warm_start:
                         call.contexts[i].store["q"] = qt[j].t().contiguous()
         return out

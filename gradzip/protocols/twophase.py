@@ -35,7 +35,7 @@ from ..comm import Round, allgather_bytes
 from ..wire import accum_dtype, narrow, pack_frames, unpack_frames
 from .base import Call, Exchange, Protocol
 
-__all__ = ["TwoPhase", "piece_bounds", "piece_key", "owner_key"]
+__all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
 
 
 def piece_bounds(n: int, world: int) -> list[int]:
@@ -68,33 +68,9 @@ class TwoPhase(Protocol):
         codec, world, me = self.codec, call.world_size, call.rank
         count = len(call.tensors)
         bounds = [piece_bounds(t.numel(), world) for t in call.tensors]
-        with call.codec():
-            # Phase 1: every piece of every tensor, encoded with this rank's error feedback.
-            sent = [call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
-                    for i in range(count)]
-            msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
-            lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
-            send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
-            got_len = torch.empty(world, dtype=torch.int64, device=call.device)
-            call.comm.stats.add(bytes_payload=send.numel())
-        yield Round([call.comm.alltoall(got_len, lengths, control=True)])
-        in_splits, out_splits = lengths.tolist(), got_len.tolist()
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
-        yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])
+        owned = yield from reduce_scatter_pieces(call, codec, bounds)
         with call.codec():
             acc_dtype = accum_dtype(call.out_dtype)
-            mine = [(bounds[i][me], bounds[i][me + 1]) for i in range(count)]
-            shapes = [torch.Size([b - a]) for a, b in mine]
-            dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
-            frames, pos = [], 0
-            for s in range(world):
-                frames.append(unpack_frames(recv[pos : pos + out_splits[s]], shapes, dtypes))
-                pos += out_splits[s]
-            owned = []
-            for i in range(count):
-                acc = torch.zeros(shapes[i].numel(), dtype=acc_dtype, device=call.device)
-                codec.accumulate_many([frames[s][i] for s in range(world)], acc)  # senders in rank order
-                owned.append(acc.div_(world))
             # Phase 2: the owner's pieces, re-encoded with the owner's own error feedback.
             # A piece every rank found unused (DDP drops its average) is all zeros: it is sent as it
             # is, and the owner's residual waits for a step where the parameter is used.
@@ -121,3 +97,43 @@ class TwoPhase(Protocol):
                 out.copy_(narrow(acc, out.dtype))
         return out
 
+
+def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
+    """Phase 1 of :class:`TwoPhase`, a compressed reduce-scatter (also the whole of
+    :class:`~gradzip.protocols.reduce_scatter.ReduceScatter`): every rank encodes piece
+    ``j`` (elements ``[bounds[i][j], bounds[i][j+1])`` of tensor ``i``) of ``gradient +
+    residual`` with the codec (its own error feedback, the residual keyed by the tensor's
+    name, the codec state by :func:`piece_key`) and sends owner ``j`` the frames of its
+    pieces ``j`` (an all-to-all of the message lengths, then a pairwise all-to-all of the
+    messages). Returns this rank's pieces, one flat tensor per tensor: every sender's
+    frames decoded in rank order into the accumulation dtype and divided by the world size.
+    """
+    world, me = call.world_size, call.rank
+    count = len(call.tensors)
+    with call.codec():
+        sent = [call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
+                for i in range(count)]
+        msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
+        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
+        send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
+        got_len = torch.empty(world, dtype=torch.int64, device=call.device)
+        call.comm.stats.add(bytes_payload=send.numel())
+    yield Round([call.comm.alltoall(got_len, lengths, control=True)])
+    in_splits, out_splits = lengths.tolist(), got_len.tolist()
+    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
+    yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])
+    with call.codec():
+        acc_dtype = accum_dtype(call.out_dtype)
+        mine = [(bounds[i][me], bounds[i][me + 1]) for i in range(count)]
+        shapes = [torch.Size([b - a]) for a, b in mine]
+        dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
+        frames, pos = [], 0
+        for s in range(world):
+            frames.append(unpack_frames(recv[pos : pos + out_splits[s]], shapes, dtypes))
+            pos += out_splits[s]
+        owned = []
+        for i in range(count):
+            acc = torch.zeros(shapes[i].numel(), dtype=acc_dtype, device=call.device)
+            codec.accumulate_many([frames[s][i] for s in range(world)], acc)  # senders in rank order
+            owned.append(acc.div_(world))
+    return owned

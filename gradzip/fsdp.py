@@ -1,0 +1,606 @@
+"""FSDP2 front end: compress ``fully_shard``'s gradient reduce-scatter, and HSDP's replica all-reduce.
+
+    from torch.distributed.fsdp import fully_shard
+    import gradzip as gz
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = gz.fsdp.compress(model, reduce_scatter=gz.Int8())
+    ...
+    state.stats()          # bytes handed to collectives, link bytes, ratio, times
+
+**Reduce-scatter.** FSDP2 (torch >= 2.9) lets a module replace its reduce-scatter
+(``FSDPModule.set_custom_reduce_scatter``, one call per ``fully_shard``'d module: it is
+not recursive). Per parameter group and backward, FSDP calls the comm with keyword
+arguments ``output_tensor`` (``[n]``, the reduce dtype), ``input_tensor`` (``[W * n]``,
+row ``r`` of ``view(W, n)`` the chunk destined to shard rank ``r``: every parameter's
+dim-0 padded chunk ``r`` back to back, in the group's parameter order), ``group`` (the
+shard group, ``W`` ranks) and ``op`` (``AVG`` by default), never ``async_op``, and it
+ignores the return value: the comm must have written the reduced shard into
+``output_tensor`` when it returns. The output buffer becomes the storage of the
+parameters' ``.grad``.
+
+gradzip's comm names the slots after the parameters (read from the module's
+``FSDPParamGroup``), hands them to its :class:`~gradzip.engine.Engine` as one tensor per
+parameter (``[W, padded]``, row ``j`` for owner ``j``) and runs the
+:class:`~gradzip.protocols.reduce_scatter.ReduceScatter` protocol to completion (reduce,
+flush, wait): the compressed pairwise all-to-all of TwoPhase's first phase, decoded and
+summed in float32 in rank order, with sender error feedback keyed by parameter name (one
+residual per parameter, shaped ``[W, padded]``: this rank's error towards every shard).
+The engine's configuration check, non-finite handling (``on_nonfinite``) with rollback,
+stats and state are those of every other front end. One step of the engine is one
+backward that reduced: it ends in an autograd final callback queued by the first
+reduce-scatter of the backward (``set_requires_gradient_sync(False)`` microbatches call
+no reduce-scatter and count nothing).
+
+**HSDP.** FSDP2's native HSDP all-reduce (``fully_shard(mesh=mesh_2d)``) is hard-wired
+(``dist.all_reduce``) and cannot be replaced. To compress the replica all-reduce, shard
+over the shard sub-mesh only and let gradzip average over the replica group in FSDP's
+all-reduce hook (``set_all_reduce_hook``, which runs after the reduce-scatter)::
+
+    mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = gz.fsdp.compress(model, reduce_scatter=gz.Int8(), replicate=gz.PowerSGD(rank=4),
+                             replicate_group=mesh["replicate"])
+
+The reduce-scatter averages over the shard group; the hook averages each parameter's
+shard (in its shard shape, so PowerSGD sees matrices) over the replica group with a
+second engine: every replica ends with the same floats (every gradzip protocol decodes
+alike on every rank), so the replicas' parameters stay equal.
+
+**Checkpoints.** ``state.state_dict()`` holds, per parameter, the update that error
+feedback still owes (the *pending update*, in units of the averaged gradient) as a
+``DTensor`` placed like the parameter, plus the step. It is what
+``torch.distributed.checkpoint`` saves and reshards: pass the state itself (it is
+``Stateful``) in the dict given to ``dcp.save`` / ``dcp.load``. On load every rank puts
+its shard of the pending update into its own (self-addressed) residual row, times the
+new shard-group size, so the next reduce-scatter adds exactly the update the saved run
+still owed, whatever the new number of ranks.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+from torch.distributed.tensor import DTensor
+
+from .codecs.base import Codec
+from .engine import Engine, check_real, layout_of
+from .protocols import Protocol, ReduceScatter
+from .protocols.twophase import piece_bounds
+
+__all__ = ["compress", "FSDPState"]
+
+_OWNER = re.compile(r"^(?P<name>.*)#(?P<j>\d+)/(?P<n>\d+):owner$")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One parameter's place in a group's reduce-scatter buffers."""
+
+    name: str
+    offset: int  # in a rank chunk of the input, and in the output
+    padded: int  # elements per rank chunk (dim-0 padded)
+    valid: int  # elements of this rank's shard (the rest is padding)
+    shape: torch.Size  # this rank's shard shape (FSDPParam.sharded_size)
+    param: torch.nn.Parameter  # the sharded parameter (a DTensor)
+
+
+class _Group:
+    """One FSDPParamGroup: its module, its parameters' slots, and gradzip's comm and hook."""
+
+    def __init__(self, state: "FSDPState", module: FSDPModule, module_name: str, pg, names: dict) -> None:
+        self.state = state
+        self.module = module
+        self.module_name = module_name or "<root>"
+        self.pg = pg
+        self.slots: list[_Slot] = []
+        off = 0
+        for fp in pg.fsdp_params:
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            info = fp._module_info
+            prefix = names[info.module]
+            name = f"{prefix}.{info.param_name}" if prefix else info.param_name
+            padded = fp.padded_sharded_param_size.numel()
+            self.slots.append(_Slot(name, off, padded, fp.sharded_size.numel(), torch.Size(fp.sharded_size), p))
+            off += padded
+        self.numel = off
+
+    @property
+    def world(self) -> int:
+        return self.pg.mesh_info.shard_mesh_size
+
+    def check_numel(self, n: int) -> None:
+        if n != self.numel:
+            raise ValueError(
+                f"gradzip.fsdp: FSDP reduce-scattered {n} elements per rank for module {self.module_name!r}, but its "
+                f"trainable parameters take {self.numel}: some parameter got no gradient in this backward (FSDP leaves "
+                "it out), so gradzip cannot tell which gradient is which. Call "
+                "model.set_reduce_scatter_unused_params(True) (unused parameters then reduce a zero gradient and "
+                "keep their residual), or set requires_grad=False on parameters that are not trained"
+            )
+
+
+class _Comm(_FSDPReduceScatter):
+    """What ``set_custom_reduce_scatter`` gets: runs the engine's ReduceScatter to completion."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Fresh memory every call: the output becomes the storage of the parameters' grads.
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        g, st = self.group, self.group.state
+        world = group.size()
+        n = output_tensor.numel()
+        if input_tensor.numel() != world * n:
+            raise ValueError(f"gradzip.fsdp: reduce-scatter input of {input_tensor.numel()} elements for {world} x {n}")
+        g.check_numel(n)
+        st._check_group(group)
+        x = input_tensor.view(world, n)
+        names = [s.name for s in g.slots]
+        tensors = [x[:, s.offset : s.offset + s.padded] for s in g.slots]
+        engine = st.engine
+        fut = engine.reduce(
+            names, tensors, out_dtype=output_tensor.dtype, dest=output_tensor,
+            zero_is_unused=bool(getattr(g.pg, "reduce_scatter_unused_params", False)),
+        )
+        st._run(engine, fut, output_tensor)
+        _apply_op(output_tensor, op, world)
+        return None
+
+
+class _Hook:
+    """What ``set_all_reduce_hook`` gets: averages the group's shards over the replica group."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def __call__(self, output: torch.Tensor) -> None:
+        g, st = self.group, self.group.state
+        g.check_numel(output.numel())
+        slots = [s for s in g.slots if s.valid]
+        views = [output[s.offset : s.offset + s.valid].view(s.shape) for s in slots]
+        engine = st.replicate_engine
+        fut = engine.reduce([s.name for s in slots], views, out_dtype=output.dtype)
+        res = st._run(engine, fut, None)
+        pos = 0
+        for v in views:
+            v.copy_(res[pos : pos + v.numel()].view(v.shape))
+            pos += v.numel()
+
+
+def _apply_op(out: torch.Tensor, op, world: int) -> None:
+    """The engine returns the average; FSDP asks for AVG, or SUM / PREMUL_SUM(f) (fp16
+    reduce, ``set_force_sum_reduction_for_comms``, ``set_gradient_divide_factor``)."""
+    if op == dist.ReduceOp.AVG:
+        return
+    if op == dist.ReduceOp.SUM:
+        out.mul_(world)
+    elif op == dist.ReduceOp.PREMUL_SUM:
+        out.mul_(float(op.factor) * world)
+    else:
+        raise ValueError(f"gradzip.fsdp: FSDP asked for a reduce-scatter with {op}; gradzip averages (AVG, SUM, PREMUL_SUM)")
+
+
+def _group_of(g) -> dist.ProcessGroup:
+    """A process group from a ProcessGroup or a 1-D DeviceMesh."""
+    if isinstance(g, dist.ProcessGroup):
+        return g
+    if hasattr(g, "get_group") and hasattr(g, "ndim"):
+        if g.ndim != 1:
+            raise ValueError(f"replicate_group must be a 1-D DeviceMesh (mesh['replicate']), got {g.ndim} dimensions")
+        return g.get_group()
+    raise TypeError(f"replicate_group must be a ProcessGroup or a 1-D DeviceMesh, got {type(g).__name__}")
+
+
+class FSDPState:
+    """What :func:`compress` returns: stats, the engines, and a DCP-ready state.
+
+    ``state_dict()`` / ``load_state_dict()`` make it ``Stateful``: put the object itself in
+    the dict handed to ``torch.distributed.checkpoint.save`` / ``load``. Both are
+    collectives (every rank calls them, in the same order).
+    """
+
+    def __init__(self, model, engine: Engine | None, replicate_engine: Engine | None, groups: list, rs_group, rep_group) -> None:
+        self.model = model
+        self.engine = engine
+        self.replicate_engine = replicate_engine
+        self.groups: list[_Group] = groups
+        self.rs_group = rs_group
+        self.replicate_group = rep_group
+        self._rs_ranks = {}
+        self._closing = False
+
+    @property
+    def step(self) -> int:
+        return (self.engine or self.replicate_engine).step
+
+    def stats(self, which: str = "reduce_scatter") -> dict:
+        """Bytes and times counted at the collectives (:mod:`gradzip.stats`) of the compressed
+        reduce-scatter (``which="reduce_scatter"``, the default) or of the compressed replica
+        all-reduce (``"replicate"``). ``bytes_link_raw`` is what FSDP's own collective would
+        send: ``(N-1)/N`` of the input for the reduce-scatter, ``2(N-1)/N`` for the all-reduce."""
+        engines = {"reduce_scatter": self.engine, "replicate": self.replicate_engine}
+        if which not in engines:
+            raise ValueError(f"which must be 'reduce_scatter' or 'replicate', got {which!r}")
+        if engines[which] is None:
+            raise ValueError(f"gradzip.fsdp.compress was called without {which}=")
+        return engines[which].stats()
+
+    # -- the step -------------------------------------------------------------------------
+    def _check_group(self, group) -> None:
+        key = id(group)
+        if key not in self._rs_ranks:
+            self._rs_ranks[key] = dist.get_process_group_ranks(group)
+        if self._rs_ranks[key] != dist.get_process_group_ranks(self.rs_group):
+            raise ValueError(
+                "gradzip.fsdp: FSDP reduce-scattered over ranks "
+                f"{self._rs_ranks[key]}, not over the shard group gradzip.fsdp.compress found "
+                f"({dist.get_process_group_ranks(self.rs_group)}); call compress after every fully_shard "
+                "and set_separate_reduce_scatter_group call"
+            )
+
+    def _run(self, engine: Engine, fut, output: torch.Tensor | None) -> torch.Tensor:
+        """Drive one engine call to completion; the step ends with the backward."""
+        self._end_with_backward()
+        try:
+            engine.flush()
+            res = fut.wait()
+        except BaseException:
+            self._end_step()  # the backward will not reach its final callbacks
+            raise
+        if output is not None and res.data_ptr() != output.data_ptr():
+            output.copy_(res.view_as(output))
+        return res
+
+    def _end_with_backward(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+        except RuntimeError:  # not inside a backward (FSDP's post_backward called by hand)
+            self._end_step()
+
+    def _end_step(self) -> None:
+        if not self._closing:
+            return
+        self._closing = False
+        for e in (self.engine, self.replicate_engine):
+            if e is not None:
+                e.end_step()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _slots(self) -> list[_Slot]:
+        return [s for g in self.groups for s in g.slots]
+
+    def _shard_world(self) -> int:
+        return self.groups[0].world if self.groups else 1
+
+    def _replica_group_for_mass(self):
+        """The ranks that hold copies of the same shard: the custom replica group, FSDP's
+        native HSDP all-reduce group, or none."""
+        if self.replicate_group is not None:
+            return self.replicate_group
+        mi = self.groups[0].pg.mesh_info if self.groups else None
+        return mi.replicate_process_group if isinstance(mi, HSDPMeshInfo) else None
+
+    def _pending_rs(self, slots: list[_Slot]) -> torch.Tensor:
+        """This rank's shard of the update the reduce-scatter residuals still owe, in units of
+        the averaged gradient, all slots back to back (``sum padded`` elements)."""
+        world = self._shard_world()
+        total = sum(s.padded for s in slots)
+        dev = slots[0].param.device if slots else torch.device("cpu")
+        send = torch.zeros(world, total, dtype=torch.float32, device=dev)
+        if self.engine is not None and self.engine.memory is not None:
+            for s, off in zip(slots, _offsets(slots)):
+                r = self.engine.memory.residual(s.name)
+                if r is not None:
+                    if r.shape != (world, s.padded):
+                        raise RuntimeError(f"residual of {s.name!r} is {tuple(r.shape)}, expected {(world, s.padded)}")
+                    send[:, off : off + s.padded] = r.to(torch.float32)
+        if world > 1:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.rs_group)
+        else:
+            recv = send
+        pending = torch.zeros(total, dtype=torch.float32, device=dev)
+        for s in range(world):  # senders in rank order
+            pending += recv[s]
+        return pending.div_(world)
+
+    def _pending_replicate(self, slots: list[_Slot]) -> list:
+        """Per slot, this replica's part of the update the replica engine still owes (its
+        residual plus, for TwoPhase, its owner memories times the replica count)."""
+        out = []
+        eng = self.replicate_engine
+        owners: dict = {}
+        if eng is not None and eng.memory is not None:
+            for key, t in eng.memory.residuals.items():
+                m = _OWNER.match(key)
+                if m:
+                    owners.setdefault(m["name"], []).append((int(m["j"]), int(m["n"]), t))
+        for s in slots:
+            v = torch.zeros(s.valid, dtype=torch.float32, device=s.param.device)
+            if eng is not None and eng.memory is not None:
+                r = eng.memory.residual(s.name)
+                if r is not None:
+                    v += r.reshape(-1).to(torch.float32)
+                for j, n, t in owners.get(s.name, []):
+                    b = piece_bounds(s.valid, n)
+                    v[b[j] : b[j + 1]] += n * t.reshape(-1).to(torch.float32)
+            out.append(v)
+        return out
+
+    def state_dict(self) -> dict:
+        """``{"step": int, "reduce_scatter.<name>": DTensor, "replicate.<name>": DTensor}``: the
+        pending update of every trainable parameter (float32, placed like the parameter) for
+        each of the two collectives (zeros for one that is not compressed, so that any run
+        can load any other's checkpoint). A collective over the shard and replica groups."""
+        slots = self._slots()
+        sd: dict = {"step": self.step}
+        rep = self._replica_group_for_mass()
+        if self.engine is not None:
+            pending = self._pending_rs(slots)
+            if rep is not None:  # the replicas' residuals owe their average
+                dist.all_reduce(pending, group=rep)
+                pending.div_(dist.get_world_size(rep))
+        else:
+            pending = torch.zeros(sum(s.padded for s in slots), dtype=torch.float32,
+                                  device=slots[0].param.device if slots else None)
+        for s, off in zip(slots, _offsets(slots)):
+            sd[f"reduce_scatter.{s.name}"] = _as_dtensor(pending[off : off + s.valid].view(s.shape).clone(), s.param)
+        parts = self._pending_replicate(slots)
+        if self.replicate_engine is not None:
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+            dist.all_reduce(flat, group=self.replicate_group)
+            flat.div_(dist.get_world_size(self.replicate_group))
+            pos = 0
+            for i, s in enumerate(slots):
+                parts[i] = flat[pos : pos + s.valid]
+                pos += s.valid
+        for s, v in zip(slots, parts):
+            sd[f"replicate.{s.name}"] = _as_dtensor(v.view(s.shape).clone(), s.param)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load what :meth:`state_dict` saved, resharded by DCP to this run's placements. The
+        pending update goes into this rank's self-addressed residual row (times the shard
+        group size) and, with a replica engine, into its residual; a pending update of a
+        collective this run does not compress is carried by the other one. Codec state
+        (PowerSGD's warm start, adaptive thresholds) starts afresh."""
+        slots = self._slots()
+        world, me = self._shard_world(), dist.get_rank(self.rs_group)
+
+        def local(key, s):
+            t = sd.get(key)
+            if t is None:
+                return None
+            t = t.to_local() if isinstance(t, DTensor) else t
+            if t.numel() != s.valid:
+                raise ValueError(f"{key}: {t.numel()} elements for a shard of {s.valid}")
+            return t.reshape(-1).to(device=s.param.device, dtype=torch.float32)
+
+        rs_res, rep_res = {}, {}
+        for s in slots:
+            u_rs = local(f"reduce_scatter.{s.name}", s)
+            u_rep = local(f"replicate.{s.name}", s)
+            if self.engine is None and u_rs is not None:  # carried by the replica engine
+                u_rep = u_rs if u_rep is None else u_rep + u_rs
+                u_rs = None
+            if self.replicate_engine is None and u_rep is not None:  # carried by the reduce-scatter
+                u_rs = u_rep if u_rs is None else u_rs + u_rep
+                u_rep = None
+            if u_rs is not None and bool(u_rs.any()):
+                r = torch.zeros(world, s.padded, dtype=torch.float32, device=s.param.device)
+                r[me, : s.valid] = u_rs * world
+                rs_res[s.name] = r
+            if u_rep is not None and bool(u_rep.any()):
+                rep_res[s.name] = u_rep.view(s.shape).clone()
+        for eng, res in ((self.engine, rs_res), (self.replicate_engine, rep_res)):
+            if eng is None:
+                continue
+            if eng.memory is not None:
+                eng.memory.load_state_dict(res)
+            elif res:
+                raise ValueError("the checkpoint holds error-feedback residuals, but this run has error_feedback=False")
+            eng.tensor_state = {}
+            eng.step = int(sd.get("step", eng.step))
+
+    # -- undo ----------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Give FSDP back its own reduce-scatter and drop gradzip's all-reduce hooks."""
+        for g in self.groups:
+            if self.engine is not None:
+                g.module.set_custom_reduce_scatter(DefaultReduceScatter())
+            if self.replicate_engine is not None:
+                g.module.set_all_reduce_hook(None)
+            g.module.__dict__.pop("set_allocate_memory_from_process_group_for_comm", None)
+
+
+def _offsets(slots: list[_Slot]) -> list[int]:
+    out, off = [], 0
+    for s in slots:
+        out.append(off)
+        off += s.padded
+    return out
+
+
+def _as_dtensor(local: torch.Tensor, param) -> DTensor:
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def compress(
+    model: torch.nn.Module,
+    reduce_scatter: Codec | None = None,
+    *,
+    replicate: Codec | Protocol | None = None,
+    replicate_group=None,
+    error_feedback: bool | None = None,
+    replicate_error_feedback: bool | None = None,
+    on_nonfinite: str = "skip",
+) -> FSDPState:
+    """Compress the gradient communication of a model wrapped with FSDP2's ``fully_shard``.
+
+    Call it once, after every ``fully_shard`` call and before the first backward. It installs
+    gradzip's comm on every FSDP module of ``model`` (``model`` itself included).
+
+    Args:
+        model: the root module; ``fully_shard`` applied to it and/or its submodules.
+        reduce_scatter: a gradzip codec (``gz.Int8()``, ``gz.TopK(0.01)``, ``gz.Identity()``...)
+            for the gradient reduce-scatter over the shard group, or None to leave FSDP's own.
+        replicate: HSDP only: any gradzip codec or protocol (``gz.PowerSGD(rank=4)``) for the
+            average over the replica group, run in FSDP's all-reduce hook. Needs FSDP on the
+            shard sub-mesh (``fully_shard(m, mesh=mesh["shard"])``) and ``replicate_group``.
+        replicate_group: the replica dimension: ``mesh["replicate"]`` (a 1-D DeviceMesh) or a
+            ProcessGroup.
+        error_feedback, replicate_error_feedback: keep what each compression drops in
+            residuals (None: on for biased methods such as Int8, TopK, PowerSGD).
+        on_nonfinite: ``"skip"`` (a step where a rank's gradient holds a NaN/Inf gives all-NaN
+            gradients, so a GradScaler skips it, and its residuals are rolled back) or
+            ``"raise"`` (``FloatingPointError`` from ``backward()``).
+
+    Raises ``ValueError`` where FSDP2 cannot take a custom reduce-scatter or hook: a module
+    with several parameter groups (a per-parameter mesh from ``shard_placement_fn``), a
+    module set to ``set_allocate_memory_from_process_group_for_comm(True)`` or with another
+    custom comm, native HSDP (a 2-D mesh) with ``replicate``.
+    """
+    if reduce_scatter is None and replicate is None:
+        raise ValueError("gradzip.fsdp.compress: give reduce_scatter= (a codec) and/or replicate= (a codec or protocol)")
+    if reduce_scatter is not None and not isinstance(reduce_scatter, Codec):
+        raise ValueError(
+            f"reduce_scatter must be a gradzip codec (Int8(), TopK(0.01), Identity(), ...), got {reduce_scatter!r}; "
+            "protocols that need the whole gradient (PowerSGD, Policy) can compress the HSDP replica all-reduce "
+            "(replicate=)"
+        )
+    if replicate is not None and replicate_group is None:
+        raise ValueError(
+            "replicate= needs replicate_group= (mesh['replicate'] of the 2-D mesh whose mesh['shard'] FSDP shards over)"
+        )
+    if replicate is None and replicate_group is not None:
+        raise ValueError("replicate_group= is given without replicate= (the codec or protocol for the replica all-reduce)")
+    fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise TypeError("gradzip.fsdp.compress needs a model wrapped with torch.distributed.fsdp.fully_shard; call it after fully_shard")
+    module_names = {m: n for n, m in model.named_modules()}
+
+    pgs = []
+    for name, m in fsdp_modules:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        label = name or "<root>"
+        if len(groups) > 1:
+            raise ValueError(
+                f"gradzip.fsdp: module {label!r} has {len(groups)} FSDP parameter groups (shard_placement_fn returned "
+                "a ShardPlacementResult with another mesh for some parameters); FSDP2 takes a custom reduce-scatter "
+                "or all-reduce hook only with one group per fully_shard call. Return a plain placement (or None) "
+                "from shard_placement_fn, or fully_shard those parameters' modules separately"
+            )
+        if not groups:
+            continue
+        pg = groups[0]
+        if not isinstance(pg.mesh_info, FSDPMeshInfo):
+            raise ValueError(f"gradzip.fsdp: module {label!r} is replicated, not sharded (FSDP2's replicate); use gradzip.hooks for DDP")
+        if reduce_scatter is not None:
+            comm = pg._reduce_scatter_comm
+            if type(comm).__name__ == "ProcessGroupAllocReduceScatter":
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} was set to set_allocate_memory_from_process_group_for_comm(True); "
+                    "FSDP2 cannot combine it with a custom reduce-scatter. Call "
+                    "set_allocate_memory_from_process_group_for_comm(False) (or not at all) before gradzip.fsdp.compress"
+                )
+            if type(comm).__name__ == "SymmMemReduceScatter":
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} was set to set_symm_mem_for_comm(); FSDP2 cannot combine symmetric "
+                    "memory with a custom reduce-scatter. Drop the set_symm_mem_for_comm call"
+                )
+            if isinstance(comm, _Comm):
+                raise ValueError(f"gradzip.fsdp.compress was called on this model already (module {label!r})")
+            if not isinstance(comm, DefaultReduceScatter):
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} has a custom reduce-scatter already ({type(comm).__name__}); "
+                    "FSDP2 takes one per module"
+                )
+        if replicate is not None:
+            if isinstance(pg.mesh_info, HSDPMeshInfo):
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} uses FSDP2's native HSDP (fully_shard on a 2-D mesh), whose "
+                    "replica all-reduce cannot be replaced. Shard over the shard sub-mesh only, "
+                    "fully_shard(module, mesh=mesh['shard']), and pass replicate_group=mesh['replicate']"
+                )
+            if pg._all_reduce_hook is not None:
+                raise ValueError(f"gradzip.fsdp: module {label!r} has an all-reduce hook already; FSDP2 takes one per module")
+        pgs.append((name, m, pg))
+    if not pgs:
+        raise ValueError("gradzip.fsdp.compress: the FSDP modules of this model manage no parameters")
+
+    rs_group = pgs[0][2]._reduce_scatter_process_group
+    ranks = dist.get_process_group_ranks(rs_group)
+    for name, _, pg in pgs[1:]:
+        if dist.get_process_group_ranks(pg._reduce_scatter_process_group) != ranks:
+            raise ValueError(
+                f"gradzip.fsdp: module {name or '<root>'!r} shards over other ranks than module {pgs[0][0] or '<root>'!r}; "
+                "gradzip.fsdp needs every FSDP module of the model on the same mesh"
+            )
+    rep_group = _group_of(replicate_group) if replicate_group is not None else None
+    if rep_group is not None:
+        common = set(dist.get_process_group_ranks(rep_group)) & set(ranks)
+        if common != {dist.get_rank()}:
+            raise ValueError(
+                "gradzip.fsdp: replicate_group must be the other dimension of the mesh FSDP shards over "
+                f"(it shares ranks {sorted(common)} with the shard group {ranks}); use mesh['replicate'] of the mesh "
+                "whose mesh['shard'] was given to fully_shard"
+            )
+
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    check_real(trained)
+    layout = layout_of(trained)
+    engine = None
+    if reduce_scatter is not None:
+        engine = Engine(ReduceScatter(reduce_scatter), process_group=rs_group, error_feedback=error_feedback,
+                        on_nonfinite=on_nonfinite, layout=layout)
+    rep_engine = None
+    if replicate is not None:
+        rep_engine = Engine(replicate, process_group=rep_group, error_feedback=replicate_error_feedback,
+                            on_nonfinite=on_nonfinite, layout=layout)
+    state = FSDPState(model, engine, rep_engine, [], rs_group, rep_group)
+    for name, m, pg in pgs:
+        g = _Group(state, m, name, pg, module_names)
+        state.groups.append(g)
+        if engine is not None:
+            m.set_custom_reduce_scatter(_Comm(g))
+            _guard_allocator(m)
+        if rep_engine is not None:
+            m.set_all_reduce_hook(_Hook(g))
+    return state
+
+
+def _guard_allocator(module: FSDPModule) -> None:
+    """FSDP2 raises a bare AssertionError (after switching the all-gather comm) when
+    ``set_allocate_memory_from_process_group_for_comm(True)`` follows a custom reduce-scatter;
+    refuse it first, saying what to do."""
+    def guarded(enable: bool) -> None:
+        if enable:
+            raise ValueError(
+                "set_allocate_memory_from_process_group_for_comm(True) cannot be combined with gradzip's compressed "
+                "reduce-scatter (FSDP2 allows no custom comm with the process-group allocator); leave it off, or call "
+                "state.remove() first to give FSDP its own reduce-scatter back"
+            )
+        # False: the allocator is off already (compress refuses a module that has it on), and
+        # FSDP's own method would assert on the custom reduce-scatter.
+
+    module.__dict__["set_allocate_memory_from_process_group_for_comm"] = guarded
