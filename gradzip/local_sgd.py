@@ -33,12 +33,17 @@ at the next push, so that it travels while the next local steps compute. At a
 ``e = x - B; B <- G + d_inflight; x <- B + e``: the local model adopts the global
 one and keeps its own unpushed progress ``e``. Pulls are local; only pushes communicate.
 
-**Streaming** (``fragments``, ``delay``, ``alpha``): the tensors are cut into
-``fragments`` runs of about equal bytes (:func:`gradzip.schedules.split_fragments`),
-synchronized in turn (:class:`gradzip.schedules.Streaming`): fragment ``f`` is pushed
-``delay`` steps before its sync step, its reduce travels while those inner steps
-compute, and at the sync step the outer step runs on its part of ``G`` and the local
-fragment is merged: ``x <- (1 - alpha) * G + alpha * x`` (torchft's ``lerp``), ``B <- G``.
+**Streaming** (``fragments``, ``delay``, ``alpha``): the tensors, laid end to end in
+module order, are cut into ``fragments`` runs of equal bytes, inside tensors where needed
+(:func:`gradzip.schedules.split_fragments`): a fragment is a list of *pieces*, each a
+contiguous range of one flattened tensor, named ``"name"`` when whole and
+``"name[start:stop]"`` (elements) otherwise. Fragments are synchronized in turn
+(:class:`gradzip.schedules.Streaming`): fragment ``f`` is pushed ``delay`` steps before
+its sync step, its reduce travels while those inner steps compute, and at the sync step
+the outer step runs on its part of ``G`` and the local fragment is merged:
+``x <- (1 - alpha) * G + alpha * x`` (torchft's ``lerp``), ``B <- G``. ``G``, ``B``,
+the residuals and the outer optimizer's state are kept per piece (the outer optimizer
+steps each piece of ``G`` as a parameter of its own).
 
 All ranks must start from the same parameters and buffers (same seed, or
 broadcast them before wrapping).
@@ -46,6 +51,7 @@ broadcast them before wrapping).
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 
@@ -61,7 +67,7 @@ from .schedules import Constant, Streaming, as_schedule, long_run_period, split_
 
 __all__ = ["LocalSGD", "DiLoCo", "DILOCO_OUTER", "reshard_state"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: fragments are pieces of tensors ("name[start:stop]"); 2 loads where they agree
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023): ``torch.optim.SGD`` with these arguments.
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -87,6 +93,20 @@ def _outer_factory(outer, outer_kwargs):
         raise TypeError(f"outer must be None, an optimizer class or a factory params -> optimizer, got {outer!r}")
     kw = dict(outer_kwargs or {})
     return lambda params: outer(params, **kw)
+
+
+class Piece(NamedTuple):
+    """A contiguous range ``[start, stop)`` of the flattened tensor ``name`` (elements)."""
+
+    key: str  # ``name`` when whole, else ``name[start:stop]``
+    name: str
+    start: int
+    stop: int
+    whole: bool
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """The piece of ``t`` (a view: writes reach ``t``; whole: ``t`` itself, in its shape)."""
+        return t if self.whole else t.view(-1)[self.start : self.stop]
 
 
 def _brief(opt: torch.optim.Optimizer) -> str:
@@ -123,8 +143,9 @@ class LocalSGD(torch.optim.Optimizer):
             on the pseudo-gradient ``-D`` (global minus the averaged local model).
         outer_kwargs: arguments of ``outer``; with ``outer=None`` they are
             ``torch.optim.SGD``'s (``{"lr": 1.0}`` is plain averaging, bit for bit).
-        fragments: streaming: cut the model into this many fragments of about equal
-            bytes, synchronized in turn; ``period`` must be an integer multiple of it.
+        fragments: streaming: cut the model into this many fragments of equal bytes
+            (inside tensors where needed), synchronized in turn; ``period`` must be an
+            integer multiple of it.
         delay: streaming: inner steps each fragment's reduce overlaps (``0 <= delay <
             period / fragments``).
         alpha: streaming: merge weight of the local fragment at its sync,
@@ -192,35 +213,54 @@ class LocalSGD(torch.optim.Optimizer):
         self.compression = compression
         self.fragments, self.delay, self.alpha = fragments, delay, alpha
         self._names = [n for n, _ in entries]
-        # Fragments: runs of the tensors in module order, of about equal bytes; within a
-        # fragment, the tensors in ``_names`` order. One fragment: everything, as before.
-        if fragments == 1:
-            frags = [list(range(len(entries)))]
-        else:
-            order = self._module_order(model, self._names)
-            runs = split_fragments([entries[i][1].numel() * entries[i][1].element_size() for i in order], fragments)
-            frags = [sorted(order[j] for j in run) for run in runs]
-        self._fragments = [[self._names[i] for i in idx] for idx in frags]
-        self._groups = [self._dtype_groups(entries, idx) for idx in frags]  # per fragment: [(names, dtype)]
+        # Fragments: the tensors laid end to end in module order, cut into runs of equal
+        # bytes (inside a tensor where a cut falls in it; never inside a non-contiguous
+        # one, whose flat view could not be written); within a fragment, the pieces in
+        # ``_names`` order. One fragment: every tensor whole, as before streaming.
+        order = self._module_order(model, self._names)
+        ts = [entries[i][1] for i in order]
+        runs = split_fragments(
+            [t.numel() * t.element_size() for t in ts], fragments,
+            granule=[t.element_size() if t.is_contiguous() else t.numel() * t.element_size() for t in ts],
+        )
+        self._fragments: list[list[Piece]] = []
+        place = {n: i for i, n in enumerate(self._names)}
+        for run in runs:
+            pieces = []
+            for j, start, stop in run:
+                t = ts[j]
+                start, stop = start // t.element_size(), stop // t.element_size()
+                name = self._names[order[j]]
+                whole = start == 0 and stop == t.numel()
+                pieces.append(Piece(name if whole else f"{name}[{start}:{stop}]", name, start, stop, whole))
+            pieces.sort(key=lambda p: (place[p.name], p.start))
+            self._fragments.append(pieces)
+        self._pieces = [p for f in self._fragments for p in f]
+        self._keys = [p.key for p in self._pieces]
+        # per fragment: [(keys, dtype)], one engine call each
+        self._groups = [self._dtype_groups(f, dict(entries)) for f in self._fragments]
+        with torch.no_grad():
+            tensor_of = dict(entries)
+            self._global = {p.key: p.of(tensor_of[p.name].detach()).clone() for p in self._pieces}
+            self._base = {k: g.clone() for k, g in self._global.items()}
         self.engine = Engine(
             compression,
             process_group=process_group,
             error_feedback=error_feedback,
             on_nonfinite="raise",
-            layout=layout_of(entries),
+            layout=layout_of(self._global.items()),  # the pieces: every rank must cut alike
         )
-        with torch.no_grad():
-            self._global = {n: t.detach().clone() for n, t in entries}
-            self._base = {n: t.detach().clone() for n, t in entries}
         params = {n for n, _ in model.named_parameters()}
-        self._outer_names = [n for n in self._names if n in params]  # buffers are averaged plainly
+        # The outer optimizer's parameters: each piece of a parameter, in fragment order
+        # (buffers are averaged plainly). One fragment: model.named_parameters() order.
+        self._outer_keys = [p.key for p in self._pieces if p.name in params]
         self.outer = None
         if make_outer is not None:
-            self.outer = make_outer([self._global[n] for n in self._outer_names])
+            self.outer = make_outer([self._global[k] for k in self._outer_keys])
             if not isinstance(self.outer, torch.optim.Optimizer):
                 raise TypeError(f"outer must build a torch.optim.Optimizer, it built {type(self.outer).__name__}")
             got = {id(p) for g in self.outer.param_groups for p in g["params"]}
-            if got != {id(self._global[n]) for n in self._outer_names}:
+            if got != {id(self._global[k]) for k in self._outer_keys}:
                 raise ValueError("the outer optimizer must optimize exactly the parameters it is given")
         # A push in flight: {"frag", "futures", "delta": {n: d}, "flushed", "avg": {n: D} once waited}.
         self._inflight: dict | None = None
@@ -275,18 +315,19 @@ class LocalSGD(torch.optim.Optimizer):
         return order + sorted(where.values())
 
     @staticmethod
-    def _dtype_groups(entries, idx) -> list:
+    def _dtype_groups(pieces, tensor_of) -> list:
         groups: dict = {}
-        for i in idx:
-            t = entries[i][1]
-            groups.setdefault((t.device, t.dtype), []).append(entries[i][0])
-        return [(names, dtype) for (_, dtype), names in groups.items()]
+        for p in pieces:
+            t = tensor_of[p.name]
+            groups.setdefault((t.device, t.dtype), []).append(p.key)
+        return [(keys, dtype) for (_, dtype), keys in groups.items()]
 
-    def _tensors(self, names=None) -> list:
-        """The model's current tensors, by name (a module may have replaced a buffer object)."""
+    def _views(self, pieces=None) -> list:
+        """The model's current tensors' pieces (views), by name (a module may have replaced
+        a buffer object)."""
         now = dict(self._named_tensors(self.model))
         try:
-            return [now[n].detach() for n in (self._names if names is None else names)]
+            return [p.of(now[p.name].detach()) for p in (self._pieces if pieces is None else pieces)]
         except KeyError as e:
             raise RuntimeError(f"model tensor {e.args[0]!r} is gone since LocalSGD was created") from None
 
@@ -297,8 +338,10 @@ class LocalSGD(torch.optim.Optimizer):
 
     @property
     def fragment_names(self) -> list:
-        """The tensor names of each fragment (one fragment without streaming)."""
-        return [list(f) for f in self._fragments]
+        """The pieces of each fragment (one fragment without streaming): a tensor's name
+        when the piece is the whole tensor, else ``"name[start:stop]"``, the elements
+        ``start`` to ``stop`` of the flattened tensor."""
+        return [[p.key for p in f] for f in self._fragments]
 
     # -- the step ----------------------------------------------------------------------
     def step(self, closure=None):
@@ -347,9 +390,9 @@ class LocalSGD(torch.optim.Optimizer):
             for f in range(self.fragments):
                 self._push(f, collect_in=0)
                 self._collect()
-            for n, t in zip(self._names, self._tensors()):
-                t.copy_(self._global[n])
-                self._base[n].copy_(self._global[n])
+            for k, t in zip(self._keys, self._views()):
+                t.copy_(self._global[k])
+                self._base[k].copy_(self._global[k])
             self._pull_pending = False
         else:
             self._collect()
@@ -371,18 +414,19 @@ class LocalSGD(torch.optim.Optimizer):
         the remaining steps. Otherwise it flushes now (NCCL waits on the device).
         """
         assert self._inflight is None, "a push is already in flight"
-        names = self._fragments[frag]
-        tensors = self._tensors(names)
-        deltas = {n: t - self._base[n] for n, t in zip(names, tensors)}
+        pieces = self._fragments[frag]
+        keys = [p.key for p in pieces]
+        tensors = self._views(pieces)
+        deltas = {k: t - self._base[k] for k, t in zip(keys, tensors)}
         futures = [
-            self.engine.reduce(gnames, [deltas[n] for n in gnames], out_dtype=dtype)
-            for gnames, dtype in self._groups[frag]
+            self.engine.reduce(gkeys, [deltas[k] for k in gkeys], out_dtype=dtype)
+            for gkeys, dtype in self._groups[frag]
         ]
         self._inflight = {"frag": frag, "futures": futures, "delta": deltas, "flushed": False}
         if not self.engine.comm.defer or (collect_in is not None and collect_in <= 1):
             self._progress()
-        for n, t in zip(names, tensors):
-            self._base[n].copy_(t)
+        for k, t in zip(keys, tensors):
+            self._base[k].copy_(t)
 
     def _progress(self) -> None:
         """Issue the deferred rounds of the push in flight and close its engine step."""
@@ -398,11 +442,11 @@ class LocalSGD(torch.optim.Optimizer):
         if "avg" not in inf:
             self._progress()
             avg = {}
-            for fut, (gnames, _) in zip(inf["futures"], self._groups[inf["frag"]]):
+            for fut, (gkeys, _) in zip(inf["futures"], self._groups[inf["frag"]]):
                 flat, pos = fut.wait(), 0
-                for n in gnames:
-                    d = inf["delta"][n]
-                    avg[n] = flat[pos : pos + d.numel()].view(d.shape)
+                for k in gkeys:
+                    d = inf["delta"][k]
+                    avg[k] = flat[pos : pos + d.numel()].view(d.shape)
                     pos += d.numel()
             inf["avg"] = avg
             inf["futures"] = None
@@ -414,18 +458,18 @@ class LocalSGD(torch.optim.Optimizer):
         if self._inflight is None:
             return
         avg = self._average()
-        names = self._fragments[self._inflight["frag"]]
+        keys = [p.key for p in self._fragments[self._inflight["frag"]]]
         if self.outer is None:
-            for n in names:
-                self._global[n].add_(avg[n])
+            for k in keys:
+                self._global[k].add_(avg[k])
         else:
-            stepped = set(names)
-            for n in self._outer_names:
-                if n in stepped:
-                    self._global[n].grad = avg[n].neg()  # the pseudo-gradient: global - mean(local)
-            for n in names:
-                if self._global[n].grad is None:  # a buffer: averaged plainly
-                    self._global[n].add_(avg[n])
+            stepped = set(keys)
+            for k in self._outer_keys:
+                if k in stepped:
+                    self._global[k].grad = avg[k].neg()  # the pseudo-gradient: global - mean(local)
+            for k in keys:
+                if self._global[k].grad is None:  # a buffer: averaged plainly
+                    self._global[k].add_(avg[k])
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
         self._inflight = None
@@ -436,12 +480,12 @@ class LocalSGD(torch.optim.Optimizer):
         if not self._pull_pending:
             return False  # G and the own in-flight delta are as at the last pull: nothing to adopt
         inflight = self._inflight["delta"] if self._inflight is not None else None
-        for n, t in zip(self._names, self._tensors()):
-            base = self._base[n]
+        for k, t in zip(self._keys, self._views()):
+            base = self._base[k]
             e = t - base  # local progress not pushed yet
-            base.copy_(self._global[n])
+            base.copy_(self._global[k])
             if inflight is not None:
-                base.add_(inflight[n])
+                base.add_(inflight[k])
             t.copy_(base + e)
         self._pull_pending = False
         return True
@@ -449,14 +493,14 @@ class LocalSGD(torch.optim.Optimizer):
     @torch.no_grad()
     def _merge(self, frag: int) -> None:
         """Streaming: ``x <- lerp(G, x, alpha)``, ``B <- G`` on fragment ``frag``."""
-        names = self._fragments[frag]
-        for n, t in zip(names, self._tensors(names)):
-            g = self._global[n]
+        pieces = self._fragments[frag]
+        for p, t in zip(pieces, self._views(pieces)):
+            g = self._global[p.key]
             if self.alpha == 0:
                 t.copy_(g)
             else:
                 t.copy_(torch.lerp(g, t, self.alpha))
-            self._base[n].copy_(g)
+            self._base[p.key].copy_(g)
         self._pull_pending = False
 
     # -- state -------------------------------------------------------------------------
@@ -490,7 +534,7 @@ class LocalSGD(torch.optim.Optimizer):
             "overlap": self.overlap,
             "streaming": self.streaming.config() if self.streaming is not None else None,
             "alpha": self.alpha,
-            "fragments": [list(f) for f in self._fragments],
+            "fragments": self.fragment_names,
             "global": {n: v.clone() for n, v in self._global.items()},
             "base": {n: v.clone() for n, v in self._base.items()},
             "inflight_fragment": frag,
@@ -512,7 +556,7 @@ class LocalSGD(torch.optim.Optimizer):
         if version == 1:  # before outer optimizers and streaming: one fragment, plain averaging
             mine.update(streaming=None, alpha=0.0, fragments=[list(self._names)], outer=None,
                         inflight_fragment=0 if mine["inflight_avg"] else -1)
-        elif version != STATE_VERSION:
+        elif version not in (2, STATE_VERSION):  # 2: whole tensors only (it loads where its fragments are ours)
             raise ValueError(f"local_sgd state version {version!r} is not supported (expected {STATE_VERSION})")
         if bool(mine["overlap"]) != self.overlap:
             raise ValueError(f"overlap differs from the checkpoint: saved {mine['overlap']}, now {self.overlap}")
@@ -522,11 +566,13 @@ class LocalSGD(torch.optim.Optimizer):
                 f"streaming differs from the checkpoint: saved {mine['streaming']} alpha={mine['alpha']}, "
                 f"now {now} alpha={self.alpha}"
             )
-        if sorted(mine["global"]) != sorted(self._names):
-            missing = sorted(set(self._names) - set(mine["global"]))
-            extra = sorted(set(mine["global"]) - set(self._names))
-            raise ValueError(f"checkpoint tensors differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
-        if [list(f) for f in mine["fragments"]] != self._fragments:
+        if [list(f) for f in mine["fragments"]] != self.fragment_names:
+            if sorted(mine["global"]) != sorted(self._keys):
+                missing = sorted(set(self._keys) - set(mine["global"]))
+                extra = sorted(set(mine["global"]) - set(self._keys))
+                raise ValueError(
+                    f"checkpoint tensors differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}"
+                )
             raise ValueError("the checkpoint's fragments differ from this model's (fragments or tensor sizes changed)")
         if (mine["outer"] is None) != (self.outer is None):
             raise ValueError(
@@ -534,7 +580,7 @@ class LocalSGD(torch.optim.Optimizer):
                 f"this LocalSGD has {'none' if self.outer is None else 'one'}"
             )
         with torch.no_grad():
-            for n in self._names:
+            for n in self._keys:
                 for key, dst in (("global", self._global), ("base", self._base)):
                     src = mine[key][n]
                     if src.shape != dst[n].shape:
@@ -544,13 +590,13 @@ class LocalSGD(torch.optim.Optimizer):
             self.outer.load_state_dict(mine["outer"])
         if mine["inflight_avg"]:
             frag = int(mine["inflight_fragment"])
-            names = self._fragments[frag]
+            keys = [p.key for p in self._fragments[frag]]
             self._inflight = {
                 "frag": frag,
                 "futures": None,
                 "flushed": True,
-                "delta": {n: mine["inflight_delta"][n].to(self._global[n].device).clone() for n in names},
-                "avg": {n: mine["inflight_avg"][n].to(self._global[n].device).clone() for n in names},
+                "delta": {k: mine["inflight_delta"][k].to(self._global[k].device).clone() for k in keys},
+                "avg": {k: mine["inflight_avg"][k].to(self._global[k].device).clone() for k in keys},
             }
         else:
             self._inflight = None

@@ -17,7 +17,8 @@ a collective is issued), so it depends on ``step`` alone. Any callable
 synchronizes.
 
 Streaming DiLoCo syncs the model by fragments: :func:`split_fragments` cuts the
-tensors (in model order) into fragments of about equal bytes, and
+tensors (in model order, laid end to end) into fragments of equal bytes, cutting
+inside tensors where needed, and
 :class:`Streaming` ``(period, fragments, delay)`` says which fragment is
 pushed (*prepared*) and which is collected (*synced*) at each step.
 """
@@ -210,32 +211,78 @@ class Streaming(Schedule):
         return {"name": "Streaming", "period": self.period, "fragments": self.fragments, "delay": self.delay}
 
 
-def split_fragments(nbytes, fragments: int) -> list[list[int]]:
-    """Cut tensors of ``nbytes`` (in order) into ``fragments`` contiguous, non-empty runs of about equal bytes.
+def split_fragments(nbytes, fragments: int, granule=None) -> list[list[tuple[int, int, int]]]:
+    """Cut tensors of ``nbytes`` (in order, concatenated) into ``fragments`` runs of about equal bytes.
 
-    The cut ``k`` lies at the tensor boundary nearest to ``k / fragments`` of the total
-    bytes (the earlier one on a tie), moved where needed so that every fragment holds at
-    least one tensor. Returns the indices of each fragment.
+    The tensors are laid end to end as one run of ``total = sum(nbytes)`` bytes, and cut
+    ``k`` (``k = 1 .. fragments - 1``) lies at the boundary nearest to ``k * total /
+    fragments`` (the earlier one on a tie), *inside* a tensor where that point falls inside
+    one. Tensor ``i`` may be cut at multiples of ``granule[i]`` bytes (its element size:
+    a cut never splits an element; ``granule[i] == nbytes[i]``: never cut inside it).
+    ``granule=None`` never cuts inside a tensor (whole tensors only). A cut that would
+    leave a fragment empty moves to the next boundary (or the previous, near the end).
+    An empty tensor goes with the fragment where it lies (the later one at a cut).
+
+    Returns each fragment's pieces ``(i, start, stop)``: the byte range ``[start, stop)``
+    of tensor ``i`` (``(i, 0, nbytes[i])`` for a whole tensor), in order. Each fragment
+    holds ``total / fragments`` bytes to within the granule at either cut.
     """
     sizes = [int(b) for b in nbytes]
     fragments = _check_int("fragments", fragments, 1)
     n = len(sizes)
-    if fragments > n:
-        raise ValueError(f"fragments must be at most the number of tensors ({n}), got {fragments}")
-    total = sum(sizes)
+    if any(b < 0 for b in sizes):
+        raise ValueError(f"nbytes must be >= 0, got {sizes}")
+    grains = list(sizes) if granule is None else [int(g) for g in granule]
+    if len(grains) != n:
+        raise ValueError(f"granule has {len(grains)} entries for {n} tensors")
+    for i, (b, g) in enumerate(zip(sizes, grains)):
+        if b and (g < 1 or b % g):
+            raise ValueError(f"granule[{i}] = {g} does not divide tensor {i}'s {b} bytes")
+    if fragments == 1:
+        return [[(i, 0, b) for i, b in enumerate(sizes)]]
     prefix = [0]
     for b in sizes:
         prefix.append(prefix[-1] + b)
+    total = prefix[-1]
+    places = sum(b // g for b, g in zip(sizes, grains) if b)  # the pieces the tensors can be cut into
+    if fragments > places:
+        what = "tensors" if granule is None else "elements"
+        raise ValueError(f"fragments must be at most the number of {what} ({places}), got {fragments}")
+
+    def holder(p: int) -> int:
+        """The tensor holding byte ``p`` (``p < total``); empty tensors hold nothing."""
+        return bisect.bisect_right(prefix, p) - 1
+
+    def after(p: int) -> int:  # the first boundary > p
+        i = holder(p)
+        return prefix[i] + ((p - prefix[i]) // grains[i] + 1) * grains[i]
+
+    def before(p: int) -> int:  # the last boundary < p
+        i = holder(p - 1)
+        return prefix[i] + ((p - 1 - prefix[i]) // grains[i]) * grains[i]
+
     cuts = [0]
+    highest = [total]  # highest[j]: the latest cut k = fragments - j may take
+    for _ in range(fragments - 1):
+        highest.append(before(highest[-1]))
     for k in range(1, fragments):
         target = total * k / fragments
-        j = bisect.bisect_left(prefix, target)  # prefix[j - 1] < target <= prefix[j]
-        if j > 0 and (j > n or target - prefix[j - 1] <= prefix[j] - target):
-            j -= 1
-        j = min(max(j, cuts[-1] + 1), n - (fragments - k))
-        cuts.append(j)
-    cuts.append(n)
-    return [list(range(cuts[k], cuts[k + 1])) for k in range(fragments)]
+        i = holder(min(int(target), total - 1))
+        lo = prefix[i] + int((target - prefix[i]) // grains[i]) * grains[i]
+        c = lo if target - lo <= lo + grains[i] - target else lo + grains[i]
+        c = min(max(c, after(cuts[-1])), highest[fragments - k])
+        cuts.append(c)
+    cuts.append(total)
+    out = []
+    for k in range(fragments):
+        a, b = cuts[k], cuts[k + 1]
+        pieces = []
+        for i in range(n):
+            lo, hi = max(a, prefix[i]), min(b, prefix[i + 1])
+            if lo < hi or (sizes[i] == 0 and a <= prefix[i] and (prefix[i] < b or b == total)):
+                pieces.append((i, lo - prefix[i], hi - prefix[i]))
+        out.append(pieces)
+    return out
 
 
 def long_run_period(schedule) -> int:

@@ -1,5 +1,6 @@
 """LocalSGD and its schedules. The multi-rank checks share one 2-rank spawn."""
 import io
+import math
 import time
 
 import pytest
@@ -529,19 +530,50 @@ def test_streaming_schedule_spreads_fragments_evenly():
     assert sync_steps(Streaming(5), 12) == sync_steps(Constant(5), 12)
 
 
-def test_split_fragments_balances_bytes_in_order():
+def _covers_in_order(runs, sizes):
+    """The pieces, fragment after fragment, tile every tensor's bytes in order; no fragment is empty."""
+    flat = [p for r in runs for p in r]
+    assert all(any(b > a for _, a, b in r) for r in runs)
+    at = {}
+    for i, a, b in flat:
+        assert at.get(i, 0) == a and a <= b <= sizes[i], (i, a, b)
+        at[i] = b
+    assert at == {i: b for i, b in enumerate(sizes)}
+    assert [i for i, _, _ in flat] == sorted(i for i, _, _ in flat)
+
+
+def test_split_fragments_cuts_equal_bytes_inside_tensors():
     g = torch.Generator().manual_seed(0)
     for F in (2, 3, 4, 8):
-        sizes = [int(v) for v in torch.randint(1, 1000, (40,), generator=g)]
-        runs = split_fragments(sizes, F)
-        assert [i for r in runs for i in r] == list(range(40)) and all(runs)  # contiguous, in order, non-empty
-        per = [sum(sizes[i] for i in r) for r in runs]
-        assert max(per) - sum(sizes) / F <= max(sizes), (per, F)  # each within one tensor of total/F
-    assert split_fragments([1] * 10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
-    assert split_fragments([100, 1, 1, 1, 100], 2) == [[0, 1], [2, 3, 4]]
-    assert split_fragments([1, 1, 100], 3) == [[0], [1], [2]]  # every fragment holds a tensor
+        elems = [int(v) for v in torch.randint(0, 1000, (40,), generator=g)]
+        item = [int(v) for v in torch.tensor([2, 4, 8])[torch.randint(0, 3, (40,), generator=g)]]
+        sizes = [n * e for n, e in zip(elems, item)]
+        runs = split_fragments(sizes, F, granule=item)
+        _covers_in_order(runs, sizes)
+        for r in runs:
+            assert all(a % item[i] == 0 and b % item[i] == 0 for i, a, b in r)  # never inside an element
+        per = [sum(b - a for _, a, b in r) for r in runs]
+        assert max(abs(p - sum(sizes) / F) for p in per) <= max(item), (per, F)  # equal to within an element
+    # One tensor holding most of the model (92% of the MNIST CNN) is cut: F equal runs.
+    runs = split_fragments([4 * 100, 4 * 10_000, 4 * 10], 4, granule=[4, 4, 4])
+    assert runs == [[(0, 0, 400), (1, 0, 9708)], [(1, 9708, 19820)], [(1, 19820, 29928)],
+                    [(1, 29928, 40000), (2, 0, 40)]]
+    assert [sum(b - a for _, a, b in r) for r in runs] == [10108, 10112, 10108, 10112]  # total / 4 = 10110
+    # A tensor whose granule is its size (not contiguous) is never cut inside.
+    assert split_fragments([400, 4000, 1000], 2, granule=[4, 4000, 4]) == [[(0, 0, 400), (1, 0, 4000)], [(2, 0, 1000)]]
+    # Without granules, whole tensors (the cut at the nearest tensor boundary, the earlier on a tie).
+    whole = lambda runs: [[i for i, _, _ in r] for r in runs]  # noqa: E731
+    assert whole(split_fragments([1] * 10, 3)) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert whole(split_fragments([100, 1, 1, 1, 100], 2)) == [[0, 1], [2, 3, 4]]
+    assert whole(split_fragments([1, 1, 100], 3)) == [[0], [1], [2]]  # every fragment non-empty
+    assert split_fragments([8, 0, 8], 2, granule=[4, 4, 4]) == [[(0, 0, 8)], [(1, 0, 0), (2, 0, 8)]]
+    assert split_fragments([8, 8], 1) == [[(0, 0, 8), (1, 0, 8)]]
     with pytest.raises(ValueError, match="at most the number of tensors"):
         split_fragments([1, 2], 3)
+    with pytest.raises(ValueError, match=r"at most the number of elements \(3\)"):
+        split_fragments([8, 4], 4, granule=[4, 4])
+    with pytest.raises(ValueError, match="does not divide"):
+        split_fragments([10], 2, granule=[4])
 
 
 @pytest.mark.parametrize(
@@ -553,7 +585,7 @@ def test_split_fragments_balances_bytes_in_order():
         ({"fragments": 3, "period": 8}, ValueError, "period must be a multiple of fragments"),
         ({"fragments": 2, "period": 8, "delay": 4}, ValueError, r"delay must be an integer in \[0, 3\]"),
         ({"alpha": 1.5, "period": 4}, ValueError, r"alpha must be a finite number in \[0, 1\]"),
-        ({"fragments": 3, "period": 3}, ValueError, "at most the number of tensors"),
+        ({"fragments": 8, "period": 8}, ValueError, r"at most the number of elements \(6\)"),
         ({"outer": "sgd"}, TypeError, "outer must be None, an optimizer class or a factory"),
         ({"outer_kwargs": [0.7]}, TypeError, "outer_kwargs must be a dict"),
     ],
@@ -643,13 +675,62 @@ def _outer_reference(rank, world, H, steps, lr=0.7, m=0.9):
     return tensors(model)
 
 
+def _streaming_reference(rank, world, H, F, steps, lr=0.7, m=0.9):
+    """Streaming DiLoCo (delay 0, alpha 0, Identity) written out on the flat parameter vector in
+    module order: fragment f is elements [c_f, c_f+1) with c_k the element nearest k*n/F (the earlier
+    on a tie), synced at (f+1)H/F + kH: D = mean(x_f - G_f) (dist.all_reduce), Nesterov on G_f
+    with the fragment's own momentum, x_f <- G_f."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())  # no buffers: module order is parameter order
+    G = torch.cat([p.detach().reshape(-1) for p in params])
+    n, h = G.numel(), H // F
+    cuts = [0] + [math.ceil(k * n / F - 0.5) for k in range(1, F)] + [n]
+    buf = [None] * F
+    for s in range(steps):
+        local_step(model, opt, s, rank)
+        if (s + 1) % h:
+            continue
+        f = ((s + 1) // h - 1) % F
+        a, b = cuts[f], cuts[f + 1]
+        with torch.no_grad():
+            x = torch.cat([p.detach().reshape(-1) for p in params])
+            D = (x[a:b] - G[a:b]).div_(world)
+            dist.all_reduce(D)
+            delta = D.neg()
+            buf[f] = delta.clone() if buf[f] is None else buf[f].mul_(m).add_(delta)
+            G[a:b].add_(delta.add(buf[f], alpha=m), alpha=-lr)
+            x[a:b] = G[a:b]
+            pos = 0
+            for p in params:
+                p.copy_(x[pos : pos + p.numel()].view_as(p))
+                pos += p.numel()
+    return tensors(model)
+
+
+def _fragment_bytes(rank, world):
+    """bytes_link of every step of DiLoCo(period=8, fragments=4) with Identity, after its first period
+    (whose first push also carries the engine's configuration check), and of DiLoCo(period=8)."""
+    out = {}
+    for F in (1, 4):
+        model = make_model()
+        opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, period=8, fragments=F)
+        per_step = []
+        for s in range(16):
+            before = opt.stats()["bytes_link"]
+            local_step(model, opt, s, rank)
+            per_step.append(opt.stats()["bytes_link"] - before)
+        out[F] = per_step[8:]
+    return out
+
+
 class MassProbe(DiLoCo):
     """DiLoCo that sums, per tensor, the deltas it pushes and the averages it applies (float64)."""
 
     def _push(self, frag, collect_in):
-        names = self._fragments[frag]
-        for n, t in zip(names, self._tensors(names)):
-            self.pushed[n] = self.pushed.get(n, 0) + (t - self._base[n]).double()
+        pieces = self._fragments[frag]
+        for p, t in zip(pieces, self._views(pieces)):
+            self.pushed[p.key] = self.pushed.get(p.key, 0) + (t - self._base[p.key]).double()
         super()._push(frag, collect_in)
 
     def _collect(self):
@@ -724,7 +805,7 @@ def _checkpoint_case(rank, k, n, bn, **kw):
     model, opt = build(0)
     for s in range(n):
         local_step(model, opt, s, rank)
-    unbroken = tensors(model) + [opt._global[k_].clone() for k_ in opt._names]
+    unbroken = tensors(model) + [opt._global[k_].clone() for k_ in opt._keys]
 
     model, opt = build(0)
     for s in range(k):
@@ -739,7 +820,7 @@ def _checkpoint_case(rank, k, n, bn, **kw):
     opt.load_state_dict(ckpt["opt"])
     for s in range(k, n):
         local_step(model, opt, s, rank)
-    resumed = tensors(model) + [opt._global[k_].clone() for k_ in opt._names]
+    resumed = tensors(model) + [opt._global[k_].clone() for k_ in opt._keys]
     momentum = [v["momentum_buffer"] for v in ckpt["opt"]["local_sgd"]["outer"]["state"].values()]
     return {**state, "unbroken": unbroken, "resumed": resumed, "momentum": len(momentum)}
 
@@ -784,6 +865,9 @@ def _diloco_two(rank, world):
         "fragment_in_flight": _checkpoint_case(rank, 3, 14, **stream),
         "stream_mid_period": _checkpoint_case(rank, 5, 14, **stream),
     }
+    out["stream_ref"] = _streaming_reference(rank, world, 8, 4, 24)
+    out["stream_pieces"] = tensors(run_with(rank, 24, DiLoCo, period=8, fragments=4)[0])
+    out["stream_bytes"] = _fragment_bytes(rank, world)
     model, opt = run_with(rank, 11, DiLoCo, period=8, fragments=4, delay=1, alpha=0.5)
     out["stream_fragments"] = opt.fragment_names
     opt.synchronize()
@@ -863,9 +947,24 @@ def test_checkpoint_resume_is_bit_identical_mid_period_and_with_a_fragment_in_fl
 
 def test_streaming_fragments_and_synchronize(two):
     frags = two[0]["diloco"]["stream_fragments"]
-    assert [f for f in frags] == [["0.weight"], ["0.bias"], ["2.weight"], ["2.bias"]]  # module order
+    # 837 floats in module order cut into 4 runs of equal bytes: the cuts fall inside 0.weight (640).
+    assert frags == [["0.weight[0:209]"], ["0.weight[209:418]"], ["0.weight[418:628]"],
+                     ["0.weight[628:640]", "0.bias", "2.weight", "2.bias"]]
     for a, b in zip(two[0]["diloco"]["stream_synced"], two[1]["diloco"]["stream_synced"]):
         assert torch.equal(a, b)
+
+
+def test_streaming_fragments_are_equal_chunks_with_their_own_outer_step(two):
+    for r in two:
+        d = r["diloco"]
+        # Pieces of one tensor, each with its own momentum: the flat reference, to rounding.
+        assert max_diff(d["stream_ref"], d["stream_pieces"]) < 1e-6
+        assert max_diff(d["stream_pieces"], d["diloco"]) > 1e-3
+        # Per step, one fragment's bytes: 209, 209, 210, 209 of the 837 floats; peak <= 1/F + one float.
+        full, stream = d["stream_bytes"][1], d["stream_bytes"][4]
+        assert [b for b in full if b] == [837 * 4]
+        assert stream == [0, 209 * 4, 0, 209 * 4, 0, 210 * 4, 0, 209 * 4]
+        assert max(stream) <= max(full) / 4 + 4 and sum(stream) == sum(full)
 
 
 def test_reshard_copies_the_global_model_and_outer_momentum(two):

@@ -3,10 +3,12 @@
 Plain numbers in, no front end imported: ``gradzip plan`` reads them from the
 method's spec (``LocalSGD.plan_terms``) and calls :func:`periodic_step_cost`.
 
-The model's tensors are cut into ``fragments`` runs of about equal bytes
-(:func:`gradzip.schedules.split_fragments`, as the front end cuts them). Each
+The model's tensors, laid end to end in the order given, are cut into ``fragments``
+runs of equal bytes, inside a tensor where a cut falls in it
+(:func:`gradzip.schedules.split_fragments` at element granularity, as the front end
+cuts them; a piece of a tensor is costed as a flat tensor of its elements). Each
 fragment is one engine call per sync, every ``period`` steps: its collectives come
-from a dry run of the method on the fragment's tensors as one call (not DDP
+from a dry run of the method on the fragment's pieces as one call (not DDP
 buckets), its codec seconds from the profile, as :func:`.step.step_cost` costs one
 bucket. Per step, on average::
 
@@ -35,7 +37,23 @@ from .link import Link, check_world
 from .profile import CodecProfile
 from .step import StepCost, WireCache, step_cost
 
-__all__ = ["periodic_step_cost"]
+__all__ = ["periodic_step_cost", "fragment_layers"]
+
+
+def fragment_layers(layers, fragments: int, elem: int = 4) -> list:
+    """``layers`` (``[(name, shape)]``, in order) cut into ``fragments`` runs of equal bytes as
+    the front end cuts them: per fragment ``[(name, shape)]``, a piece of a tensor as
+    ``("name[start:stop]", (stop - start,))`` (elements of the flattened tensor)."""
+    nbytes = [math.prod(s) * elem for _, s in layers]
+    out = []
+    for run in split_fragments(nbytes, fragments, granule=[elem] * len(layers)):
+        pieces = []
+        for i, a, b in run:
+            name, shape = layers[i]
+            whole = a == 0 and b == nbytes[i]
+            pieces.append((name, shape) if whole else (f"{name}[{a // elem}:{b // elem}]", ((b - a) // elem,)))
+        out.append(pieces)
+    return out
 
 
 def periodic_step_cost(
@@ -69,7 +87,7 @@ def periodic_step_cost(
     layers = [(n, tuple(int(d) for d in s)) for n, s in layers]
     elem = torch.empty(0, dtype=dtype).element_size()
     nbytes = [math.prod(s) * elem for _, s in layers]
-    runs = split_fragments(nbytes, fragments)
+    runs = fragment_layers(layers, fragments, elem)
     detail = {"period": period, "fragments": fragments, "delay": delay}
     if world == 1:
         return StepCost(name, 1, float(compute_s), 0.0, 0.0, 0, 0, fragments, detail)
@@ -79,7 +97,7 @@ def periodic_step_cost(
     sync_bytes, sync_wire = [], []
     for run in runs:
         sc = step_cost(
-            method, [layers[i] for i in run], world, link, 0.0, profile,
+            method, run, world, link, 0.0, profile,
             bucket_cap_mb=one_call_mb, first_bucket_mb=one_call_mb, dtype=dtype, cache=cache, label=name,
         )
         codec += sc.codec_s
