@@ -17,9 +17,10 @@ it reads each parameter's momentum, Nesterov flag and weight decay, sets them to
 in the optimizer, and moves any momentum buffer it already holds into ``u``. The
 momentum buffers ``u`` are kept with the residuals (key ``name:momentum``): saved in
 ``state_dict()``, rolled back with a non-finite step, averaged over the old ranks by
-``checkpoint.reshard``. Masking applies to sparse codecs (``Codec.sparse``: TopK,
-Threshold, RandomK); for dense ones (quantizers, PowerSGD, plain allreduce) the local
-momentum is averaged as it is, which is SGD momentum on the average.
+``checkpoint.reshard``. Masking applies to codecs that send some coordinates whole and the rest not at all
+(``Codec.sparse``: TopK, RandomK). Threshold sends +-tau and keeps the remainder in the
+residual, so it is not masked; for it and for dense codecs (quantizers, PowerSGD, plain
+allreduce) the local momentum is kept as it is.
 
 Optimizers other than SGD (AdamW, Adam, ...) are refused: with them, leave momentum
 correction out and let error feedback work on the gradient (AdamW keeps its moments).

@@ -85,7 +85,7 @@ def test_threshold_topk_randomk_converge_within_2pp_of_plain_ddp():
         "TopK": gz.TopK(ratio=0.01),
         "RandomK": gz.RandomK(ratio=0.1),
     }
-    rows = bench.run(methods, bench.BenchConfig(dataset="digits", workers=2, epochs=20))
+    rows = bench.run(methods, bench.BenchConfig(dataset="digits", workers=2, epochs=10))
     base = rows[0]["accuracy"]
     assert base > 0.95, rows
     for r in rows[1:]:
@@ -218,7 +218,7 @@ def _stress(rank, world, comp, steps):
     "comp", [gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)), gz.TopK(0.05)], ids=["threshold", "topk"]
 )
 def test_many_buckets_on_four_ranks_neither_hang_nor_diverge(comp):
-    steps = 30
+    steps = 15  # 24 buckets of two rounds each: 720 collectives a rank
     res = run_ranks(_stress, 4, comp, steps, timeout=180)
     assert res[0]["stats"]["collectives"] > 2 * steps * 6  # many buckets, two rounds each
     for r in res[1:]:  # replicas stay identical

@@ -586,7 +586,7 @@ def test_quantizers_with_error_feedback_converge_within_2pp_of_plain_ddp():
         "Int8": Int8(),
         "Int8-AR": Int8(allreduce=True),
     }
-    rows = bench.run(methods, bench.BenchConfig(dataset="digits", workers=2, epochs=20))
+    rows = bench.run(methods, bench.BenchConfig(dataset="digits", workers=2, epochs=8))
     print("\n" + bench.format_table(rows))
     base = rows[0]["accuracy"]
     assert base > 0.95, rows

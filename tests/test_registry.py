@@ -169,7 +169,7 @@ def test_a_new_codec_in_its_own_file_works_everywhere(toy):
     assert plan.returncode == 0, plan.stderr
     assert "Toy()" in plan.stdout
     bench = subprocess.run(
-        [sys.executable, "-m", "gradzip.cli", "bench", "--import", "toy_codec", "--dataset", "digits", "--epochs", "1",
+        [sys.executable, "-m", "gradzip.cli", "bench", "--import", "toy_codec", "--dataset", "digits", "--epochs", "1", "--seeds", "0",
          "--methods", "Toy()", "--out", str(toy / "out"), "--no-progress"],
         capture_output=True, text=True, timeout=600, cwd=toy,
     )

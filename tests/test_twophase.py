@@ -116,15 +116,15 @@ def test_every_non_summable_codec_trains_to_plain_ddps_loss_band(world):
     a sign and a quantizer."""
     codecs = [c for c in CODECS if not c.summable] if world < 8 else [gz.TopK(0.05), gz.SignSGD(block=16), gz.Int8(block=8)]
     comps = [None] + [gz.TwoPhase(c) for c in codecs]
-    steps = 30
+    steps = 20
     res = run_ranks(_train_all, world, comps, steps, 1.0, timeout=900)
-    base = sum(res[0][0]["losses"][-10:]) / 10
+    base = sum(res[0][0]["losses"][-8:]) / 8
     for i, comp in enumerate(comps[1:], 1):
         runs = [r[i] for r in res]
         assert runs[0]["protocol"].startswith("TwoPhase")
         for r in runs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r["params"], runs[0]["params"]))  # replicas agree
-        last = sum(runs[0]["losses"][-10:]) / 10
+        last = sum(runs[0]["losses"][-8:]) / 8
         assert last < base + 0.25, (repr(comp), last, base)
 
 
@@ -147,7 +147,7 @@ def _many_buckets(rank, world, steps):
 
 
 def test_bucket_cap_1mb_on_four_ranks_never_hangs():
-    res = run_ranks(_many_buckets, 4, 25, timeout=600)
+    res = run_ranks(_many_buckets, 4, 15, timeout=600)
     for key, (protocol, params) in res[0].items():
         assert protocol.startswith("TwoPhase")
         for r in res[1:]:

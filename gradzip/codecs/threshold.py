@@ -89,7 +89,10 @@ class Threshold(Codec):
     """Strom's threshold sparsification with DL4J's adaptive tau (module docstring)."""
 
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
-    sparse = True
+    # Not ``sparse`` in the momentum-masking sense: a coordinate over tau sends +-tau and keeps
+    # the rest in its residual, so zeroing its momentum would stall exactly the coordinates that
+    # move most (measured: digits, 2 ranks, 10 epochs, momentum 0.9: 94.15% masked, 97.77% not).
+    sparse = False
 
     def __init__(
         self,
