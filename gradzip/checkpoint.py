@@ -24,7 +24,9 @@ power of two, ``preserve="sum"`` is then exact with respect to that rounded sum.
 Codec state that must match across ranks (PowerSGD's Q, shared seeds) and
 per-rank state (adaptive thresholds) are taken from old rank 0, except the state of
 a protocol's pieces of a tensor, which belongs to an old world size and is dropped;
-the step counter is the old ranks' common step.
+the step counter is the old ranks' common step. Momentum correction's buffers
+(``state_dict()["momentum"]``) are averaged over the old ranks: every new rank
+carries on with the old ranks' mean velocity.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
         shape = like.shape if like is not None else e.shape
         residuals[name] = torch.as_tensor(value, dtype=torch.float64).reshape(shape).to(dtype)
     tensor_state = {k: dict(v) for k, v in first["tensor_state"].items() if not _PIECE.match(k)}
+    momentum = _momentum(states)
     return [
         {
             "version": first["version"],
@@ -75,9 +78,24 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
             "residuals": {k: v.clone() for k, v in residuals.items()},
             "tensor_state": {k: dict(v) for k, v in tensor_state.items()},
             "stats": dict(first["stats"]),
+            "momentum": {k: v.clone() for k, v in momentum.items()},
         }
         for _ in range(world_size)
     ]
+
+
+def _momentum(states: list[dict]) -> dict:
+    """Momentum correction's buffers (``state_dict()["momentum"]``), averaged over the old
+    ranks (float64, rounded once): each rank's buffer is its own velocity, and the average
+    velocity is what the applied update carries on with, whatever the new world size."""
+    first = states[0].get("momentum") or {}
+    for r, s in enumerate(states[1:], 1):
+        if set(s.get("momentum") or {}) != set(first):
+            raise ValueError(f"rank {r} holds momentum buffers for other tensors than rank 0")
+    return {
+        name: (sum(s["momentum"][name].to(torch.float64) for s in states) / len(states)).to(like.dtype)
+        for name, like in first.items()
+    }
 
 
 def _tensors(residuals: dict) -> set:

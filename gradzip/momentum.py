@@ -15,9 +15,9 @@ and the optimizer then takes a plain SGD step (no momentum, no weight decay) on 
 average of what was sent. :meth:`Momentum.adopt` takes an ``torch.optim.SGD`` over:
 it reads each parameter's momentum, Nesterov flag and weight decay, sets them to zero
 in the optimizer, and moves any momentum buffer it already holds into ``u``. The
-momentum buffers ``u`` are kept with the residuals (key ``name:momentum``): saved in
-``state_dict()``, rolled back with a non-finite step, averaged over the old ranks by
-``checkpoint.reshard``. Masking applies to codecs that send some coordinates whole and the rest not at all
+momentum buffers ``u`` are kept beside the residuals, in an error-feedback memory of
+their own (``Engine.moments``, key ``name:momentum``): saved in ``state_dict()["momentum"]``,
+rolled back with a non-finite step, averaged over the old ranks by ``checkpoint.reshard``. Masking applies to codecs that send some coordinates whole and the rest not at all
 (``Codec.sparse``: TopK, RandomK). Threshold sends +-tau and keeps the remainder in the
 residual, so it is not masked; for it and for dense codecs (quantizers, PowerSGD, plain
 allreduce) the local momentum is kept as it is.

@@ -289,7 +289,7 @@ def test_ratio_tick_labels():
 
 
 def test_bench_corrects_momentum_for_sparse_codecs_under_sgd_only():
-    """The bench hands SGD to the hook (momentum correction) for sparse codecs by default;
+    """The bench hands SGD to the hook (momentum correction) for TopK/RandomK by default;
     AdamW, exact methods and rows without error feedback keep the optimizer's own momentum."""
     from gradzip.bench import BenchConfig, Method, hook_options, parse_methods
 
@@ -299,8 +299,8 @@ def test_bench_corrects_momentum_for_sparse_codecs_under_sgd_only():
     adamw = torch.optim.AdamW([w], lr=0.1)
     m = parse_methods("TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2)")
     assert hook_options(m["TopK(0.01)"], sgd)["optimizer"] is sgd
-    assert hook_options(m["Threshold(policy='adaptive')"], sgd)["optimizer"] is sgd
-    for label in ("Identity", "SignSGD", "PowerSGD(rank=2)"):
+    # Threshold sends +-tau, not whole coordinates: it keeps the optimizer's momentum
+    for label in ("Identity", "Threshold(policy='adaptive')", "SignSGD", "PowerSGD(rank=2)"):
         assert "optimizer" not in hook_options(m[label], sgd), label
     assert "optimizer" not in hook_options(m["TopK(0.01)"], adamw)
     assert "optimizer" not in hook_options(m["TopK(0.01)"], plain_sgd)

@@ -155,7 +155,7 @@ CODECS = ["TopK(0.1)", "SignSGD()", "QSGD()", "FP16()"]
 
 
 def test_2_ranks_identity_is_plain_fsdp2_bit_for_bit_with_mixed_precision_accumulation_and_reshard():
-    results = run_ranks(_combos, 2)
+    results = run_ranks(_combos, 2, fresh=True)
     combos, others = results[0]
     for kw, (plain, ident, int8) in zip(COMBOS, combos):
         assert _equal(plain["params"], ident["params"]), kw
@@ -217,7 +217,7 @@ def _four(rank, world):
 
 
 def test_4_ranks_identity_int8_and_stats():
-    results = run_ranks(_four, 4, timeout=280)
+    results = run_ranks(_four, 4, timeout=280, fresh=True)
     r = results[0]
     # Bit for bit with the float32 mean summed in rank order (gradzip's order on every backend).
     assert all(r["rank_order"].values()), r["rank_order"]
@@ -258,7 +258,7 @@ def _hsdp(rank, world):
 
 
 def test_hsdp_2x2_compressed_reduce_scatter_and_replica_allreduce():
-    results = run_ranks(_hsdp, 4, timeout=280)
+    results = run_ranks(_hsdp, 4, timeout=280, fresh=True)
     r = results[0]
     native = r["native"]
     # FSDP on the shard sub-mesh + gradzip's replica average == FSDP2's native HSDP, bit for bit
@@ -345,8 +345,8 @@ def _load(rank, world, root):
 
 def test_dcp_save_on_4_ranks_load_on_2_keeps_the_pending_update():
     with tempfile.TemporaryDirectory() as root:
-        saved = run_ranks(_save, 4, root, timeout=280)[0]
-        loaded = run_ranks(_load, 2, root, timeout=280)[0]
+        saved = run_ranks(_save, 4, root, timeout=280, fresh=True)[0]
+        loaded = run_ranks(_load, 2, root, timeout=280, fresh=True)[0]
     for name in ("fsdp", "hsdp"):
         s, l = saved[name], loaded[name]
         assert l["step"] == s["step"] == 4
@@ -461,7 +461,7 @@ def _errors(rank, world):
 
 
 def test_clear_errors_and_nonfinite_steps():
-    r = run_ranks(_errors, 2)[0]
+    r = run_ranks(_errors, 2, fresh=True)[0]
     assert "2 FSDP parameter groups" in r["groups"] and "shard_placement_fn" in r["groups"]
     assert "set_allocate_memory_from_process_group_for_comm(False)" in r["allocator before"]
     assert "set_allocate_memory_from_process_group_for_comm(True) cannot be combined" in r["allocator after"]

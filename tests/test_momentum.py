@@ -196,3 +196,42 @@ def test_sparse_frames_round_trip_in_messages(data):
                              [p.dtype for p in pays])
     for c, p, q in zip(picks, pays, got):
         assert torch.equal(codecs[c].decompress(p), codecs[c].decompress(q))
+
+
+def _momentum_states(rank, world, steps, loaded):
+    """Train with momentum correction, or load a (resharded) state, and return the hook's state."""
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    state = register_hook(ddp, gz.TopK(0.1), optimizer=opt)
+    if loaded is not None:
+        state.load_state_dict(loaded[rank])
+        return state.state_dict()
+    for s in range(steps):
+        x, y = batch(s, rank)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return state.state_dict()
+
+
+def test_reshard_averages_the_momentum_buffers():
+    """4 ranks' momentum buffers become their mean on each of 2 new ranks, which load it."""
+    from gradzip.checkpoint import reshard
+
+    old = run_ranks(_momentum_states, 4, 3, None)
+    assert old[0]["momentum"] and not all(
+        torch.equal(old[0]["momentum"][k], old[1]["momentum"][k]) for k in old[0]["momentum"]
+    )  # the velocities are per rank
+    new = reshard(old, 2)
+    for k, like in old[0]["momentum"].items():
+        mean = (sum(s["momentum"][k].to(torch.float64) for s in old) / 4).to(like.dtype)
+        assert all(torch.equal(s["momentum"][k], mean) for s in new)
+    loaded = run_ranks(_momentum_states, 2, 0, new)
+    for s, n in zip(loaded, new):
+        assert s["momentum"].keys() == n["momentum"].keys()
+        assert all(torch.equal(s["momentum"][k], n["momentum"][k]) for k in n["momentum"])
+    bad = [dict(s) for s in old]
+    bad[1]["momentum"] = {}
+    with pytest.raises(ValueError, match="momentum buffers"):
+        reshard(bad, 2)

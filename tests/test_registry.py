@@ -153,7 +153,7 @@ def _toy_ddp(rank, world):
 def test_a_new_codec_in_its_own_file_works_everywhere(toy):
     assert "Toy" in registry.names("codec") and wire.formats()[200] == "Toy.POW2"
     # the DDP hook and a Policy, on two ranks: both ranks average to the same values
-    res = run_ranks(_toy_ddp, 2)
+    res = run_ranks(_toy_ddp, 2, fresh=True)  # the toy module is on the parent's sys.path only
     for label in ("toy", "policy"):
         g0, g1 = res[0][label][0], res[1][label][0]
         assert all(torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(g0, g1))

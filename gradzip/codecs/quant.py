@@ -21,8 +21,8 @@ TERN2      18    2 bits; 0 -> 0, 1 -> ``+S_b``, 2 -> ``-S_b`` (3 is corrupt)
 INT8       19    one int8 ``q`` per element; ``q * S_b``
 =========  ====  ===========================================================
 
-Bytes per tensor of ``n`` elements: ``4 * nb + packed`` in the body, plus the
-16-byte header and padding to 8 bytes (see ``gradzip.wire``).
+Bytes per tensor of ``n`` elements: ``4 * nb + packed`` in the body, plus its 6-byte
+frame entry in the message (see ``gradzip.wire``; bodies lie back to back, unpadded).
 
 Scales are finite float32 for every finite input: a block whose scale would
 exceed float32's range (a float64 gradient beyond it, or the norm of float32

@@ -2,18 +2,19 @@
 
 Each element ``v`` of the compressed input with ``|v| >= tau`` is sent as
 ``sign(v) * tau``; everything else (and the ``|v| - tau`` left over by the sent
-elements) stays in the error-feedback residual. On the wire:
+elements) stays in the error-feedback residual. On the wire (format 2, :mod:`gradzip.wire`):
 
-* an index list, one int32 word per element: index in bits 0..30, sign in bit 31
-  (``FMT_SIGNED_INDEX``);
+* the positions as a list of gaps, bit-packed at the width the largest gap needs, each
+  with the element's sign in one more bit (``FMT_SIGNED_INDEX``, built on
+  :func:`gradzip.codecs.sparse.pack_gaps`);
 * or, when that list would be longer than a 2-bit-per-element bitmap
   (0 / +tau / -tau), the bitmap (``FMT_BITMAP2``). A frame is therefore never
-  larger than ``ceil(n / 4)`` bytes plus the 16-byte header and at most 7 bytes
-  of alignment padding. Tensors of 2**31 or more elements always use the bitmap;
+  larger than ``ceil(n / 4)`` bytes plus its 10-byte frame entry (6 bytes, and 4 for
+  tau) and a small list header;
 * or an empty frame when nothing reaches tau. Nothing hangs: every rank still
   takes part in every collective.
 
-**Each payload carries its own tau** (the header's f32 ``scale``). Ranks may
+**Each payload carries its own tau** (the f32 ``scale`` of its frame entry). Ranks may
 therefore use different thresholds in the same step (the adaptive policy adapts
 to each rank's own gradients) and every receiver decodes each peer with that
 peer's tau.
