@@ -112,3 +112,53 @@ def test_every_module_is_seen():
     mods = _modules()
     for name in ("gradzip.engine", "gradzip.codecs.threshold", "gradzip.protocols.powersgd", "gradzip.kernels", "gradzip.hooks.ddp"):
         assert name in mods
+
+
+def _floors() -> dict[str, int]:
+    """Module -> floor (0 = ground) from the diagram in docs/architecture.md."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```", 2)[1]
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    rows: list[str] = []
+    for ln in lines:  # continuation lines (no "floor") belong to the row above
+        if ln.startswith("floor"):
+            rows.append(ln)
+        else:
+            rows[-1] += " " + ln.strip()
+    floors: dict[str, int] = {}
+    for level, row in enumerate(reversed(rows)):
+        paths = re.sub(r"\(.*?\)", "", row.split(None, 2)[2])  # drop the remarks in parentheses
+        paths = re.sub(r"\{([^}]*)\}", lambda m: "{" + m[1].replace(" ", "") + "}", paths)
+        folder = ""
+        for item in re.split(r"[,\s]+(?![^{]*\})", paths):
+            if not item.endswith((".py", "/", "}.py")):
+                continue
+            if "/" in item:
+                folder, _, item = item.rpartition("/")
+            names = re.match(r"\{(.*)\}\.py$", item)
+            for stem in names[1].split(",") if names else [item[:-3]] if item else [""]:
+                rel = f"{folder}/{stem}" if stem else folder
+                mod = {"gradzip": "gradzip", "hooks": "gradzip.hooks", "kernels": "gradzip.kernels"}[rel.split("/")[0]]
+                mod = ".".join([mod, *rel.split("/")[1:]])
+                floors[mod] = level
+    return floors
+
+
+def test_the_floors_diagram_matches_the_imports():
+    floors = _floors()
+    mods = _modules()
+    edges = _edges(mods)
+
+    def floor(m):
+        if m.startswith("gradzip.kernels"):
+            return floors["gradzip.kernels"]
+        return floors.get(m)
+
+    packages = {m for m, p in mods.items() if _is_package(p)}
+    missing = sorted(m for m in mods if floor(m) is None and m not in packages)
+    assert missing == [], f"modules on no floor of docs/architecture.md: {missing}"
+    up = sorted((m, t) for m, ts in edges.items() for t in ts
+                if m not in packages and t not in packages and floor(t) > floor(m))
+    assert up == [], f"imports of a higher floor: {up}"
