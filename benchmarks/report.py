@@ -2,7 +2,7 @@
 
     python benchmarks/report.py
 
-Reads benchmarks/results/accuracy_*.json (``gradzip bench`` results, any schema), step_time.json,
+Reads benchmarks/results/accuracy_*.json and diloco_*.json (``gradzip bench`` results, any schema), step_time.json,
 step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json,
 overhead_2ranks.json, overhead_4ranks.json and kernels_nvidia-h100-80gb-hbm3.json,
 whichever exist; every number in the README's results section comes from here.
@@ -193,11 +193,29 @@ def kernels(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def hierarchy(doc: dict) -> str:
+    """benchmarks/hierarchy.py: step time per method on 2 emulated nodes of 2 ranks, beside the cost model."""
+    lines = [
+        f"`{doc['command']}` ({doc['world']} ranks as {doc['world'] // doc['local_size']} nodes of "
+        f"{doc['local_size']}, inter-node link {doc['rate']}, MLP width {doc['width']} depth {doc['depth']}, batch "
+        f"{doc['batch']}/rank, median of {doc['steps']} steps after {doc['warmup']}; machine: {_machine(doc['machine'])})",
+        "",
+        "| method | step (s) | model (s) | model error | compute (s) | codec (s) | wire (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        m = r["model"]
+        lines.append(f"| {r['method']} | {r['step_s']:.3f} | {m['total']:.3f} | {100 * r['model_error']:+.1f}% "
+                     f"| {r['compute_s']:.3f} | {m['codec']:.3f} | {m['wire']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    accuracy_files = sorted(f for f in os.listdir(HERE) if f.startswith("accuracy_") and f.endswith(".json")) \
+    accuracy_files = sorted(f for f in os.listdir(HERE) if f.startswith(("accuracy_", "diloco_")) and f.endswith(".json")) \
         if os.path.isdir(HERE) else []
     for name, fn in (
         *((f, accuracy) for f in accuracy_files),
+        ("hierarchy.json", hierarchy),
         ("step_time.json", step_time),
         ("step_time_2ranks.json", step_time),
         ("plan_check.json", plan_check),
