@@ -359,7 +359,7 @@ def main() -> int:
     cfg = {k: getattr(a, k) for k in ("ranks", "rate", "width", "depth", "batch", "compression", "period",
                                       "fragments", "delay", "alpha", "block", "rounds")}
     doc = {
-        "machine": {**machine(), "name": "the shared 2-core development VM (other engineers' jobs ran beside it)"},
+        "machine": {**machine(), "name": "the 2-core development VM"},
         "command": "sudo .venv/bin/python benchmarks/streaming.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
         "config": cfg, "params": ranks[0]["params"], "elapsed_s": elapsed, **summary,
         "raw": [{m: {k: r["methods"][m][k] for k in ("wall", "cpu", "main_cpu", "bytes", "blocks")} for m in METHODS}
