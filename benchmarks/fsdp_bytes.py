@@ -23,50 +23,29 @@ Needs root (``ip netns``) and iproute2.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
 import multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netns  # noqa: E402  (benchmarks/netns.py: the lo-only namespace)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLONE_NEWNET = 0x40000000
 _count = itertools.count()
 
 
 # -- namespace and counters (after /tmp/linkbytes/lobytes.py) ------------------------------
-def _ns_create(name: str) -> None:
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
 
 
-def _ns_delete(name: str) -> None:
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _setns(name: str) -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"setns({name}): {os.strerror(e)}")
-    finally:
-        os.close(fd)
 
 
-def read_lo() -> dict:
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            if line.strip().startswith("lo:"):
-                v = [int(x) for x in line.split(":", 1)[1].split()]
-                return {"tx_bytes": v[8], "tx_packets": v[9]}
-    raise RuntimeError("no lo in /proc/self/net/dev")
 
 
 class Ctx:
@@ -79,13 +58,13 @@ class Ctx:
         self._barrier.wait()
         if self.rank == 0:
             time.sleep(self._settle)  # delayed ACKs drain
-            self.marks.append((label, read_lo()))
+            self.marks.append((label, netns.read_lo()))
         self._barrier.wait()
 
 
 def _child(ns, rank, n, port, cfg, barrier, q):
     try:
-        _setns(ns)  # before any socket exists
+        netns.enter(ns)  # before any socket exists
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         sys.path.insert(0, ROOT)
@@ -107,7 +86,7 @@ def measure(cfg: dict, timeout: float = 1800) -> tuple[list, dict]:
     """Run ``work(ctx, cfg)`` on cfg['world'] ranks in a fresh namespace: (returns, marks)."""
     n = cfg["world"]
     ns = f"gzfsdp{os.getpid()}x{next(_count)}"
-    _ns_create(ns)
+    netns.lo_up(ns)
     try:
         sctx = mp.get_context("spawn")
         barrier, q = sctx.Barrier(n), sctx.Queue()
@@ -132,7 +111,7 @@ def measure(cfg: dict, timeout: float = 1800) -> tuple[list, dict]:
             raise RuntimeError("\n".join(errors))
         return rets, marks
     finally:
-        _ns_delete(ns)
+        netns.lo_down(ns)
 
 
 # -- the model and one configuration ----------------------------------------------------------
@@ -264,7 +243,7 @@ def machine() -> dict:
     import torch
 
     return {
-        "description": f"this {os.cpu_count()}-core VM (shared with other jobs), CPU only, gloo over lo in a fresh netns",
+        "description": f"this {os.cpu_count()}-core VM, CPU only, gloo over lo in a fresh netns",
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),

@@ -32,7 +32,6 @@ Needs root (ip netns) and iproute2. Writes benchmarks/results/linkbytes.json (``
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -64,7 +63,6 @@ METHODS = [DDP, "Identity", "FP16"] + [f"{p}({c})" for c in CODECS for p in ("Al
     "Int8(allreduce=True)",
 ]
 QUICK_METHODS = [DDP, "TwoPhase(TopK(0.01))"]
-CLONE_NEWNET = 0x40000000
 
 
 # -- the namespace ---------------------------------------------------------------------------
@@ -81,34 +79,12 @@ def check() -> str | None:
     return None
 
 
-def _ns_up(name: str) -> None:
-    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, text=True)
-    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True, text=True)
 
 
-def _ns_down(name: str) -> None:
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _setns(name: str) -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"setns({name}): {os.strerror(e)}")
-    finally:
-        os.close(fd)
 
 
-def read_lo() -> dict:
-    """The calling process's namespace's ``lo`` counters."""
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            if line.strip().startswith("lo:"):
-                v = [int(x) for x in line.split(":", 1)[1].split()]
-                return {"tx_bytes": v[8], "tx_packets": v[9]}
-    raise RuntimeError("no lo in /proc/self/net/dev")
 
 
 def read_tcp() -> dict:
@@ -151,7 +127,7 @@ class Marks:
         self.barrier.wait()
         if self.rank == 0:
             time.sleep(self.settle)  # delayed ACKs drain
-            self.snaps[label] = {"lo": read_lo(), "tcp": read_tcp()}
+            self.snaps[label] = {"lo": netns.read_lo(), "tcp": read_tcp()}
         self.barrier.wait()
 
 
@@ -201,7 +177,7 @@ def _run_method(marks: Marks, spec: str, cfg: dict) -> dict:
 
 def _rank(ns, rank, world, port, methods, cfg, barrier, q):
     try:
-        _setns(ns)  # before any socket or thread exists
+        netns.enter(ns)  # before any socket or thread exists
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
@@ -229,7 +205,7 @@ def _rank(ns, rank, world, port, methods, cfg, barrier, q):
 def run_world(world: int, methods: list, cfg: dict, timeout: float) -> dict:
     """Every method on ``world`` ranks in one fresh namespace: rows of measured and counted bytes."""
     ns = f"gzlb{os.getpid()}n{world}"
-    _ns_up(ns)
+    netns.lo_up(ns)
     sctx = mp.get_context("spawn")
     procs = []
     t0 = time.time()
@@ -257,7 +233,7 @@ def run_world(world: int, methods: list, cfg: dict, timeout: float) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join()
-        _ns_down(ns)
+        netns.lo_down(ns)
     wall = time.time() - t0
     return {"world": world, "wall_s": wall, "rows": _rows(world, methods, cfg, got, snaps), "machine": snaps["machine"],
             "empty_region_lo_bytes": _region(snaps, "empty")["lo_bytes"]}

@@ -11,6 +11,7 @@ can coexist.)
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -91,3 +92,39 @@ def command(i: int, argv: list[str], env: dict[str, str]) -> list[str]:
     """argv run inside node i, with gloo bound to the node's interface."""
     assigns = [f"{k}={v}" for k, v in {**env, "GLOO_SOCKET_IFNAME": DEV}.items()]
     return ["ip", "netns", "exec", node(i), "env", *assigns, *argv]
+
+
+# -- a namespace of its own holding only ``lo`` (link bytes read on its counters) ---------------
+CLONE_NEWNET = 0x40000000
+
+
+def lo_up(name: str) -> None:
+    """Create namespace ``name`` with nothing but ``lo``, brought up."""
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, text=True)
+    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True, text=True)
+
+
+def lo_down(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def enter(name: str) -> None:
+    """Move the calling process into namespace ``name`` (setns(2)); call it before any socket exists."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"setns({name}): {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def read_lo() -> dict:
+    """The calling process's namespace's ``lo`` TX counters."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            if line.strip().startswith("lo:"):
+                v = [int(x) for x in line.split(":", 1)[1].split()]
+                return {"tx_bytes": v[8], "tx_packets": v[9]}
+    raise RuntimeError("no lo in /proc/self/net/dev")

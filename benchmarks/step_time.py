@@ -98,6 +98,15 @@ def calibrate_bps(world: int) -> float:
     return float(bps.item())
 
 
+def no_comm(_, bucket):
+    """A DDP comm hook that returns each bucket as it is: the step without communication."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def worker(a) -> None:
     import datetime
 
@@ -125,11 +134,6 @@ def worker(a) -> None:
     # "compute": the whole step with communication and codec taken out. The same DDP (its
     # bucket copies) and optimizer, with a hook that returns each bucket as it is, timed on
     # every rank at once (the same CPU contention as in the real steps).
-    def no_comm(_, bucket):
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
     shadow = torch.nn.parallel.DistributedDataParallel(build_model(a.width, a.depth), **ddp_kw)
     shadow.register_comm_hook(None, no_comm)
     shadow_opt = torch.optim.SGD(shadow.parameters(), lr=1e-3)
