@@ -92,7 +92,7 @@ class Threshold(Codec):
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
     # Not ``sparse`` in the momentum-masking sense: a coordinate over tau sends +-tau and keeps
     # the rest in its residual, so zeroing its momentum would stall exactly the coordinates that
-    # move most (measured: digits, 2 ranks, 10 epochs, momentum 0.9: 94.15% masked, 97.77% not).
+    # move most (it cost digits 3 pp when it was masked).
     sparse = False
 
     def __init__(
