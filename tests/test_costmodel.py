@@ -122,6 +122,28 @@ def test_dry_run_bytes_are_the_real_exchange():
     assert torch.equal(x, before)
 
 
+def test_dry_run_of_hierarchical_with_uneven_pieces_counts_bytes_without_decoding():
+    """A node's piece smaller than the number of nodes leaves some owners of the inner
+    two-phase exchange an empty piece: the loopback cannot fabricate their frames, so a
+    bytes-only dry run must stop the inner exchange after its last round instead of
+    decoding (it raised "corrupt SignSGD frame" before)."""
+    from gradzip.protocols import Hierarchical
+
+    x = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    h = dry_run(Hierarchical(SignSGD(), local_size=2), [x], world_size=16, names=["t"],
+                error_feedback=True, decode=False)
+    assert h.out is None
+    # the cross-node part is exactly the inner protocol on the node's piece among 8 nodes
+    inner = dry_run(SignSGD(), [x[:5]], world_size=8, names=["t@0/2"], error_feedback=True, decode=False)
+    assert [c for c in h.collectives if c.scope == "cross"] == [
+        Collective(c.kind, c.nbytes, c.control, c.offrank, "cross", 8) for c in inner.collectives]
+    intra = [(c.kind, c.nbytes) for c in h.collectives if c.scope == "intra"]
+    assert intra == [("allreduce", 40), ("allgather", 20)]  # 10 fp32 summed, this rank's 5 gathered
+    # a full dry run still refuses to decode peers the loopback cannot fabricate
+    with pytest.raises(ValueError, match="corrupt SignSGD frame"):
+        dry_run(Hierarchical(SignSGD(), local_size=2), [x], world_size=16, names=["t"], error_feedback=True)
+
+
 def test_wire_cache_reuses_world_invariant_logs_only():
     cache = WireCache(probe_worlds=(2, 64))
     shapes = [(64, 64)]

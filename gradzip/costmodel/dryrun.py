@@ -143,7 +143,8 @@ def dry_run(
     Returns the collectives it launched (bytes as handed to ``torch.distributed``),
     the codec seconds it spent (``call.codec()`` blocks), and, with ``decode``, its
     flat output. With ``decode=False`` the protocol is stopped once its last round
-    is launched: the bytes are known, no peer is decoded. ``error_feedback=None``
+    is launched, and a nested protocol (``Hierarchical``'s inner one) once its own
+    last round is: the bytes are known, no peer is decoded. ``error_feedback=None``
     follows ``method.biased``, as the engine does. ``stores`` maps names to the
     per-tensor state dicts to use (fresh ones by default, so nothing real is touched).
     The input tensors are not modified.
@@ -169,6 +170,7 @@ def dry_run(
         make_context=lambda k, d: TensorContext(
             name=k, step=step, dtype=d, store=stores.setdefault(k, {}), rank=0, world_size=world_size
         ),
+        bytes_only=not decode,
     )
     plain = protocol.plain(call)
     gen = protocol.exchange(call)

@@ -130,6 +130,10 @@ class Call:
     #: Momentum buffers by name (momentum correction, :mod:`gradzip.momentum`): a sparse codec's
     #: payload zeroes them where it sends.
     momentum: dict = field(default_factory=dict, repr=False)
+    #: A dry run that wants the bytes only (``dry_run(..., decode=False)``): a nested
+    #: exchange is stopped once its last round is launched, its peers never decoded (a
+    #: loopback's fabricated peers need not decode), and its result is zeros.
+    bytes_only: bool = False
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -346,13 +350,18 @@ class Call:
         return codec_time(self.comm.stats)
 
 
-def nested(protocol: Exchange) -> Exchange:
+def nested(protocol: Exchange, call: "Call | None" = None) -> Exchange:
     """Run ``protocol`` inside another one that has rounds after it: its rounds, none of them
-    the last (so the communicator waits for each before going on); returns its result."""
+    the last (so the communicator waits for each before going on); returns its result.
+    With ``call.bytes_only`` (a dry run counting bytes), ``protocol`` is closed after its
+    last round and the result is zeros of ``call``'s size: nothing it received is decoded."""
     try:
         rnd = next(protocol)
         while True:
             yield Round(rnd.works, last=False)
+            if rnd.last and call is not None and call.bytes_only:
+                protocol.close()
+                return torch.zeros(call.numel, dtype=call.out_dtype, device=call.device)
             rnd = next(protocol)
     except StopIteration as stop:
         return stop.value

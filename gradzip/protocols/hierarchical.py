@@ -98,8 +98,9 @@ class Hierarchical(Protocol):
                 make_context=call.make_context,
             )
             sub.updated = call.updated
+            sub.bytes_only = call.bytes_only
         inner = as_protocol(self.inner, across.world_size, feedback=call.memory is not None)
-        got = yield from nested(inner.exchange(sub))
+        got = yield from nested(inner.exchange(sub), sub)
         with call.codec():
             widths = [max((b[j + 1] - b[j]) for j in range(L)) for b in bounds]  # the widest piece of each tensor
             mine = torch.zeros(sum(widths), dtype=acc_dtype, device=call.device)
