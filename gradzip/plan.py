@@ -36,14 +36,14 @@ import torch
 
 import gradzip.args as args
 
-from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
+# Registering is defining: import every module that defines a method of the grammar.
+from . import codecs, local_sgd, options, policy, protocols, schedules  # noqa: F401
+from .costmodel import CodecProfile, Link, WireCache, step_cost
 from .costmodel.periodic import periodic_step_cost
 from .registry import Spec, parse_list, register_value
 
-DEFAULT_METHODS = (
-    "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
-)
-DEFAULT_WORLDS = tuple(2**k for k in range(1, 11))  # 2 .. 1024
+DEFAULT_METHODS = options.PLAN_METHODS
+DEFAULT_WORLDS = options.DEFAULT_WORLDS
 BN_BUFFERS = ("running_mean", "running_var")
 
 
@@ -221,107 +221,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
 
 
 # -- command line ----------------------------------------------------------------------------
-def _int_count(s: str) -> int:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a parameter count like 25e6, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 1 and v == int(v)):
-        raise argparse.ArgumentTypeError(f"params must be a whole number in [1, inf), got {s!r}")
-    return int(v)
-
-
-def _shape(s: str) -> tuple[int, int]:
-    try:
-        r, c = (int(p) for p in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS like 1024x1024, got {s!r}") from None
-    if r < 1 or c < 1:
-        raise argparse.ArgumentTypeError(f"layer shape must be positive, got {s!r}")
-    return r, c
-
-
-def _worlds(s: str) -> list[int]:
-    try:
-        ws = [int(p) for p in s.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {s!r}") from None
-    if not ws or any(w < 1 for w in ws):
-        raise argparse.ArgumentTypeError(f"world sizes must be integers in [1, inf), got {s!r}")
-    return ws
-
-
-def _arg(fn, name):
-    def conv(s):
-        try:
-            return fn(s)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    conv.__name__ = name
-    return conv
-
-
-def _bucket_cap(s: str) -> float:
-    v = float(s)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"bucket cap must be a number of MiB in (0, inf), got {s!r}")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, inf), got {s!r}")
-    return v
-
-
-def _sizes(s: str) -> tuple[int, int]:
-    try:
-        a, b = (int(float(p)) for p in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two sizes like 4096,1048576, got {s!r}") from None
-    if not (4 <= a < b):
-        raise argparse.ArgumentTypeError(f"profile sizes must satisfy 4 <= n0 < n1, got {s!r}")
-    return a, b
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``gradzip plan`` options (``gradzip.cli`` adds them to its ``plan`` sub-command)."""
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)")
-    model.add_argument("--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients")
-    p.add_argument("--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)")
-    p.add_argument("--compute", type=_arg(lambda s: parse_duration(s, "compute"), "duration"), required=True,
-                   help="forward+backward time of one step on one rank, e.g. 120ms or 0.12")
-    p.add_argument("--bandwidth", type=_arg(parse_bandwidth, "bandwidth"), required=True,
-                   help="link bandwidth, e.g. 1Gbit, 100Mbit, 10G (bits/s), 125MB/s (bytes/s)")
-    p.add_argument("--latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), required=True,
-                   help="one-way latency per message, e.g. 50us, 0.2ms")
-    p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
-    p.add_argument("--local-size", type=_positive_int, default=1,
-                   help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank")
-    p.add_argument("--intra-bandwidth", type=_arg(parse_bandwidth, "bandwidth"), default=None,
-                   help="bandwidth between the ranks of a node (default: --bandwidth)")
-    p.add_argument("--intra-latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), default=None,
-                   help="latency between the ranks of a node (default: --latency)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods in the method grammar (default: {DEFAULT_METHODS})")
-    p.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
-                   help="import a module that defines more methods (repeatable)")
-    p.add_argument("--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)")
-    p.add_argument("--profile", default="", help="codec profile JSON to read (e.g. from benchmarks/results/); "
-                                                 "default: measure on this machine")
-    p.add_argument("--save-profile", default="", help="write the codec profile used to this JSON file")
-    p.add_argument("--profile-sizes", type=_sizes, default=(4096, 1 << 20),
-                   help="tensor sizes the codec is timed at (default 4096,1048576)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per profile point (the fastest counts; default 5)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads while timing the codec (default 1: one per rank)")
-    p.add_argument("--plot", default="plan.png", help="PNG of the scaling curves ('' to skip)")
-    p.add_argument("--json", default="", help="write inputs, profile source and every prediction to this JSON file")
+#: The options (checked while parsing, before torch loads) live in gradzip.options.
+add_arguments = options.add_plan_arguments
 
 
 def run(args) -> int:
