@@ -1,7 +1,7 @@
 """``gradzip plan``: predict step time and scaling efficiency per method and world size.
 
     gradzip plan --params 25e6 --compute 120ms --bandwidth 1Gbit --latency 50us
-    gradzip plan --state-dict model.pt --compute 0.3 --bandwidth 10Gbit --latency 20us \\
+    gradzip plan --state-dict model.pt --compute 300ms --bandwidth 10Gbit --latency 20us \\
         --worlds 2,4,8,16 --methods "DDP, TopK(ratio=0.001), PowerSGD(rank=4)" --plot plan.png
 
 For every method and world size ``N`` the step is ``compute + codec + wire``
@@ -11,7 +11,10 @@ a :class:`~gradzip.costmodel.CodecProfile` measured on this machine (or read
 with ``--profile``), the wire from the ring formulas. Scaling efficiency is
 ``compute / step`` (weak scaling: the per-rank batch stays fixed, so one rank's
 step is ``compute`` alone). It prints the step time and efficiency per method,
-the fastest method per world size, and plots both curves.
+the fastest method per world size, a one-line recommendation and the plan's measured
+error band, and with ``--plot FILE`` draws both curves. ``--device h100`` reads the shipped
+H100 codec profile (``gradzip/costmodel/profiles/``), ``--dtype`` sets the gradients' dtype,
+``--overlap`` hides the wire under the backward pass as DDP does.
 
 Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
 compression=Int8(), fragments=4, delay=2)``) are costed by
@@ -131,8 +134,12 @@ def project(
     progress=None,
     local_size: int = 1,
     intra: Link | None = None,
+    dtype: torch.dtype = torch.float32,
+    overlap: bool = False,
 ) -> list[dict]:
-    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``."""
+    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``.
+    ``overlap`` applies to DDP-style methods (:func:`~gradzip.costmodel.step_cost`); a front end
+    that averages now and then has its own (``delay``)."""
     worlds = sorted(set(worlds))
     probe = (min(w for w in worlds if w > 1), max(worlds)) if any(w > 1 for w in worlds) else None
     cache = WireCache(probe_worlds=probe)
@@ -144,11 +151,11 @@ def project(
             if terms is not None:
                 sc = periodic_step_cost(
                     terms["compression"], layers, n, link, compute_s, profile, period=terms["period"],
-                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label,
+                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label, dtype=dtype,
                 )
             else:
                 sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
-                               label=label, local_size=local_size, intra=intra)
+                               label=label, local_size=local_size, intra=intra, dtype=dtype, overlap=overlap)
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
@@ -225,39 +232,114 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
 add_arguments = options.add_plan_arguments
 
 
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def error_band() -> dict:
+    """The plan's measured error (``gradzip/costmodel/profiles/_plan_check.json``, built by
+    ``benchmarks/h100_profile.py`` from ``benchmarks/results/plan_check.json``)."""
+    with open(os.path.join(options.PROFILE_DIR, "_plan_check.json")) as f:
+        return json.load(f)
+
+
+def format_band(b: dict) -> str:
+    m = b["machine"]
+    return (
+        f"error band: on {b['rows']} measured steps ({' and '.join(map(str, b['ranks']))} gloo ranks, "
+        f"{m['cores']}-core {m['cpu']} CPU, torch {m['torch']}; {b['source']}) the plan was off by a median "
+        f"{100 * b['median_abs_error']:.0f}%, 8 in 10 steps within {100 * b['p10']:+.0f}%..{100 * b['p90']:+.0f}% "
+        f"(negative: the plan too fast; worst {100 * b['min']:+.0f}% and {100 * b['max']:+.0f}%); "
+        "not validated on GPUs nor beyond 4 ranks"
+    )
+
+
+def recommend(rows: list[dict], band: float) -> str:
+    """One line: the fastest method per range of world sizes and its predicted gain over
+    plain DDP; a gain smaller than ``band`` (the median error) is called within the band."""
+    at = {(r["label"], r["world"]): r for r in rows}
+    best = best_per_world(rows)
+    runs: list[list] = []
+    for n, lab in best.items():
+        if runs and runs[-1][0] == lab:
+            runs[-1][2] = n
+        else:
+            runs.append([lab, n, n])
+    parts = []
+    for lab, lo, hi in runs:
+        where = f"{lo} ranks" if lo == hi else f"{lo}-{hi} ranks"
+        gains = [at[("DDP", n)]["total_s"] / at[(lab, n)]["total_s"] for n in best if lo <= n <= hi and ("DDP", n) in at]
+        if lab == "DDP" or not gains:
+            parts.append(f"{lab} at {where}")
+        elif max(gains) < 1 + band:
+            parts.append(f"DDP at {where} ({lab} is predicted at most {max(gains):.2f}x faster, within the error band)")
+        else:
+            span = f"{min(gains):.2g}x" if f"{min(gains):.2g}" == f"{max(gains):.2g}" else f"{min(gains):.2g}x-{max(gains):.2g}x"
+            parts.append(f"{lab} at {where} ({span} DDP's predicted speed)")
+    return "recommendation: " + "; ".join(parts) + "; check accuracy with `gradzip bench`"
+
+
 def run(args) -> int:
     link = Link(args.bandwidth, args.latency)
+    dtype_name = TORCH_DTYPES[args.dtype]
+    dtype = getattr(torch, dtype_name)
+    notes = []
     try:
+        if args.plot:
+            missing = options.missing_bench_extras("digits", True)
+            if "matplotlib" in missing:
+                raise ImportError("--plot needs matplotlib, which is not installed (pip install matplotlib, "
+                                  "or 'gradzip[bench]'); leave --plot out for the table alone")
         import_plugins(args.plugins)
-        if args.profile:
-            profile = CodecProfile.load(args.profile, measure_missing=True)
+        if args.device not in (None, "cpu") and args.profile:
+            raise ValueError("give --device or --profile, not both")
+        device = args.device or "cpu"
+        if args.profile or device != "cpu":
+            path = args.profile or os.path.join(options.PROFILE_DIR, f"{device}.json")
+            profile = CodecProfile.load(path, measure_missing=True)
             where = (profile.machine or {}).get("cpu", "an unnamed machine")
-            source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+            if args.profile:
+                source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+            else:  # what it lacks is measured here as --device cpu would
+                profile.sizes, profile.worlds = args.profile_sizes, (1, 8)
+                profile.repeats, profile.threads = args.repeats, args.threads
+                source = (f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): "
+                          "kernel times only, without Python and launch overhead, so a lower bound; "
+                          "FP16/BF16 from the measured copy bandwidth")
+            if profile.dtype != dtype_name:
+                profile.elem_scale = dtype.itemsize / getattr(torch, profile.dtype).itemsize
+                notes.append(f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
+                             f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
+                             "memory traffic)")
         else:
-            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads)
+            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads, dtype=dtype_name)
             source = (
-                f"measured on this machine (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
-                f"fastest of {args.repeats}, {args.threads} thread(s))"
+                f"measured on this machine's CPU (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
+                f"{dtype_name}, fastest of {args.repeats}, {args.threads} thread(s))"
             )
         intra = None
         if args.intra_bandwidth is not None or args.intra_latency is not None:
             intra = Link(args.intra_bandwidth or args.bandwidth,
                          args.latency if args.intra_latency is None else args.intra_latency)
         methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size)
+        if args.overlap and any(isinstance(m, Spec) for m in methods.values()):
+            notes.append("--overlap applies to DDP-style methods only; LocalSGD/DiLoCo rows hide their wire by "
+                         "their own delay=")
         if args.state_dict:
             layers = layers_from_state_dict(args.state_dict)
             what = args.state_dict
         else:
             layers = layers_from_params(args.params, args.layer_shape)
             what = f"{args.params:,} parameters as {args.layer_shape[0]}x{args.layer_shape[1]} matrices"
+        band = error_band()
     except (OSError, ValueError, TypeError, ImportError, json.JSONDecodeError) as exc:
         print(f"gradzip plan: {exc}", file=sys.stderr)
         return 2
     nparams = sum(math.prod(s) for _, s in layers)
     print(
-        f"gradzip plan: {what}: {nparams:,} fp32 gradients in {len(layers)} tensors "
-        f"({4 * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}"
-        + (f" per node of {args.local_size} ranks, {intra or link} inside a node" if args.local_size > 1 else ""),
+        f"gradzip plan: {what}: {nparams:,} {args.dtype} gradients in {len(layers)} tensors "
+        f"({dtype.itemsize * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}"
+        + (f" per node of {args.local_size} ranks, {intra or link} inside a node" if args.local_size > 1 else "")
+        + ("; backward overlapped with the wire" if args.overlap else ""),
         flush=True,
     )
     print(f"codec profile: {source}", flush=True)
@@ -266,10 +348,18 @@ def run(args) -> int:
         print(f"  {label}: {secs:.1f} s", flush=True)
 
     rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb,
-                   progress=progress, local_size=args.local_size, intra=intra)
+                   progress=progress, local_size=args.local_size, intra=intra, dtype=dtype, overlap=args.overlap)
+    if profile.measured_here and (args.profile or device != "cpu"):
+        notes.append(f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
+                     "codec seconds measured on this machine's CPU instead")
     print()
     print(format_table(rows))
-    print("\nPredicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
+    print()
+    print(recommend(rows, band["median_abs_error"]))
+    print(format_band(band))
+    for note in notes:
+        print(f"note: {note}")
+    print("Predicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
     if args.save_profile:
         profile.save(args.save_profile)
         print(f"wrote {args.save_profile}")
@@ -282,16 +372,22 @@ def run(args) -> int:
                 "model": what,
                 "params": nparams,
                 "tensors": len(layers),
+                "dtype": args.dtype,
                 "compute_s": args.compute,
                 "link": link.to_dict(),
                 "local_size": args.local_size,
                 "intra_link": intra.to_dict() if intra is not None else None,
                 "worlds": sorted(set(args.worlds)),
                 "bucket_cap_mb": args.bucket_cap_mb,
+                "overlap": args.overlap,
+                "device": args.device,
                 "methods": list(methods),
             },
-            "profile": {"source": source, **profile.to_dict()},
+            "profile": {"source": source, "measured_here": profile.measured_here, **profile.to_dict()},
             "best": {str(k): v for k, v in best_per_world(rows).items()},
+            "recommendation": recommend(rows, band["median_abs_error"]),
+            "error_band": band,
+            "notes": notes,
             "rows": rows,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
