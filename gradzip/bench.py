@@ -164,6 +164,10 @@ class BenchConfig:
             self.lr = DEFAULT_LR[self.optimizer]
         if self.weight_decay is None:
             self.weight_decay = DEFAULT_WEIGHT_DECAY[self.optimizer]
+        if self.steps_per_epoch() < 1:
+            raise ValueError(
+                f"{self.workers} ranks of batch {self.batch_size} get no full batch from the {self.dataset} training set "
+                f"({N_TRAIN[self.dataset]} samples): use fewer --workers or a smaller --batch-size")
         self.seeds = (self.seed,) if self.seeds is None else tuple(int(s) for s in self.seeds)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
