@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--stem", default=None, help="file name without extension")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    rows, cfg, code = cli.run_bench(a, no_progress=a.no_progress)
+    rows, cfg, code = cli.run_bench(a, no_progress=a.no_progress, plot=True)
     if code:
         return code
     stem = a.stem or f"accuracy_{cfg.dataset}_{cfg.workers}ranks_{cfg.optimizer}_{cfg.device}"

@@ -54,11 +54,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+# Registering is defining: import every module that defines a method of the grammar.
+from . import codecs, local_sgd, policy, protocols, schedules  # noqa: F401
 from .codecs.base import Codec
 from .hooks import register_hook
 from .machine import machine
 from .protocols.base import Protocol
 from .registry import Spec, parse_list, register_value
+
+# The defaults and choices of ``gradzip bench`` live in gradzip.options (no torch there: the
+# command parses its options before importing this module); the names stay importable here.
+from .options import (
+    DEFAULT_EPOCHS,
+    DEFAULT_LR,
+    DEFAULT_METHODS,
+    DEFAULT_SEEDS,  # noqa: F401 (re-exported)
+    DEFAULT_WEIGHT_DECAY,
+    LR_SCHEDULES,
+    MOMENTUM_CORRECTION,
+    N_TRAIN,
+    OPTIMIZERS,
+    QUICK_EPOCHS,  # noqa: F401 (re-exported)
+    parse_seeds,  # noqa: F401 (re-exported)
+)
 
 register_value("DDP", None)  # plain DDP: no hook
 
@@ -82,33 +100,6 @@ class Method:
         return repr(self.method) + ef
 
 
-#: The demo's methods (``make demo``, ``gradzip bench`` without ``--methods``), in the method
-#: grammar (``gradzip.registry``); the baseline first. Short, so that 3 seeds stay a few minutes.
-#: Those that train at SGD momentum 0.9 on MNIST (benchmarks/results/accuracy_mnist_4ranks_sgd_cpu.json
-#: and diloco_*: Threshold and SignSGD diverge there without momentum correction, so they are
-#: left out of the demo and shown in the README's tables instead).
-DEFAULT_METHODS = (
-    "Identity, TopK(0.01), Int8, PowerSGD(rank=2), DiLoCo(period=32, compression=Int8(), outer_kwargs={'momentum': 0.5})"
-)
-#: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
-DEFAULT_SEEDS = (0, 1, 2)
-#: Epochs by dataset when none are given. mnist: where Identity's final accuracy stops improving
-#: at 4 ranks (31 steps an epoch), SGD lr 0.05 momentum 0.9, cosine over the run, mean of seeds
-#: 0, 1, 2 (2-core dev machine): 4 epochs 95.57%, 8 96.70, 12 96.90, 16 97.30, 20 97.33, 24 97.33,
-#: 32 97.43 (16 is 0.13 pp below 32, seed by seed). Fewer ranks take more steps an epoch.
-DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
-#: Learning rate and weight decay by optimizer when none are given. SGD: the bench's rate of
-#: old, which Identity trains with at momentum 0.9. AdamW (beta1 0.9, weight decay 0.01), Identity
-#: on mnist at 4 ranks, 16 epochs, mean of seeds 0, 1, 2: lr 1e-3 95.63%, 3e-3 97.17, 5e-3 97.43,
-#: 1e-2 97.60, 3e-2 diverged on 2 seeds of 3; 5e-3 keeps a margin below the rate that diverges.
-DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3}
-DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("cosine", "constant")
-MOMENTUM_CORRECTION = ("auto", "on", "off")
-#: The quick run's epochs (``--quick``).
-QUICK_EPOCHS = {"mnist": 1, "digits": 5}
-N_TRAIN = {"mnist": 4000, "digits": 1437}
 
 
 def parse_methods(spec: str) -> dict[str, Method]:
@@ -123,27 +114,6 @@ def parse_methods(spec: str) -> dict[str, Method]:
 
 def default_methods() -> dict[str, Method]:
     return parse_methods(DEFAULT_METHODS)
-
-
-def parse_seeds(text: str) -> tuple[int, ...]:
-    """``"0,1,2"`` or a range ``"0-4"`` to a tuple of distinct seeds, in order."""
-    out: list[int] = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            vals = range(int(lo), int(hi) + 1) if sep and lo else [int(part)]
-        except ValueError:
-            raise ValueError(f"seeds must be integers such as '0,1,2' or '0-4', got {text!r}") from None
-        for v in vals:
-            if v in out:
-                raise ValueError(f"seed {v} is listed twice in {text!r}")
-            out.append(v)
-    if not out:
-        raise ValueError(f"seeds must name at least one seed, got {text!r}")
-    return tuple(out)
 
 
 @dataclass
@@ -194,6 +164,10 @@ class BenchConfig:
             self.lr = DEFAULT_LR[self.optimizer]
         if self.weight_decay is None:
             self.weight_decay = DEFAULT_WEIGHT_DECAY[self.optimizer]
+        if self.steps_per_epoch() < 1:
+            raise ValueError(
+                f"{self.workers} ranks of batch {self.batch_size} get no full batch from the {self.dataset} training set "
+                f"({N_TRAIN[self.dataset]} samples): use fewer --workers or a smaller --batch-size")
         self.seeds = (self.seed,) if self.seeds is None else tuple(int(s) for s in self.seeds)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")

@@ -4,48 +4,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, plan
+from . import options
+
+# The command parses its options before it imports the modules that need torch (bench, plan):
+# `gradzip --help` and a refused option answer at once. Options and their checks: gradzip.options.
+add_bench_arguments = options.add_bench_arguments
 
 
-def add_bench_arguments(b: argparse.ArgumentParser) -> None:
-    """The options of ``gradzip bench`` (``benchmarks/accuracy.py`` takes the same)."""
-    epochs = ", ".join(f"{v} for {k}" for k, v in bench.DEFAULT_EPOCHS.items())
-    b.add_argument("--dataset", default="mnist", choices=["mnist", "digits"])
-    b.add_argument("--workers", type=int, default=2, help="ranks (gloo processes, or GPUs with --device cuda)")
-    b.add_argument("--epochs", type=int, default=None, help=f"default: {epochs} (where Identity has converged)")
-    b.add_argument("--seeds", default=None,
-                   help="seeds, e.g. 0,1,2 or 0-4: each method trains once per seed (init, data split and order); "
-                        f"default: {','.join(map(str, bench.DEFAULT_SEEDS))} (0 with --quick)")
-    b.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # the old single-seed flag
-    b.add_argument("--optimizer", default="sgd", choices=list(bench.OPTIMIZERS))
-    b.add_argument("--lr", type=float, default=None,
-                   help="base learning rate; default: " + ", ".join(f"{v:g} for {k}" for k, v in bench.DEFAULT_LR.items()))
-    b.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum, or AdamW's beta1 (default: 0.9)")
-    b.add_argument("--weight-decay", type=float, default=None,
-                   help="default: " + ", ".join(f"{v:g} for {k}" for k, v in bench.DEFAULT_WEIGHT_DECAY.items()))
-    b.add_argument("--lr-schedule", default="cosine", choices=list(bench.LR_SCHEDULES),
-                   help="cosine (default): from lr down to 0 over the whole run, after the warm-up")
-    b.add_argument("--momentum-correction", default="auto", choices=list(bench.MOMENTUM_CORRECTION),
-                   help="SGD momentum applied per rank before compression and masked where sent: auto (sparse codecs), on, off")
-    b.add_argument("--warmup-epochs", type=float, default=0.0, help="linear learning-rate warm-up (default: 0)")
-    b.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
-    b.add_argument("--quick", action="store_true",
-                   help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
-    b.add_argument("--methods", default="",
-                   help="comma-separated methods in the method grammar, e.g. \"TopK(ratio=0.001), PowerSGD(rank=1)\" "
-                        f"(default: {bench.DEFAULT_METHODS})")
-    b.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
-                   help="import a module that defines more methods (repeatable)")
-
-
-def config_from_args(args) -> bench.BenchConfig:
+def config_from_args(args):
     """The :class:`~gradzip.bench.BenchConfig` of parsed ``gradzip bench`` options
     (ValueError for values it refuses)."""
+    from . import bench
+
     if args.workers < 2:
         raise ValueError(f"--workers must be at least 2 (a bench of gradient exchange), got {args.workers}")
     if args.seeds is not None:
-        seeds = bench.parse_seeds(args.seeds)
+        seeds = bench.parse_seeds(args.seeds) if isinstance(args.seeds, str) else tuple(args.seeds)
     elif args.seed is not None:
         seeds = (args.seed,)
     else:
@@ -61,10 +35,41 @@ def config_from_args(args) -> bench.BenchConfig:
     )
 
 
-def run_bench(args, no_progress: bool = False):
-    """Run ``gradzip bench`` from parsed options: (rows, cfg, exit code)."""
+def check_bench_extras(args, plot: bool) -> str | None:
+    """What the ``[bench]`` extra must add for these options, as one line; None if nothing.
+    Runs before torch is imported and before any rank starts."""
+    missing = options.missing_bench_extras(args.dataset, plot)
+    if not missing:
+        return None
+    what = ", ".join(f"{m} (for {options.BENCH_EXTRAS[m]})" for m in missing)
+    return f"not installed: {what}; install them with: pip install 'gradzip[bench]'"
+
+
+def check_device(cfg) -> None:
+    """``--device cuda`` needs CUDA and one GPU per rank (ValueError, before the ranks start)."""
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: CUDA is not available to this torch ({torch.__version__}); use --device cpu")
+    if torch.cuda.device_count() < cfg.workers:
+        raise ValueError(f"--device cuda runs one rank per GPU: --workers {cfg.workers} needs {cfg.workers} GPUs, "
+                         f"this machine has {torch.cuda.device_count()}")
+
+
+def run_bench(args, no_progress: bool = False, plot: bool = False):
+    """Run ``gradzip bench`` from parsed options: (rows, cfg, exit code). ``plot``: the caller
+    will draw pareto.png (matplotlib is then checked for with the datasets, up front)."""
+    problem = check_bench_extras(args, plot)
+    if problem:
+        print(f"gradzip bench: {problem}", file=sys.stderr)
+        return None, None, 2
+    from . import bench, plan
+
     try:
         cfg = config_from_args(args)
+        check_device(cfg)
         plan.import_plugins(args.plugins)
         methods = bench.parse_methods(args.methods or bench.DEFAULT_METHODS)
     except (ValueError, TypeError, ImportError) as exc:
@@ -105,16 +110,20 @@ def run_bench(args, no_progress: bool = False):
 
 
 def _bench(args) -> int:
-    rows, cfg, code = run_bench(args, no_progress=args.no_progress)
+    rows, cfg, code = run_bench(args, no_progress=args.no_progress, plot=bool(args.out))
     if code:
         return code
     if args.out:
+        from . import bench
+
         paths = bench.write_outputs(rows, cfg, args.out)
         print(f"\nwrote {paths['json']}, {paths['csv']}, {paths['plot']}")
     return 0
 
 
 def _plan(args) -> int:
+    from . import plan
+
     return plan.run(args)
 
 
@@ -127,7 +136,7 @@ def main(argv=None) -> int:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=_bench)
     pl = sub.add_parser("plan", help="predict step time and scaling efficiency per method and world size")
-    plan.add_arguments(pl)
+    options.add_plan_arguments(pl)
     pl.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -1,7 +1,7 @@
 """``gradzip plan``: predict step time and scaling efficiency per method and world size.
 
     gradzip plan --params 25e6 --compute 120ms --bandwidth 1Gbit --latency 50us
-    gradzip plan --state-dict model.pt --compute 0.3 --bandwidth 10Gbit --latency 20us \\
+    gradzip plan --state-dict model.pt --compute 300ms --bandwidth 10Gbit --latency 20us \\
         --worlds 2,4,8,16 --methods "DDP, TopK(ratio=0.001), PowerSGD(rank=4)" --plot plan.png
 
 For every method and world size ``N`` the step is ``compute + codec + wire``
@@ -11,7 +11,10 @@ a :class:`~gradzip.costmodel.CodecProfile` measured on this machine (or read
 with ``--profile``), the wire from the ring formulas. Scaling efficiency is
 ``compute / step`` (weak scaling: the per-rank batch stays fixed, so one rank's
 step is ``compute`` alone). It prints the step time and efficiency per method,
-the fastest method per world size, and plots both curves.
+the fastest method per world size, a one-line recommendation and the plan's measured
+error band, and with ``--plot FILE`` draws both curves. ``--device h100`` reads the shipped
+H100 codec profile (``gradzip/costmodel/profiles/``), ``--dtype`` sets the gradients' dtype,
+``--overlap`` hides the wire under the backward pass as DDP does.
 
 Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
 compression=Int8(), fragments=4, delay=2)``) are costed by
@@ -36,14 +39,14 @@ import torch
 
 import gradzip.args as args
 
-from .costmodel import CodecProfile, Link, WireCache, parse_bandwidth, parse_duration, step_cost
+# Registering is defining: import every module that defines a method of the grammar.
+from . import codecs, local_sgd, options, policy, protocols, schedules  # noqa: F401
+from .costmodel import CodecProfile, Link, WireCache, step_cost
 from .costmodel.periodic import periodic_step_cost
 from .registry import Spec, parse_list, register_value
 
-DEFAULT_METHODS = (
-    "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
-)
-DEFAULT_WORLDS = tuple(2**k for k in range(1, 11))  # 2 .. 1024
+DEFAULT_METHODS = options.PLAN_METHODS
+DEFAULT_WORLDS = options.DEFAULT_WORLDS
 BN_BUFFERS = ("running_mean", "running_var")
 
 
@@ -131,8 +134,12 @@ def project(
     progress=None,
     local_size: int = 1,
     intra: Link | None = None,
+    dtype: torch.dtype = torch.float32,
+    overlap: bool = False,
 ) -> list[dict]:
-    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``."""
+    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``.
+    ``overlap`` applies to DDP-style methods (:func:`~gradzip.costmodel.step_cost`); a front end
+    that averages now and then has its own (``delay``)."""
     worlds = sorted(set(worlds))
     probe = (min(w for w in worlds if w > 1), max(worlds)) if any(w > 1 for w in worlds) else None
     cache = WireCache(probe_worlds=probe)
@@ -144,11 +151,11 @@ def project(
             if terms is not None:
                 sc = periodic_step_cost(
                     terms["compression"], layers, n, link, compute_s, profile, period=terms["period"],
-                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label,
+                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label, dtype=dtype,
                 )
             else:
                 sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
-                               label=label, local_size=local_size, intra=intra)
+                               label=label, local_size=local_size, intra=intra, dtype=dtype, overlap=overlap)
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
@@ -221,142 +228,118 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
 
 
 # -- command line ----------------------------------------------------------------------------
-def _int_count(s: str) -> int:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a parameter count like 25e6, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 1 and v == int(v)):
-        raise argparse.ArgumentTypeError(f"params must be a whole number in [1, inf), got {s!r}")
-    return int(v)
+#: The options (checked while parsing, before torch loads) live in gradzip.options.
+add_arguments = options.add_plan_arguments
 
 
-def _shape(s: str) -> tuple[int, int]:
-    try:
-        r, c = (int(p) for p in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS like 1024x1024, got {s!r}") from None
-    if r < 1 or c < 1:
-        raise argparse.ArgumentTypeError(f"layer shape must be positive, got {s!r}")
-    return r, c
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def _worlds(s: str) -> list[int]:
-    try:
-        ws = [int(p) for p in s.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {s!r}") from None
-    if not ws or any(w < 1 for w in ws):
-        raise argparse.ArgumentTypeError(f"world sizes must be integers in [1, inf), got {s!r}")
-    return ws
+def error_band() -> dict:
+    """The plan's measured error (``gradzip/costmodel/profiles/_plan_check.json``, built by
+    ``benchmarks/h100_profile.py`` from ``benchmarks/results/plan_check.json``)."""
+    with open(os.path.join(options.PROFILE_DIR, "_plan_check.json")) as f:
+        return json.load(f)
 
 
-def _arg(fn, name):
-    def conv(s):
-        try:
-            return fn(s)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    conv.__name__ = name
-    return conv
-
-
-def _bucket_cap(s: str) -> float:
-    v = float(s)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"bucket cap must be a number of MiB in (0, inf), got {s!r}")
-    return v
+def format_band(b: dict) -> str:
+    m = b["machine"]
+    return (
+        f"error band: on {b['rows']} measured steps ({' and '.join(map(str, b['ranks']))} gloo ranks, "
+        f"{m['cores']}-core {m['cpu']} CPU, torch {m['torch']}; {b['source']}) the plan was off by a median "
+        f"{100 * b['median_abs_error']:.0f}%, 8 in 10 steps within {100 * b['p10']:+.0f}%..{100 * b['p90']:+.0f}% "
+        f"(negative: the plan too fast; worst {100 * b['min']:+.0f}% and {100 * b['max']:+.0f}%); "
+        "not validated on GPUs nor beyond 4 ranks"
+    )
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, inf), got {s!r}")
-    return v
-
-
-def _sizes(s: str) -> tuple[int, int]:
-    try:
-        a, b = (int(float(p)) for p in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two sizes like 4096,1048576, got {s!r}") from None
-    if not (4 <= a < b):
-        raise argparse.ArgumentTypeError(f"profile sizes must satisfy 4 <= n0 < n1, got {s!r}")
-    return a, b
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``gradzip plan`` options (``gradzip.cli`` adds them to its ``plan`` sub-command)."""
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)")
-    model.add_argument("--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients")
-    p.add_argument("--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)")
-    p.add_argument("--compute", type=_arg(lambda s: parse_duration(s, "compute"), "duration"), required=True,
-                   help="forward+backward time of one step on one rank, e.g. 120ms or 0.12")
-    p.add_argument("--bandwidth", type=_arg(parse_bandwidth, "bandwidth"), required=True,
-                   help="link bandwidth, e.g. 1Gbit, 100Mbit, 10G (bits/s), 125MB/s (bytes/s)")
-    p.add_argument("--latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), required=True,
-                   help="one-way latency per message, e.g. 50us, 0.2ms")
-    p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
-    p.add_argument("--local-size", type=_positive_int, default=1,
-                   help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank")
-    p.add_argument("--intra-bandwidth", type=_arg(parse_bandwidth, "bandwidth"), default=None,
-                   help="bandwidth between the ranks of a node (default: --bandwidth)")
-    p.add_argument("--intra-latency", type=_arg(lambda s: parse_duration(s, "latency"), "duration"), default=None,
-                   help="latency between the ranks of a node (default: --latency)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods in the method grammar (default: {DEFAULT_METHODS})")
-    p.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
-                   help="import a module that defines more methods (repeatable)")
-    p.add_argument("--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)")
-    p.add_argument("--profile", default="", help="codec profile JSON to read (e.g. from benchmarks/results/); "
-                                                 "default: measure on this machine")
-    p.add_argument("--save-profile", default="", help="write the codec profile used to this JSON file")
-    p.add_argument("--profile-sizes", type=_sizes, default=(4096, 1 << 20),
-                   help="tensor sizes the codec is timed at (default 4096,1048576)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per profile point (the fastest counts; default 5)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads while timing the codec (default 1: one per rank)")
-    p.add_argument("--plot", default="plan.png", help="PNG of the scaling curves ('' to skip)")
-    p.add_argument("--json", default="", help="write inputs, profile source and every prediction to this JSON file")
+def recommend(rows: list[dict], band: float) -> str:
+    """One line: the fastest method per range of world sizes and its predicted gain over
+    plain DDP; a gain smaller than ``band`` (the median error) is called within the band."""
+    at = {(r["label"], r["world"]): r for r in rows}
+    best = best_per_world(rows)
+    runs: list[list] = []
+    for n, lab in best.items():
+        if runs and runs[-1][0] == lab:
+            runs[-1][2] = n
+        else:
+            runs.append([lab, n, n])
+    parts = []
+    for lab, lo, hi in runs:
+        where = f"{lo} ranks" if lo == hi else f"{lo}-{hi} ranks"
+        gains = [at[("DDP", n)]["total_s"] / at[(lab, n)]["total_s"] for n in best if lo <= n <= hi and ("DDP", n) in at]
+        if lab == "DDP" or not gains:
+            parts.append(f"{lab} at {where}")
+        elif max(gains) < 1 + band:
+            parts.append(f"DDP at {where} ({lab} is predicted at most {max(gains):.2f}x faster, within the error band)")
+        else:
+            span = f"{min(gains):.2g}x" if f"{min(gains):.2g}" == f"{max(gains):.2g}" else f"{min(gains):.2g}x-{max(gains):.2g}x"
+            parts.append(f"{lab} at {where} ({span} DDP's predicted speed)")
+    return "recommendation: " + "; ".join(parts) + "; check accuracy with `gradzip bench`"
 
 
 def run(args) -> int:
     link = Link(args.bandwidth, args.latency)
+    dtype_name = TORCH_DTYPES[args.dtype]
+    dtype = getattr(torch, dtype_name)
+    notes = []
     try:
+        if args.plot:
+            missing = options.missing_bench_extras("digits", True)
+            if "matplotlib" in missing:
+                raise ImportError("--plot needs matplotlib, which is not installed (pip install matplotlib, "
+                                  "or 'gradzip[bench]'); leave --plot out for the table alone")
         import_plugins(args.plugins)
-        if args.profile:
-            profile = CodecProfile.load(args.profile, measure_missing=True)
+        if args.device not in (None, "cpu") and args.profile:
+            raise ValueError("give --device or --profile, not both")
+        device = args.device or "cpu"
+        if args.profile or device != "cpu":
+            path = args.profile or os.path.join(options.PROFILE_DIR, f"{device}.json")
+            profile = CodecProfile.load(path, measure_missing=True)
             where = (profile.machine or {}).get("cpu", "an unnamed machine")
-            source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+            if args.profile:
+                source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+            else:  # what it lacks is measured here as --device cpu would
+                profile.sizes, profile.worlds = args.profile_sizes, (1, 8)
+                profile.repeats, profile.threads = args.repeats, args.threads
+                source = (f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): "
+                          "kernel times only, without Python and launch overhead, so a lower bound; "
+                          "FP16/BF16 from the measured copy bandwidth")
+            if profile.dtype != dtype_name:
+                profile.elem_scale = dtype.itemsize / getattr(torch, profile.dtype).itemsize
+                notes.append(f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
+                             f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
+                             "memory traffic)")
         else:
-            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads)
+            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads, dtype=dtype_name)
             source = (
-                f"measured on this machine (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
-                f"fastest of {args.repeats}, {args.threads} thread(s))"
+                f"measured on this machine's CPU (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
+                f"{dtype_name}, fastest of {args.repeats}, {args.threads} thread(s))"
             )
         intra = None
         if args.intra_bandwidth is not None or args.intra_latency is not None:
             intra = Link(args.intra_bandwidth or args.bandwidth,
                          args.latency if args.intra_latency is None else args.intra_latency)
         methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size)
+        if args.overlap and any(isinstance(m, Spec) for m in methods.values()):
+            notes.append("--overlap applies to DDP-style methods only; LocalSGD/DiLoCo rows hide their wire by "
+                         "their own delay=")
         if args.state_dict:
             layers = layers_from_state_dict(args.state_dict)
             what = args.state_dict
         else:
             layers = layers_from_params(args.params, args.layer_shape)
             what = f"{args.params:,} parameters as {args.layer_shape[0]}x{args.layer_shape[1]} matrices"
+        band = error_band()
     except (OSError, ValueError, TypeError, ImportError, json.JSONDecodeError) as exc:
         print(f"gradzip plan: {exc}", file=sys.stderr)
         return 2
     nparams = sum(math.prod(s) for _, s in layers)
     print(
-        f"gradzip plan: {what}: {nparams:,} fp32 gradients in {len(layers)} tensors "
-        f"({4 * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}"
-        + (f" per node of {args.local_size} ranks, {intra or link} inside a node" if args.local_size > 1 else ""),
+        f"gradzip plan: {what}: {nparams:,} {args.dtype} gradients in {len(layers)} tensors "
+        f"({dtype.itemsize * nparams / 2**20:.1f} MiB); compute {1e3 * args.compute:g} ms/step; link {link}"
+        + (f" per node of {args.local_size} ranks, {intra or link} inside a node" if args.local_size > 1 else "")
+        + ("; backward overlapped with the wire" if args.overlap else ""),
         flush=True,
     )
     print(f"codec profile: {source}", flush=True)
@@ -365,10 +348,18 @@ def run(args) -> int:
         print(f"  {label}: {secs:.1f} s", flush=True)
 
     rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb,
-                   progress=progress, local_size=args.local_size, intra=intra)
+                   progress=progress, local_size=args.local_size, intra=intra, dtype=dtype, overlap=args.overlap)
+    if profile.measured_here and (args.profile or device != "cpu"):
+        notes.append(f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
+                     "codec seconds measured on this machine's CPU instead")
     print()
     print(format_table(rows))
-    print("\nPredicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
+    print()
+    print(recommend(rows, band["median_abs_error"]))
+    print(format_band(band))
+    for note in notes:
+        print(f"note: {note}")
+    print("Predicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
     if args.save_profile:
         profile.save(args.save_profile)
         print(f"wrote {args.save_profile}")
@@ -381,16 +372,22 @@ def run(args) -> int:
                 "model": what,
                 "params": nparams,
                 "tensors": len(layers),
+                "dtype": args.dtype,
                 "compute_s": args.compute,
                 "link": link.to_dict(),
                 "local_size": args.local_size,
                 "intra_link": intra.to_dict() if intra is not None else None,
                 "worlds": sorted(set(args.worlds)),
                 "bucket_cap_mb": args.bucket_cap_mb,
+                "overlap": args.overlap,
+                "device": args.device,
                 "methods": list(methods),
             },
-            "profile": {"source": source, **profile.to_dict()},
+            "profile": {"source": source, "measured_here": profile.measured_here, **profile.to_dict()},
             "best": {str(k): v for k, v in best_per_world(rows).items()},
+            "recommendation": recommend(rows, band["median_abs_error"]),
+            "error_band": band,
+            "notes": notes,
             "rows": rows,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -123,9 +123,11 @@ def test_bench_flags_parse_into_the_config():
     assert cfg.seeds == (0,) and cfg.resolved_epochs() == bench.QUICK_EPOCHS["digits"]
     assert _args("--quick", "--seeds", "1,2").seeds == (1, 2)
     assert _args("--seed", "5").seeds == (5,)  # the old flag
-    for bad in (["--seeds", "a"], ["--seeds", "1,1"], ["--seeds", ","], ["--workers", "1"], ["--momentum", "1"],
-                ["--epochs", "0"]):
-        with pytest.raises(ValueError):
+    # refused while parsing (before torch loads or a rank starts): one error line naming the option
+    for bad in (["--seeds", "a"], ["--seeds", "1,1"], ["--seeds", ","], ["--workers", "1"], ["--workers", "0"],
+                ["--momentum", "1"], ["--epochs", "0"], ["--epochs", "-1"], ["--batch-size", "0"], ["--lr", "0"],
+                ["--weight-decay", "-1"], ["--warmup-epochs", "nan"]):
+        with pytest.raises(SystemExit):
             _args(*bad)
     p = cli.argparse.ArgumentParser()
     cli.add_bench_arguments(p)
@@ -134,8 +136,9 @@ def test_bench_flags_parse_into_the_config():
 
 
 def test_bench_cli_bad_seeds_exit_2_before_training(capsys):
-    assert cli.main(["bench", "--seeds", "x", "--out", ""]) == 2
-    assert "seeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--seeds", "x", "--out", ""])
+    assert e.value.code == 2 and "seeds" in capsys.readouterr().err
 
 
 def test_lr_schedule():

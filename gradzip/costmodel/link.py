@@ -15,8 +15,6 @@ other (``docs/costmodel.md``).
 """
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -37,52 +35,20 @@ __all__ = [
     "check_world",
 ]
 
-_BW_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME_DIVISORS = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # divide: 50 / 1e6 == 5e-5 exactly
-
-
-def parse_bandwidth(value) -> float:
+def parse_bandwidth(value, *, unit: bool = False) -> float:
     """Bits per second from a number or a string such as ``"1Gbit"``, ``"100mbps"``, ``"10G"``, ``"2.5e9"``.
 
     Units are decimal (``k`` = 1e3) and in bits; ``"B"``/``"byte"`` suffixes mean bytes
-    (``"125MB/s"`` = 1e9 bit/s).
+    (``"125MB/s"`` = 1e9 bit/s). ``unit=True`` refuses a bare number in a string
+    (:func:`gradzip.args.bandwidth`; ``gradzip plan`` does).
     """
-    if isinstance(value, bool):
-        raise ValueError(f"bandwidth must be a number of bits/s or a string like '1Gbit', got {value!r}")
-    if isinstance(value, (int, float)):
-        bps = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(
-            r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]?)(bit/s|bits/s|bit|bits|bps|b/s|B/s|B|byte/s|bytes/s|byte|bytes)?\s*",
-            value,
-        )
-        if not m:
-            raise ValueError(f"bandwidth must look like '1Gbit', '100Mbps' or '1e9', got {value!r}")
-        num, prefix, unit = m.groups()
-        bps = float(num) * _BW_UNITS[prefix.lower()] * (8.0 if unit and unit.startswith(("B", "byte")) else 1.0)
-    else:
-        raise ValueError(f"bandwidth must be a number of bits/s or a string like '1Gbit', got {value!r}")
-    if not (math.isfinite(bps) and bps > 0):
-        raise ValueError(f"bandwidth must be in (0, inf) bits/s, got {value!r}")
-    return bps
+    return args.bandwidth("bandwidth", value, unit=unit)
 
 
-def parse_duration(value, name: str = "duration") -> float:
-    """Seconds from a number or a string such as ``"50us"``, ``"0.2ms"``, ``"1.5s"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number of seconds or a string like '50us', got {value!r}")
-    if isinstance(value, (int, float)):
-        s = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*", value)
-        if not m:
-            raise ValueError(f"{name} must look like '50us', '2ms' or '0.1', got {value!r}")
-        s = float(m.group(1)) / _TIME_DIVISORS[m.group(2) or ""]
-    else:
-        raise ValueError(f"{name} must be a number of seconds or a string like '50us', got {value!r}")
-    if not (math.isfinite(s) and s >= 0):
-        raise ValueError(f"{name} must be in [0, inf) seconds, got {value!r}")
-    return s
+def parse_duration(value, name: str = "duration", *, unit: bool = False) -> float:
+    """Seconds from a number or a string such as ``"50us"``, ``"0.2ms"``, ``"1.5s"``
+    (``unit=True``: a string needs its unit, :func:`gradzip.args.duration`)."""
+    return args.duration(name, value, unit=unit)
 
 
 @dataclass(frozen=True)

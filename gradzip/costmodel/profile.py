@@ -144,6 +144,9 @@ class CodecProfile:
         worlds: tuple[int, int] = (1, 8),
         repeats: int = 5,
         threads: int | None = None,
+        classes: list | None = None,
+        dtype: str = "float32",
+        elem_scale: float = 1.0,
     ) -> None:
         self.entries: dict[str, dict] = dict(entries or {})
         self.machine = machine
@@ -152,6 +155,17 @@ class CodecProfile:
         self.worlds = tuple(worlds)
         self.repeats = repeats
         self.threads = threads
+        #: Fits for every config of a class (a shipped profile built from kernel timings):
+        #: ``{"class", "error_feedback", "when": {config item: value}, fit terms, "basis"}``,
+        #: used where ``entries`` has no fit for the exact config.
+        self.classes: list[dict] = list(classes or [])
+        #: The gradients' dtype the fits were measured at (``measure_codec(dtype=)``).
+        self.dtype = str(dtype)
+        #: Factor on the per-element terms of every fit (``gradzip plan --dtype`` on a profile
+        #: measured at another dtype: the ratio of element sizes, an assumption it prints).
+        self.elem_scale = args.number("elem_scale", elem_scale, 0.0, lo_open=True)
+        #: Compressors this profile measured on this machine because it had no fit for them.
+        self.measured_here: list[str] = []
 
     @staticmethod
     def key(comp, error_feedback: bool | None = None) -> str:
@@ -168,13 +182,40 @@ class CodecProfile:
             "best_s": dict(raw or {}),
         }
 
+    def _class_entry(self, comp, error_feedback) -> dict | None:
+        ef = comp.biased if error_feedback is None else bool(error_feedback)
+        config = comp.config() if hasattr(comp, "config") else {}
+        for e in self.classes:
+            if (e["class"] == type(comp).__name__ and bool(e["error_feedback"]) == ef
+                    and all(config.get(k) == v for k, v in e.get("when", {}).items())):
+                return e
+        return None
+
+    def basis(self, comp, error_feedback: bool | None = None) -> str:
+        """Where ``comp``'s fit comes from: ``"entry"``, ``"class: <basis>"`` or ``"missing"``."""
+        if self.key(comp, error_feedback) in self.entries:
+            return "entry"
+        inner = getattr(comp, "codec", None)
+        for c in (comp, inner) if inner is not None else (comp,):
+            if self.key(c, error_feedback) in self.entries:
+                return "entry"
+            e = self._class_entry(c, error_feedback)
+            if e is not None:
+                return "class: " + e.get("basis", "")
+        return "missing"
+
     def fit(self, comp, error_feedback: bool | None = None) -> CodecFit:
         """The fit of ``comp`` (a codec or protocol); for a protocol that carries one codec
-        and has no entry of its own, the codec's entry."""
+        and has no entry of its own, the codec's entry; then a class fit (``classes``).
+        Per-element terms are multiplied by ``elem_scale``."""
         e = self.entries.get(self.key(comp, error_feedback))
         inner = getattr(comp, "codec", None)
         if e is None and inner is not None:
             e = self.entries.get(self.key(inner, error_feedback))
+        if e is None:
+            e = self._class_entry(comp, error_feedback)
+        if e is None and inner is not None:
+            e = self._class_entry(inner, error_feedback)
         if e is None:
             if not self.measure_missing:
                 raise KeyError(f"the codec profile has no entry for {comp!r} (error_feedback={error_feedback})")
@@ -185,10 +226,13 @@ class CodecProfile:
                 worlds=self.worlds,
                 repeats=self.repeats,
                 threads=self.threads,
+                dtype=getattr(torch, self.dtype),
             )
             self.add(comp, fit, error_feedback=error_feedback, raw=raw)
-            return fit
-        return CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+            self.measured_here.append(repr(comp))
+            e = self.entries[self.key(comp, error_feedback)]
+        s = self.elem_scale
+        return CodecFit(e["encode_s"], s * e["encode_s_per_elem"], e.get("peer_s", 0.0), s * e.get("peer_s_per_elem", 0.0))
 
     def to_dict(self) -> dict:
         return {
@@ -200,7 +244,9 @@ class CodecProfile:
             "repeats": self.repeats,
             "statistic": "min",
             "threads": self.threads if self.threads is not None else torch.get_num_threads(),
+            "dtype": self.dtype,
             "entries": self.entries,
+            **({"classes": self.classes} if self.classes else {}),
         }
 
     def save(self, path: str) -> None:
@@ -223,7 +269,17 @@ class CodecProfile:
             worlds=tuple(d.get("worlds", (1, 8))),
             repeats=int(d.get("repeats", 5)),
             threads=d.get("threads"),
+            classes=d.get("classes"),
+            dtype=d.get("dtype", "float32"),
         )
+        if not isinstance(getattr(torch, prof.dtype, None), torch.dtype):
+            raise ValueError(f"codec profile dtype {prof.dtype!r} is not a torch dtype")
+        for e in prof.classes:
+            try:
+                CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+                e["class"], e["error_feedback"]
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"codec profile class fit {e.get('class')!r} is incomplete: {exc}") from None
         for k, e in prof.entries.items():  # validate every fit now, not deep inside a step
             try:
                 CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))

@@ -64,9 +64,14 @@ class StepCost:
     collectives: int
     buckets: int
     detail: dict = field(default_factory=dict)
+    #: Backward overlapped with the wire, as DDP does: ``max(compute, wire) + codec``
+    #: (the codec part, gradzip's own work around the collectives, is not hidden).
+    overlap: bool = False
 
     @property
     def total_s(self) -> float:
+        if self.overlap:
+            return max(self.compute_s, self.wire_s) + self.codec_s
         return self.compute_s + self.codec_s + self.wire_s
 
     @property
@@ -144,6 +149,7 @@ def step_cost(
     label: str | None = None,
     local_size: int = 1,
     intra: Link | None = None,
+    overlap: bool = False,
 ) -> StepCost:
     """Predict one step of data-parallel training of ``layers`` (``[(name, shape)]``).
 
@@ -156,6 +162,7 @@ def step_cost(
 
     ``local_size``: ranks per node, which share one ``link`` (their NIC); ``intra``: the
     link between the ranks of a node (see :func:`~gradzip.costmodel.link.wire_time`).
+    ``overlap``: the wire runs under the backward pass (:attr:`StepCost.overlap`).
     """
     check_world(world)
     compute_s = args.number("compute_s", compute_s, 0.0)
@@ -163,7 +170,7 @@ def step_cost(
     layers = [(n, tuple(int(d) for d in s)) for n, s in layers]
     buckets = ddp_buckets([_nbytes(s, dtype) for _, s in layers], bucket_cap_mb, first_bucket_mb)
     if world == 1:
-        return StepCost(name, 1, float(compute_s), 0.0, 0.0, 0, 0, len(buckets))
+        return StepCost(name, 1, float(compute_s), 0.0, 0.0, 0, 0, len(buckets), overlap=overlap)
     cache = cache if cache is not None else WireCache()
     profile = profile if profile is not None else CodecProfile()
     colls: list[Collective] = []
@@ -191,5 +198,6 @@ def step_cost(
     wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)
     detail = {"tensors_per_method": groups_used} if len(groups_used) > 1 else {}
     return StepCost(
-        name, world, float(compute_s), codec, wire, sum(c.nbytes for c in colls), len(colls), len(buckets), detail
+        name, world, float(compute_s), codec, wire, sum(c.nbytes for c in colls), len(colls), len(buckets), detail,
+        overlap=bool(overlap),
     )
