@@ -11,7 +11,8 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
-from . import momentum, schedules, warmup
+from . import checkpoint, momentum, schedules, warmup
+from .checkpoint import reshard
 from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
 from .costmodel import Link
 from .engine import Engine
@@ -20,7 +21,8 @@ from .optim import DistributedOptimizer
 from .policy import Policy
 from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
 from .registry import parse
-from .stats import Stats
+from .stats import Stats, log_every
+from .sync import broadcast_parameters, check_parameters_agree
 from .wire import Payload
 
 __version__ = "0.2.0"
@@ -67,4 +69,9 @@ __all__ = [
     "momentum",
     "Link",
     "parse",
+    "checkpoint",
+    "reshard",
+    "broadcast_parameters",
+    "check_parameters_agree",
+    "log_every",
 ]

@@ -15,6 +15,7 @@ def test_import_gradzip_does_not_import_triton_or_cupy():
         "import sys, gradzip, gradzip.hooks, gradzip.kernels\n"
         "bad = [m for m in ('triton', 'cupy') if m in sys.modules]\n"
         "assert not bad, bad\n"
+        "assert gradzip.checkpoint.reshard is gradzip.reshard\n"  # issue 23: both reachable
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
