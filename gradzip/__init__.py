@@ -11,6 +11,16 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
+import os as _os
+
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
+    # A source checkout imported without the editable install (``python -c`` in the
+    # repository root, where ./gradzip shadows an installed wheel): gradzip.kernels and
+    # gradzip.hooks live beside the package there, in ./kernels and ./hooks.
+    from ._source_tree import install as _install
+
+    _install(_os.path.dirname(__path__[0]))
+
 from . import checkpoint, momentum, schedules, warmup
 from .checkpoint import reshard
 from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, plan
+from . import __version__, bench, plan
 
 
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
@@ -120,6 +120,7 @@ def _plan(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gradzip", description="gradient compression toolkit")
+    p.add_argument("--version", action="version", version=f"gradzip {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="compression ratio against accuracy on real data (MNIST by default)")
     add_bench_arguments(b)
