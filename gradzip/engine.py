@@ -136,6 +136,21 @@ def check_owner(sd: dict, rank: int, world_size: int) -> None:
 
 
 class Engine:
+    """What every front end shares: runs a method's protocol with error feedback and the
+    safety nets of the module docstring, and owns the per-tensor state.
+
+    Args:
+        method: a gradzip codec or protocol.
+        process_group: the process group (default: the global one).
+        start_iter: steps before this one run a plain allreduce.
+        error_feedback: ``None`` turns it on for biased methods.
+        on_nonfinite: ``"skip"`` or ``"raise"``.
+        layout: ``[(name, shape, dtype)]`` of the tensors (``layout_of``), compared
+            across ranks on the first call.
+        momentum: momentum correction (:class:`gradzip.momentum.Momentum`), or None.
+        clip: local gradient clipping (each tensor's norm to ``clip / sqrt(N)``), or None.
+    """
+
     def __init__(
         self,
         method: Codec | Protocol,

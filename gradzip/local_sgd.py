@@ -674,6 +674,16 @@ class DiLoCo(LocalSGD):
     override those arguments (``{"lr": 1.0, "momentum": 0.0, "nesterov": False}`` is
     plain averaging), or are passed to ``outer`` when it is given. The other arguments
     are :class:`LocalSGD`'s.
+
+    Args:
+        optimizer: the inner optimizer.
+        model: the module averaged.
+        period: inner steps between outer steps, an integer >= 1 (per fragment, a
+            multiple of ``fragments``).
+        compression: the codec or protocol for the pseudo-gradients (default
+            ``Identity()``).
+        process_group, outer, outer_kwargs, fragments, delay, alpha, error_feedback,
+        check_parameters: as :class:`LocalSGD`'s.
     """
 
     def __init__(

@@ -49,6 +49,15 @@ logger = logging.getLogger("gradzip")
 
 @dataclass
 class Stats:
+    """Bytes and times of one front end, counted at the collectives (module docstring).
+
+    Args:
+        steps, bytes_raw, bytes_sent, bytes_control, bytes_allgather, bytes_payload,
+        bytes_link, bytes_link_intra, bytes_link_raw, collectives, codec_seconds,
+        codec_cpu_seconds, comm_seconds: the counters (all 0 at the start; see the
+            module docstring for each).
+    """
+
     steps: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0

@@ -86,3 +86,17 @@ def test_the_checkout_imports_without_the_editable_install_and_runs_as_a_module(
     assert out.stdout.strip() == f"gradzip {version}"
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_every_exported_class_documents_its_arguments():
+    """Issue 23, item 7: every public class says what its arguments are; Threshold says how to tune tau."""
+    import inspect
+
+    import gradzip
+
+    classes = [n for n in gradzip.__all__ if inspect.isclass(getattr(gradzip, n))]
+    assert len(classes) >= 25
+    missing = [n for n in classes if "Args" not in (inspect.getdoc(getattr(gradzip, n)) or "")]
+    assert missing == []
+    doc = inspect.getdoc(gradzip.Threshold)
+    assert "Args:" in doc and "Tuning." in doc and 'policy="target"' in doc
