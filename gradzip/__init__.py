@@ -11,6 +11,16 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
+import os as _os
+
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
+    # A source checkout imported without the editable install (``python -c`` in the
+    # repository root, where ./gradzip shadows an installed wheel): gradzip.kernels and
+    # gradzip.hooks live beside the package there, in ./kernels and ./hooks.
+    from ._source_tree import install as _install
+
+    _install(_os.path.dirname(__path__[0]))
+
 import importlib
 from typing import TYPE_CHECKING
 
@@ -20,8 +30,8 @@ __version__ = "0.2.0"
 # not import torch, so ``gradzip --help`` answers before torch loads. The first ``gz.<name>``
 # imports every module below, as the eager imports did, which also registers every method
 # of the grammar (``gz.parse``). Keep this list and the TYPE_CHECKING imports in step.
-_EAGER = ("momentum", "schedules", "warmup", "codecs", "costmodel", "engine", "local_sgd", "optim", "policy",
-          "protocols", "registry", "stats", "wire")
+_EAGER = ("checkpoint", "momentum", "schedules", "warmup", "codecs", "costmodel", "engine", "local_sgd", "optim", "policy",
+          "protocols", "registry", "stats", "sync", "wire")
 _EXPORTS = {
     "codecs": ("BF16", "FP16", "QSGD", "Codec", "Identity", "Int8", "RandomK", "SignSGD", "TensorContext", "TernGrad",
                "Threshold", "TopK"),
@@ -32,13 +42,16 @@ _EXPORTS = {
     "policy": ("Policy",),
     "protocols": ("AllGather", "Allreduce", "Filter", "Hierarchical", "Int8Allreduce", "PowerSGD", "Protocol", "TwoPhase"),
     "registry": ("parse",),
-    "stats": ("Stats",),
+    "checkpoint": ("reshard",),
+    "stats": ("Stats", "log_every"),
+    "sync": ("broadcast_parameters", "check_parameters_agree"),
     "wire": ("Payload",),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:  # what static tools see; at run time, __getattr__ below
-    from . import momentum, schedules, warmup
+    from . import checkpoint, momentum, schedules, warmup
+    from .checkpoint import reshard
     from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
     from .costmodel import Link
     from .engine import Engine
@@ -47,7 +60,8 @@ if TYPE_CHECKING:  # what static tools see; at run time, __getattr__ below
     from .policy import Policy
     from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
     from .registry import parse
-    from .stats import Stats
+    from .stats import Stats, log_every
+    from .sync import broadcast_parameters, check_parameters_agree
     from .wire import Payload
 
 
@@ -60,7 +74,7 @@ def _load() -> None:
 
 
 def __getattr__(name: str):
-    if name in _WHERE or name in ("momentum", "schedules", "warmup"):
+    if name in _WHERE or name in ("checkpoint", "momentum", "schedules", "warmup"):
         _load()
         return globals()[name]
     # gradzip.fsdp on first use: importing torch.distributed.fsdp takes seconds.
@@ -70,7 +84,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_WHERE) | {"momentum", "schedules", "warmup"})
+    return sorted(set(globals()) | set(_WHERE) | {"checkpoint", "momentum", "schedules", "warmup"})
 
 
 __all__ = [
@@ -106,4 +120,9 @@ __all__ = [
     "momentum",
     "Link",
     "parse",
+    "checkpoint",
+    "reshard",
+    "broadcast_parameters",
+    "check_parameters_agree",
+    "log_every",
 ]

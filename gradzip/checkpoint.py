@@ -27,27 +27,54 @@ a protocol's pieces of a tensor, which belongs to an old world size and is dropp
 the step counter is the old ranks' common step. Momentum correction's buffers
 (``state_dict()["momentum"]``) are averaged over the old ranks: every new rank
 carries on with the old ranks' mean velocity.
+
+Every engine state records the rank that saved it, the world size and the method
+(``"rank"``, ``"world_size"``, ``"method_repr"``), and loading refuses another rank's
+state, naming both ranks. :func:`save` and :func:`load` write and read one file per
+rank (``gradzip_rank{r}_of_{N}.pt``, what every front end's ``save(dir)`` and
+``load(dir)`` do); :func:`read_states` and :func:`write_states` move a whole
+directory's states, e.g. through :func:`reshard`. :class:`PerRank` makes a front end's
+state ``Stateful`` for ``torch.distributed.checkpoint`` (DCP), one entry per rank.
 """
 from __future__ import annotations
 
+import io
+import os
 import re
+from pathlib import Path
 
 import torch
 
 import gradzip.args as args
 
-__all__ = ["reshard"]
+__all__ = ["reshard", "save", "load", "read_states", "write_states", "PerRank", "state_path"]
 
 _PIECE = re.compile(r"^(?P<name>.*)#(?P<j>\d+)/(?P<n>\d+)(?P<owner>:owner)?$")
 
 
 def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> list[dict]:
+    """``N`` ranks' engine states (``state_dict()`` of the DDP hook, or the ``"gradzip"``
+    entry of an optimizer's), in rank order, to ``world_size`` new ones, new rank ``r``'s
+    at index ``r``; see the module docstring for what is kept.
+
+    Args:
+        states: every old rank's engine state, rank 0 first.
+        world_size: the new number of ranks, an integer in [1, inf).
+        preserve: ``"sum"`` (the residuals' total mass) or ``"update"`` (the update they
+            still owe the model).
+    """
     if not states:
         raise ValueError("states must hold at least one state_dict")
     world_size = args.integer("world_size", world_size, 1)
     args.choice("preserve", preserve, ("sum", "update"))
     first = states[0]
     old = len(states)
+    for r, s in enumerate(states):
+        if s.get("rank") is not None and (int(s["rank"]) != r or int(s.get("world_size", old)) != old):
+            raise ValueError(
+                f"states[{r}] was saved by rank {s['rank']} of {s.get('world_size')}: pass the {old} ranks' states "
+                "in rank order, one per rank"
+            )
     for r, s in enumerate(states[1:], 1):
         for key in ("version", "method", "error_feedback", "step"):
             if s.get(key) != first.get(key):
@@ -72,6 +99,9 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
     return [
         {
             "version": first["version"],
+            "rank": r,
+            "world_size": world_size,
+            "method_repr": first.get("method_repr"),
             "method": dict(first["method"]),
             "error_feedback": first["error_feedback"],
             "step": first["step"],
@@ -80,7 +110,7 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
             "stats": dict(first["stats"]),
             "momentum": {k: v.clone() for k, v in momentum.items()},
         }
-        for _ in range(world_size)
+        for r in range(world_size)
     ]
 
 
@@ -126,3 +156,129 @@ def _owner_residuals(states: list[dict]) -> dict:
             if like is not None:
                 out[name] = out[name].view(like.shape)
     return out
+
+
+# -- one file per rank ----------------------------------------------------------------------
+def _owner(obj) -> tuple[int, int]:
+    """``(rank, world size)`` of a front end (anything with an ``engine``) or an engine."""
+    engine = getattr(obj, "engine", obj)
+    comm = getattr(engine, "comm", None)
+    if comm is None:
+        raise TypeError(f"{type(obj).__name__} is not a gradzip front end (no engine)")
+    return comm.rank, comm.world_size
+
+
+def state_path(directory, rank: int, world_size: int) -> Path:
+    """The file of rank ``rank`` of ``world_size`` in ``directory``."""
+    return Path(directory) / f"gradzip_rank{rank}_of_{world_size}.pt"
+
+
+_FILE = re.compile(r"^gradzip_rank(\d+)_of_(\d+)\.pt$")
+
+
+def _worlds(directory) -> dict[int, set[int]]:
+    """``{world size: {ranks}}`` of the state files in ``directory``."""
+    found: dict[int, set[int]] = {}
+    for p in Path(directory).iterdir() if Path(directory).is_dir() else ():
+        m = _FILE.match(p.name)
+        if m:
+            found.setdefault(int(m[2]), set()).add(int(m[1]))
+    return found
+
+
+def save(obj, directory) -> Path:
+    """Write this rank's ``obj.state_dict()`` to its own file in ``directory`` (created if
+    needed); returns the path. Call it on every rank (a ``LocalSGD`` with a push in flight
+    issues that push's deferred rounds, as its ``state_dict()`` does).
+
+    Args:
+        obj: a front end: what ``register_hook`` returns, a ``DistributedOptimizer``, a
+            ``LocalSGD``/``DiLoCo``, or an ``Engine``.
+        directory: the checkpoint directory, shared by the ranks or not.
+    """
+    rank, world = _owner(obj)
+    path = state_path(directory, rank, world)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj.state_dict(), tmp)
+    os.replace(tmp, path)  # a crash mid-write leaves the previous file whole
+    return path
+
+
+def load(obj, directory) -> None:
+    """Load this rank's own file from ``directory`` into ``obj`` (see :func:`save`).
+
+    Raises ``FileNotFoundError`` naming what the directory holds when this rank's file is
+    missing (states of another world size: :func:`reshard` them first)."""
+    rank, world = _owner(obj)
+    path = state_path(directory, rank, world)
+    if not path.exists():
+        found = _worlds(directory)
+        held = ", ".join(f"{len(r)} of {w} ranks" for w, r in sorted(found.items())) or "no gradzip states"
+        hint = (f"; turn them into {world} with gradzip.checkpoint.write_states(gz.reshard(read_states(dir), {world}), dir)"
+                if found and world not in found else "")
+        raise FileNotFoundError(f"{path} does not exist: {directory} holds {held}{hint}")
+    obj.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+
+
+def read_states(directory) -> list[dict]:
+    """Every rank's state in ``directory``, in rank order (one world size only)."""
+    found = _worlds(directory)
+    if len(found) != 1:
+        raise ValueError(f"{directory} holds gradzip states of world sizes {sorted(found)}; expected exactly one")
+    (world, ranks), = found.items()
+    missing = sorted(set(range(world)) - ranks)
+    if missing:
+        raise ValueError(f"{directory} lacks the states of ranks {missing} of {world}")
+    return [torch.load(state_path(directory, r, world), weights_only=True, map_location="cpu") for r in range(world)]
+
+
+def write_states(states: list[dict], directory) -> list[Path]:
+    """Write ``states`` (new rank ``r``'s at index ``r``, as :func:`reshard` returns them)
+    one file per rank, for :func:`load` on ``len(states)`` ranks."""
+    paths = []
+    for r, sd in enumerate(states):
+        path = state_path(directory, r, len(states))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(sd, path)
+        paths.append(path)
+    return paths
+
+
+class PerRank:
+    """A front end's per-rank state as a ``Stateful`` for ``torch.distributed.checkpoint``.
+
+        dcp.save({"model": model.state_dict(), "gradzip": PerRank(state)}, checkpoint_id=path)
+        dcp.load({"model": model.state_dict(), "gradzip": PerRank(state)}, checkpoint_id=path)
+
+    DCP writes a plain (non-DTensor) entry once, from one rank, as if every rank held the
+    same: an engine state under one key would keep rank 0's residuals only. ``PerRank``
+    files each rank's state under a key of its own (``rank{r}_of_{N}``), serialized as
+    bytes, so every rank's is saved and every rank loads its own; a checkpoint of another
+    world size has no key for this rank and DCP refuses it (:func:`reshard` the states).
+
+    Args:
+        obj: a front end (``register_hook``'s state, ``DistributedOptimizer``,
+            ``LocalSGD``/``DiLoCo``) or an ``Engine``.
+    """
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+        rank, world = _owner(obj)
+        self.key = f"rank{rank}_of_{world}"
+
+    def state_dict(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.obj.state_dict(), buf)
+        return {self.key: buf.getvalue()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.key not in sd:
+            raise ValueError(f"the checkpoint holds no gradzip state for {self.key} (it has {sorted(sd)})")
+        value = sd[self.key]
+        if isinstance(value, (bytes, bytearray)):
+            value = io.BytesIO(value)
+        if isinstance(value, io.BytesIO):
+            value.seek(0)
+            value = torch.load(value, weights_only=True, map_location="cpu")
+        self.obj.load_state_dict(value)

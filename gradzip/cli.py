@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import options
+from . import __version__, options
 
 # The command parses its options before it imports the modules that need torch (bench, plan):
 # `gradzip --help` and a refused option answer at once. Options and their checks: gradzip.options.
@@ -129,6 +129,7 @@ def _plan(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gradzip", description="gradient compression toolkit")
+    p.add_argument("--version", action="version", version=f"gradzip {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="compression ratio against accuracy on real data (MNIST by default)")
     add_bench_arguments(b)

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
+import warnings
 from typing import Sequence
 
 import torch
@@ -42,12 +44,13 @@ from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
 from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
-from .stats import Stats
+from .stats import Stats, log_line
 from .wire import accum_dtype
 
-__all__ = ["Engine", "layout_of", "all_finite", "STATE_VERSION"]
+__all__ = ["Engine", "layout_of", "all_finite", "check_owner", "STATE_VERSION"]
 
 STATE_VERSION = 2
+logger = logging.getLogger("gradzip")
 _NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -89,7 +92,65 @@ def all_finite(tensors) -> bool:
     return bool(torch.isfinite(torch.cat(ext)).all())
 
 
+def route_summary(rows: list[dict]) -> list[str]:
+    """One line per route of :meth:`Engine.routes`: tensors, elements and bytes per method."""
+    by: dict = {}
+    for r in rows:
+        g = by.setdefault((r["method"], r["protocol"]), [0, 0, 0])
+        g[0] += 1
+        g[1] += r["numel"]
+        g[2] += r["bytes_raw"]
+    total = sum(g[2] for g in by.values()) or 1
+    return [f"{m} via {p}: {n} tensors, {e:,} elements, {100 * b / total:.1f}% of the raw bytes"
+            for (m, p), (n, e, b) in by.items()]
+
+
+def check_owner(sd: dict, rank: int, world_size: int) -> None:
+    """Refuse an engine state saved by another rank or on another number of ranks.
+
+    Error-feedback residuals, momentum buffers and adaptive thresholds are per rank: a
+    rank that loads another rank's state runs on that rank's residuals, and nothing in
+    the training shows it. States saved before gradzip recorded their rank (``"rank"``
+    missing) load with a warning."""
+    saved_rank, saved_world = sd.get("rank"), sd.get("world_size")
+    if saved_rank is None or saved_world is None:
+        warnings.warn(
+            "this gradzip state does not record the rank that saved it (saved by an older gradzip): "
+            f"make sure it is rank {rank}'s own; error-feedback state is per rank",
+            stacklevel=3,
+        )
+        return
+    method = sd.get("method_repr") or sd.get("method", {}).get("name", "?")
+    if int(saved_world) != world_size:
+        raise ValueError(
+            f"this gradzip state ({method}) was saved by rank {saved_rank} of {saved_world} ranks, and this is "
+            f"rank {rank} of {world_size}: turn the {saved_world} states into {world_size} with "
+            f"gz.reshard(states, {world_size}) first"
+        )
+    if int(saved_rank) != rank:
+        raise ValueError(
+            f"this gradzip state ({method}) was saved by rank {saved_rank}, and this is rank {rank}: "
+            f"error-feedback state is per rank, so rank {rank} must load its own "
+            "(save one file per rank: state.save(dir) / state.load(dir), or gradzip.checkpoint.save/load)"
+        )
+
+
 class Engine:
+    """What every front end shares: runs a method's protocol with error feedback and the
+    safety nets of the module docstring, and owns the per-tensor state.
+
+    Args:
+        method: a gradzip codec or protocol.
+        process_group: the process group (default: the global one).
+        start_iter: steps before this one run a plain allreduce.
+        error_feedback: ``None`` turns it on for biased methods.
+        on_nonfinite: ``"skip"`` or ``"raise"``.
+        layout: ``[(name, shape, dtype)]`` of the tensors (``layout_of``), compared
+            across ranks on the first call.
+        momentum: momentum correction (:class:`gradzip.momentum.Momentum`), or None.
+        clip: local gradient clipping (each tensor's norm to ``clip / sqrt(N)``), or None.
+    """
+
     def __init__(
         self,
         method: Codec | Protocol,
@@ -119,6 +180,8 @@ class Engine:
         self.step = 0
         self.layout = layout
         self._verified = False
+        self._seen: dict[str, tuple[int, int]] = {}  # name -> (numel, element size), for routes()
+        self._log = None  # (every, fn, routes logged) from set_log
         # Bookkeeping of the open step (touched from callback threads too).
         self._lock = threading.Lock()
         self._inflight = 0
@@ -159,6 +222,9 @@ class Engine:
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         check_real(zip(names, tensors), "gradient")
+        for n, t in zip(names, tensors):
+            if n not in self._seen:
+                self._seen[n] = (t.numel(), t.element_size())
         out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
         with self._lock:
             self._inflight += 1
@@ -175,6 +241,8 @@ class Engine:
         with self._lock:
             self._step_ended = True
             self._finish_step_locked()
+        if self._log is not None and self.step % self._log[0] == 0:
+            self._emit_log()
 
     # -- one call ----------------------------------------------------------------------
     def _run(self, names, tensors, out_dtype, dest, zero_is_unused=False, params=None):
@@ -364,13 +432,62 @@ class Engine:
         self._undo_store = {}
 
     # -- state -------------------------------------------------------------------------
-    def stats(self) -> dict:
-        return self.stats_.as_dict()
+    def stats(self, reset: bool = False) -> dict:
+        """Bytes and times counted at the collectives, a flat dict of numbers (:mod:`gradzip.stats`);
+        ``reset=True``: those since the previous ``stats(reset=True)``."""
+        return self.stats_.as_dict(reset=reset)
+
+    def set_log(self, every: int | None, fn=None) -> None:
+        """Call ``fn(step, stats of the last every steps)`` every ``every`` steps (see
+        :func:`gradzip.stats.log_every`); ``every=None`` stops it."""
+        if every is None:
+            self._log = None
+            return
+        every = args.integer("every", every, 1)
+        if fn is not None and not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self.stats_.since("log")  # the first interval starts now
+        self._log = [every, fn, False]
+
+    def _emit_log(self) -> None:
+        every, fn, routes_done = self._log
+        counts = self.stats_.since("log")
+        if fn is None:
+            if not routes_done and hasattr(self.protocol, "decision"):
+                for line in route_summary(self.routes()):
+                    logger.info("gradzip routes: %s", line)
+            log_line(self.step, self.stats_.derive(counts))
+        else:
+            fn(self.step, self.stats_.derive(counts))
+        self._log[2] = True
+
+    def routes(self) -> list[dict]:
+        """Each tensor this engine has reduced: ``{"name", "numel", "bytes_raw"`` (per call),
+        ``"method"`` (the codec or protocol it is routed to), ``"protocol"`` (what carries
+        it), ``"reason"}``. With a ``Policy`` the route is the policy's rule or its cost
+        model's stored decision (``"auto: undecided"`` before the first step); otherwise
+        every tensor goes by the engine's method."""
+        world = self.comm.world_size
+        rows = []
+        for name, (numel, size) in self._seen.items():
+            if hasattr(self.protocol, "decision"):
+                method, reason, carrier = self.protocol.decision(
+                    name, numel, self.tensor_state.get(name, {}), world, self.error_feedback)
+            else:
+                method, reason, carrier = self.method, "method", self.protocol
+            if self.step < self.start_iter:
+                carrier, reason = self._plain_protocol, f"before start_iter={self.start_iter}"
+            rows.append({"name": name, "numel": numel, "bytes_raw": numel * size, "method": repr(method),
+                         "protocol": repr(carrier), "reason": reason})
+        return rows
 
     def state_dict(self) -> dict:
         """Tensors and plain Python values only: ``torch.load(weights_only=True)`` reads it."""
         return {
             "version": STATE_VERSION,
+            "rank": self.comm.rank,  # residuals are per rank: load_state_dict refuses another rank's
+            "world_size": self.comm.world_size,
+            "method_repr": repr(self.method),
             "method": self.method.config(),
             "error_feedback": self.error_feedback,
             "step": self.step,
@@ -386,6 +503,7 @@ class Engine:
                 f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}); "
                 "states saved by gradzip 0.1 (version 1) cannot be loaded: their codec state and frames differ"
             )
+        check_owner(sd, self.comm.rank, self.comm.world_size)
         saved, mine = sd["method"], self.method.config()
         for key in sorted(set(saved) | set(mine)):
             if saved.get(key) != mine.get(key):

@@ -57,13 +57,15 @@ import torch
 
 import gradzip.args as args
 
+from . import checkpoint
 from .checkpoint import reshard
 from .codecs.base import Codec
 from .codecs.cast import Identity
-from .engine import Engine, check_real, layout_of
+from .engine import Engine, check_owner, check_real, layout_of
 from .protocols.base import Protocol
 from .registry import register_frontend
 from .schedules import Constant, Streaming, as_schedule, long_run_period, split_fragments
+from .sync import check_parameters_agree
 
 __all__ = ["LocalSGD", "DiLoCo", "DILOCO_OUTER", "reshard_state"]
 
@@ -150,6 +152,10 @@ class LocalSGD(torch.optim.Optimizer):
             period / fragments``).
         alpha: streaming: merge weight of the local fragment at its sync,
             ``x <- (1 - alpha) * G + alpha * x``.
+        check_parameters: on the first ``step()``, check that every rank holds the same
+            global model ``G`` (taken from ``model`` here, or from a loaded checkpoint):
+            one small allreduce (:func:`gradzip.sync.check_parameters_agree`), raising
+            ``ValueError`` naming the first tensor that differs.
 
     ``param_groups`` and ``state`` are the wrapped optimizer's, so LR schedulers work;
     ``outer`` is the outer optimizer (``None`` for plain averaging).
@@ -174,6 +180,7 @@ class LocalSGD(torch.optim.Optimizer):
         fragments: int = 1,
         delay: int = 0,
         alpha: float = 0.0,
+        check_parameters: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -267,6 +274,7 @@ class LocalSGD(torch.optim.Optimizer):
         self._pull_pending = False
         self._aligned = True  # every rank holds x == G and nothing is in flight
         self.local_step = 0
+        self._check_parameters = args.flag("check_parameters", check_parameters)
 
     # -- delegation --------------------------------------------------------------------
     @property
@@ -345,6 +353,9 @@ class LocalSGD(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------
     def step(self, closure=None):
+        if self._check_parameters:  # the first step, on every rank, before any push
+            self._check_parameters = False
+            check_parameters_agree(list(self._global.items()), self.engine.comm.group, what="global model tensors")
         loss = self.optimizer.step(closure)
         self.local_step += 1
         t = self.local_step
@@ -504,12 +515,16 @@ class LocalSGD(torch.optim.Optimizer):
         self._pull_pending = False
 
     # -- state -------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes (fragment pushes)."""
-        d = self.engine.stats()
+    def stats(self, reset: bool = False) -> dict:
+        """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes (fragment pushes);
+        ``reset=True``: those since the previous ``stats(reset=True)``."""
+        d = self.engine.stats(reset=reset)
+        steps = self.local_step
+        if reset:
+            steps, self._steps_mark = self.local_step - getattr(self, "_steps_mark", 0), self.local_step
         d["syncs"] = d["steps"]
-        d["steps"] = self.local_step
-        d["bytes_sent_per_step"] = d["bytes_sent"] / self.local_step if self.local_step else 0.0
+        d["steps"] = steps
+        d["bytes_sent_per_step"] = d["bytes_sent"] / steps if steps else 0.0
         return d
 
     def state_dict(self) -> dict:
@@ -547,9 +562,18 @@ class LocalSGD(torch.optim.Optimizer):
         sd["gradzip"] = self.engine.state_dict()
         return sd
 
+    def save(self, directory):
+        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory) -> None:
+        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
+        checkpoint.load(self, directory)
+
     def load_state_dict(self, state_dict: dict) -> None:
         if "local_sgd" not in state_dict or "gradzip" not in state_dict:
             raise ValueError("state_dict was not saved by LocalSGD.state_dict() (no 'local_sgd'/'gradzip' entries)")
+        check_owner(state_dict["gradzip"], self.engine.comm.rank, self.engine.comm.world_size)  # before any change
         sd = dict(state_dict)
         mine = dict(sd.pop("local_sgd"))
         version = mine.get("version")
@@ -650,6 +674,16 @@ class DiLoCo(LocalSGD):
     override those arguments (``{"lr": 1.0, "momentum": 0.0, "nesterov": False}`` is
     plain averaging), or are passed to ``outer`` when it is given. The other arguments
     are :class:`LocalSGD`'s.
+
+    Args:
+        optimizer: the inner optimizer.
+        model: the module averaged.
+        period: inner steps between outer steps, an integer >= 1 (per fragment, a
+            multiple of ``fragments``).
+        compression: the codec or protocol for the pseudo-gradients (default
+            ``Identity()``).
+        process_group, outer, outer_kwargs, fragments, delay, alpha, error_feedback,
+        check_parameters: as :class:`LocalSGD`'s.
     """
 
     def __init__(
@@ -666,6 +700,7 @@ class DiLoCo(LocalSGD):
         delay: int = 0,
         alpha: float = 0.0,
         error_feedback: bool | None = None,
+        check_parameters: bool = True,
     ) -> None:
         if outer is None:
             outer_kwargs = {**DILOCO_OUTER, **(outer_kwargs or {})}
@@ -681,6 +716,7 @@ class DiLoCo(LocalSGD):
             fragments=fragments,
             delay=delay,
             alpha=alpha,
+            check_parameters=check_parameters,
         )
 
 

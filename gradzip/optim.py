@@ -64,11 +64,13 @@ import torch
 
 import gradzip.args as args
 
+from . import checkpoint
 from .codecs.base import Codec
 from .codecs.cast import Identity
 from .engine import Engine, check_real, layout_of
 from .momentum import Momentum
 from .protocols.base import Protocol
+from .sync import check_parameters_agree
 
 __all__ = ["DistributedOptimizer"]
 
@@ -145,6 +147,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizers raise ``ValueError``.
         clip: local gradient clipping before compression (norm ``clip / sqrt(world_size)``
             per gradient).
+        check_parameters: on the first step, before its first collective, check that every
+            rank holds the same parameters (:func:`gradzip.sync.check_parameters_agree`, one
+            small allreduce) and raise ``ValueError`` naming the first that differs. Start
+            every rank alike with :func:`gradzip.sync.broadcast_parameters`.
 
     Like torch's ``PostLocalSGDOptimizer`` it delegates to the wrapped optimizer
     (``param_groups`` and ``state`` are the wrapped optimizer's own), so LR
@@ -169,6 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         momentum_correction: bool = False,
         clip: float | None = None,
+        check_parameters: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -242,6 +249,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._where[id(p)] = b
         self._passes = {id(p): 0 for p in trainable}
         self._next = 0  # next bucket to submit
+        self._unchecked = [(n, p) for b in self._buckets for n, p in zip(b.names, b.params)] if args.flag(
+            "check_parameters", check_parameters) else None
         self._synchronized = False
         self._should_synchronize = True
         # The hooks hold the optimizer weakly: dropping it leaves inert hooks, not a live one.
@@ -295,6 +304,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._submit(self._buckets[self._next])
 
     def _submit(self, b: _Bucket) -> None:
+        if self._unchecked is not None:  # the first step's first bucket, on every rank
+            named, self._unchecked = self._unchecked, None
+            check_parameters_agree(named, self.engine.comm.group)
         grads = []
         for p in b.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -384,9 +396,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- state -------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, reset: bool = False) -> dict:
         """Bytes and times counted at the collectives (see :mod:`gradzip.stats`)."""
-        return self.engine.stats()
+        return self.engine.stats(reset=reset)
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict plus ``"gradzip"``: the engine's state.
@@ -396,6 +408,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(self.optimizer.state_dict())
         sd["gradzip"] = self.engine.state_dict()
         return sd
+
+    def save(self, directory):
+        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory) -> None:
+        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
+        checkpoint.load(self, directory)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "gradzip" not in state_dict:

@@ -201,6 +201,19 @@ class Policy(Protocol):
             return None, "auto"
         return self.default, "default"
 
+    def decision(self, name: str, numel: int, store: dict, world_size: int, feedback: bool):
+        """``(method, reason, protocol)`` of a tensor as the exchange routes it: the rules,
+        else the cost model's decision kept in the tensor's state (``(None, "auto:
+        undecided", None)`` before the first call decides it)."""
+        m, why = self.rule(name, numel)
+        if m is None:
+            d = store.get(DECISION)
+            if d is None:
+                return None, "auto: undecided", None
+            m = self.fallback if int(d) else self.default
+            why = "auto: " + ("fallback is cheaper" if int(d) else "default is cheaper")
+        return m, why, as_protocol(m, world_size, feedback=feedback and not _exact(m))
+
     def profile(self) -> CodecProfile:
         """The codec profile ``auto`` uses (measured on this machine at first use unless given)."""
         if self._profile is None:

@@ -28,17 +28,36 @@ collectives (error feedback, compress, framing, decode, the engine's checks),
 run asynchronously, so this can overlap compute and each other).
 ``codec_cpu_seconds`` is the CPU time of the threads in those codec blocks: below
 ``codec_seconds`` when a codec thread waits for a core (more busy threads than cores).
+
+**Logging.** ``stats()`` is a flat dict of numbers (``str -> int | float``), what
+TensorBoard's ``SummaryWriter.add_scalars`` and ``wandb.log`` take. The counts are
+cumulative (and checkpointed); ``stats(reset=True)`` gives the counts since the previous
+``stats(reset=True)`` instead (the derived ratios computed on that interval) and starts a
+new interval, leaving the totals alone. :func:`log_every` calls a function (by default a
+``logging`` logger, ``"gradzip"``) every ``n`` steps with the last ``n`` steps' counts.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "log_every", "logger"]
+
+logger = logging.getLogger("gradzip")
 
 
 @dataclass
 class Stats:
+    """Bytes and times of one front end, counted at the collectives (module docstring).
+
+    Args:
+        steps, bytes_raw, bytes_sent, bytes_control, bytes_allgather, bytes_payload,
+        bytes_link, bytes_link_intra, bytes_link_raw, collectives, codec_seconds,
+        codec_cpu_seconds, comm_seconds: the counters (all 0 at the start; see the
+            module docstring for each).
+    """
+
     steps: int = 0
     bytes_raw: int = 0
     bytes_sent: int = 0
@@ -53,6 +72,7 @@ class Stats:
     codec_cpu_seconds: float = 0.0
     comm_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _marks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -68,13 +88,32 @@ class Stats:
             for f in fields(self):
                 if not f.name.startswith("_"):
                     setattr(self, f.name, f.default)
+            self._marks.clear()
 
     def state_dict(self) -> dict:
         with self._lock:
             return {k: getattr(self, k) for k in self.names()}
 
-    def as_dict(self) -> dict:
-        d = self.state_dict()
+    def since(self, mark: str = "reset") -> dict:
+        """The counts since the last ``since(mark)`` (since the start, the first time), and
+        a new interval from now; each ``mark`` keeps its own interval."""
+        with self._lock:
+            now = {k: getattr(self, k) for k in self.names()}
+            before = self._marks.get(mark)
+            self._marks[mark] = now
+        return now if before is None else {k: now[k] - before[k] for k in now}
+
+    def as_dict(self, reset: bool = False) -> dict:
+        """A flat dict of numbers: the counts and ``ratio``, ``ratio_handed``,
+        ``bytes_sent_per_step``. ``reset=True``: the counts since the previous
+        ``as_dict(reset=True)``, and a new interval (the totals are kept)."""
+        d = self.since("reset") if reset else self.state_dict()
+        return self.derive(d)
+
+    @staticmethod
+    def derive(d: dict) -> dict:
+        """``d`` (counts) with the derived ratios added."""
+        d = dict(d)
         d["ratio"] = d["bytes_link_raw"] / d["bytes_link"] if d["bytes_link"] else 1.0
         d["ratio_handed"] = d["bytes_raw"] / d["bytes_sent"] if d["bytes_sent"] else 1.0
         d["bytes_sent_per_step"] = d["bytes_sent"] / d["steps"] if d["steps"] else 0.0
@@ -83,6 +122,40 @@ class Stats:
     def load_state_dict(self, sd: dict) -> None:
         """Fields missing from ``sd`` (a state saved before they existed) keep their values."""
         with self._lock:
+            self._marks.clear()  # intervals start afresh from the loaded totals
             for f in fields(self):
                 if not f.name.startswith("_") and f.name in sd:
                     setattr(self, f.name, type(f.default)(sd[f.name]))
+
+
+def log_every(obj, every: int, fn=None) -> None:
+    """Call ``fn(step, stats)`` every ``every`` steps of a front end, ``stats`` being the
+    flat dict of the last ``every`` steps' counts (as ``stats(reset=True)`` computes them,
+    on an interval of its own).
+
+    Args:
+        obj: a front end (what ``register_hook`` returns, ``DistributedOptimizer``,
+            ``LocalSGD``/``DiLoCo``, whose steps are its syncs here) or an ``Engine``.
+        every: steps between calls, an integer in [1, inf); ``None`` stops the calls.
+        fn: ``None`` logs one line at INFO on the ``"gradzip"`` logger (with a
+            ``Policy``, the per-tensor routes are logged once, after the first step);
+            or any callable, e.g. ``lambda step, s: writer.add_scalars("gradzip", s, step)``.
+
+    It is called where the front end ends its step (the DDP hook: after the last
+    bucket's collectives are issued, inside backward). Bytes are counted when a
+    collective is issued, so they are complete; ``comm_seconds`` of collectives still
+    running then count in the next interval.
+    """
+    engine = getattr(obj, "engine", obj)
+    if not hasattr(engine, "set_log"):
+        raise TypeError(f"{type(obj).__name__} is not a gradzip front end (no engine)")
+    engine.set_log(every, fn)
+
+
+def log_line(step: int, stats: dict) -> None:
+    """The default :func:`log_every` function: one INFO line on the ``"gradzip"`` logger."""
+    logger.info(
+        "gradzip step %d: %d steps, ratio %.1fx, %.0f link bytes/step, codec %.3f s, comm %.3f s",
+        step, stats["steps"], stats["ratio"], stats["bytes_link"] / max(1, stats["steps"]),
+        stats["codec_seconds"], stats["comm_seconds"],
+    )

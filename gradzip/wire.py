@@ -101,6 +101,15 @@ class Payload:
     payloads, or a tensor in the wire dtype for summable ones. ``local`` holds
     data that every rank can rebuild by itself (random-k's shared indices) and
     that is never sent.
+
+    Args:
+        body: the wire tensor (uint8 frame body, or the summable wire-dtype tensor).
+        shape: the original tensor's shape.
+        dtype: the original tensor's dtype.
+        fmt: the wire format code (:func:`gradzip.wire.formats`).
+        vdtype: the dtype of the values in the body, where it differs from ``dtype``.
+        scale: the per-frame f32 scale (Threshold's tau, QSGD's levels), 0 for none.
+        local: data every rank rebuilds itself (never sent).
     """
 
     body: torch.Tensor

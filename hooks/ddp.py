@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gradzip import checkpoint
 from gradzip.engine import Engine, check_real, layout_of
 from gradzip.momentum import Momentum
 
@@ -33,15 +34,34 @@ class HookState:
     def step(self) -> int:
         return self.engine.step
 
-    def stats(self) -> dict:
-        """Bytes and times counted at the collectives; see :mod:`gradzip.stats`."""
-        return self.engine.stats()
+    def stats(self, reset: bool = False) -> dict:
+        """Bytes and times counted at the collectives, a flat dict of numbers; see
+        :mod:`gradzip.stats`. ``reset=True``: those since the previous ``stats(reset=True)``."""
+        return self.engine.stats(reset=reset)
+
+    def routes(self) -> list[dict]:
+        """Per tensor: the method and protocol it travels by, and why (:meth:`Engine.routes`)."""
+        return self.engine.routes()
+
+    def log_every(self, every: int | None, fn=None) -> None:
+        """Call ``fn(step, stats)`` every ``every`` steps (:func:`gradzip.stats.log_every`)."""
+        self.engine.set_log(every, fn)
 
     def state_dict(self) -> dict:
+        """This rank's engine state: it records the rank, world size and method, and
+        :meth:`load_state_dict` refuses another rank's."""
         return self.engine.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
         self.engine.load_state_dict(sd)
+
+    def save(self, directory):
+        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory) -> None:
+        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
+        checkpoint.load(self, directory)
 
     def names_of(self, params) -> list[str]:
         try:

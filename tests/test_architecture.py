@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"gradzip": ROOT / "gradzip", "gradzip.kernels": ROOT / "kernels", "gradzip.hooks": ROOT / "hooks"}
-TOOLS = {"gradzip.cli", "gradzip.plan", "gradzip.bench"}
+TOOLS = {"gradzip.cli", "gradzip.plan", "gradzip.bench", "gradzip.__main__"}
 
 
 def _modules() -> dict[str, Path]:

@@ -29,6 +29,14 @@ class TensorContext:
     input may have been promoted to float32 by error feedback). ``rank`` and
     ``world_size`` let stochastic codecs draw independent randomness per
     rank (shared-randomness ones must not use ``rank``).
+
+    Args:
+        name: the tensor's name (its parameter's, or a protocol's key for a piece).
+        step: the engine's step counter.
+        dtype: the gradient's dtype.
+        store: the tensor's state (a dict of tensors and plain values).
+        rank: this rank in the process group.
+        world_size: the process group's size.
     """
 
     name: str = ""
@@ -56,6 +64,9 @@ class Codec(Registered, register=False):
     payloads in their wire dtype rounds the sum: float16), and ``formats`` (the wire
     format codes they write). ``protocol`` names the protocol that carries
     the payloads when it is not the default one for ``summable``.
+
+    Args: none here; each codec documents its own. Subclasses take their arguments as
+    keywords that ``config()`` reads back from attributes of the same names.
     """
 
     kind = "codec"

@@ -10,7 +10,11 @@ __all__ = ["Identity", "FP16", "BF16", "saturating_cast"]
 
 
 class Identity(Codec):
-    """No compression: the gradient itself, in its own dtype (plain DDP's bytes)."""
+    """No compression: the gradient itself, in its own dtype (plain DDP's bytes).
+
+    Args: none. The gradient travels in its own dtype; error feedback is off (there is
+    nothing to keep).
+    """
 
     summable = True
     biased = False
@@ -85,12 +89,19 @@ class FP16(_Cast):
     Finite values beyond ±65504 saturate (see :func:`saturating_cast`) instead of
     becoming ±inf, so error feedback keeps the excess and the residual is never
     poisoned; without error feedback they are clipped.
+
+    Args: none. Error feedback is off by default (``error_feedback=True`` in the front
+    end keeps the rounding; the sum then runs in ``TwoPhase``, see ``as_protocol``).
     """
 
     wire_dtype = torch.float16
 
 
 class BF16(_Cast):
-    """bfloat16 on the wire (2 bytes/element): fp32's range, 8 bits of mantissa."""
+    """bfloat16 on the wire (2 bytes/element): fp32's range, 8 bits of mantissa.
+
+    Args: none. Error feedback is off by default (``error_feedback=True`` in the front
+    end keeps the rounding; the sum then runs in ``TwoPhase``, see ``as_protocol``).
+    """
 
     wire_dtype = torch.bfloat16

@@ -193,6 +193,9 @@ class SignSGD(_Quantizer):
     ``FMT_SIGN1``, ``4 * ceil(n / B) + 4 * ceil(n / 32)`` bytes of body. With error
     feedback, compensation, signs, scales and the new residual come from one pass
     (``kernels.sign_ef``).
+
+    Args:
+        block: elements per scale, an integer >= 1; ``None``: one scale per tensor.
     """
 
     formats = {"SIGN1": FMT_SIGN1}
@@ -243,6 +246,12 @@ class QSGD(_Quantizer):
     B = 64 keeps it near 1 for s = 7; with B = 512 and error feedback on, the
     digits MLP of ``gradzip.bench`` diverged (7.8% test accuracy, against 98.1%
     for B = 64). Choose ``block`` below about ``levels ** 2`` when turning it on.
+
+    Args:
+        levels: ``s``, the quantization levels, an integer in [1, 127].
+        block: elements per norm, an integer >= 1; ``None``: one norm per tensor.
+        seed: the seed of the stochastic rounding (Philox, keyed per seed, step, tensor
+            and rank).
     """
 
     biased = False
@@ -287,6 +296,11 @@ class TernGrad(_Quantizer):
     constant block), and the probability is ``min(|x|, S_b) / S_b``: unbiased
     for the clipped tensor, so ``biased`` is true and error feedback defaults on.
     Wire: ``FMT_TERN2``, ``4 * ceil(n / B) + ceil(n / 4)`` bytes of body.
+
+    Args:
+        block: elements per scale, an integer >= 1; ``None``: one scale per tensor.
+        clip: ``c`` above, a number > 0, or ``None`` (no clipping, unbiased).
+        seed: the seed of the stochastic rounding.
     """
 
     formats = {"TERN2": FMT_TERN2}
@@ -325,6 +339,11 @@ class Int8(_Quantizer):
     ``allreduce=True``: the ranks first agree on every block's scale and then sum
     the integer codes exactly with an allreduce (the ``Int8Allreduce`` protocol,
     :mod:`gradzip.protocols.int8_allreduce`).
+
+    Args:
+        block: elements per scale, an integer >= 1; ``None``: one scale per tensor.
+        allreduce: carry the codes by ``Int8Allreduce`` (an exact integer sum) instead
+            of frames.
     """
 
     formats = {"INT8": FMT_INT8}

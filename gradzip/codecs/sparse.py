@@ -91,6 +91,15 @@ class TopK(Codec):
     gradient's dtype (or the input's, when a compensated value would overflow the
     gradient's), or in ``values="fp16"``/``"bf16"``: finite values saturate, and error
     feedback keeps what the rounding drops.
+
+    Args:
+        ratio: the fraction of elements sent, in (0, 1], or a warm-up schedule
+            (:mod:`gradzip.warmup`).
+        mode: ``"exact"``, ``"sampled"`` or ``"auto"`` (above).
+        sample: elements sampled by ``"sampled"``, an integer >= 1.
+        sampled_above: ``"auto"`` samples tensors of at least this many elements.
+        seed: the sampling seed.
+        values: ``None`` (the gradient's dtype), ``"fp16"`` or ``"bf16"``.
     """
 
     formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK}
@@ -219,6 +228,10 @@ class RandomK(Codec):
     through allreduce. Values travel in the input's dtype (float32 when error
     feedback has promoted a half-precision gradient), the same on every rank. Values are not rescaled by n/k; with error feedback (the
     default) the unsent mass waits in the residual.
+
+    Args:
+        ratio: the fraction of elements sent, in (0, 1], or a warm-up schedule.
+        seed: the seed of the shared index draws; the same on every rank.
     """
 
     summable = True

@@ -53,7 +53,13 @@ def parse_duration(value, name: str = "duration", *, unit: bool = False) -> floa
 
 @dataclass(frozen=True)
 class Link:
-    """A network link: ``bandwidth_bps`` in bits/s, ``latency_s`` per message (one hop, one way)."""
+    """A network link: ``bandwidth_bps`` in bits/s, ``latency_s`` per message (one hop, one way).
+
+    Args:
+        bandwidth_bps: bits per second, a number > 0 (``Link.parse("10Gbit", "20us")``
+            reads units).
+        latency_s: seconds per message, >= 0.
+    """
 
     bandwidth_bps: float
     latency_s: float = 0.0

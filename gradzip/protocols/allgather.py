@@ -22,6 +22,13 @@ __all__ = ["AllGather"]
 
 
 class AllGather(Protocol):
+    """Framed payloads of any codec: an allreduce(MAX) of the message length, then an
+    all-gather of the padded messages; every peer decoded in rank order.
+
+    Args:
+        codec: a codec whose payloads decode from their frame alone (``framable``).
+    """
+
     rounds = 2
 
     def __init__(self, codec: Codec) -> None:

@@ -20,6 +20,13 @@ __all__ = ["Allreduce", "back_to_back"]
 
 
 class Allreduce(Protocol):
+    """One allreduce of the call's summable payloads, concatenated and pre-divided by the
+    world size (DDP's own allreduce for ``Identity``).
+
+    Args:
+        codec: a summable codec (``Identity``, ``FP16``, ``BF16``, ``RandomK``).
+    """
+
     rounds = 1
 
     def __init__(self, codec: Codec) -> None:

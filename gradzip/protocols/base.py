@@ -34,6 +34,9 @@ class Protocol(Registered, register=False):
     ``biased``: error feedback defaults to on. ``rounds``: how many rounds every
     exchange takes when the class fixes it (``None``: it depends on the call), so that
     :func:`~gradzip.protocols.parallel.parallel` can align protocols to end together.
+
+    Args: none here; each protocol documents its own (most take the codec or protocol
+    they carry as their first argument).
     """
 
     kind = "protocol"

@@ -52,6 +52,15 @@ SKIPPED = "filter.skipped"
 
 
 class Filter(Protocol):
+    """Skip the tensors that barely changed this step (module docstring).
+
+    Args:
+        inner: the codec or protocol that carries the tensors that are sent.
+        min_change: ``m``, in [0, 1): a tensor is wanted when its RMS change exceeds
+            ``m`` times its running reference.
+        beta: ``b``, in [0, 1): the running reference's decay.
+    """
+
     def __init__(self, inner, *, min_change: float = 0.5, beta: float = 0.9) -> None:
         if not isinstance(inner, (Codec, Protocol)):
             raise TypeError(f"inner must be a gradzip codec or protocol, got {type(inner).__name__}")

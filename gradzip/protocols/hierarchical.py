@@ -41,6 +41,15 @@ def shard_key(name: str, local: int, local_size: int) -> str:
 
 
 class Hierarchical(Protocol):
+    """An uncompressed allreduce inside each node, ``inner`` across the nodes on
+    ``1/local_size`` of the call per rank, then an all-gather inside the node.
+
+    Args:
+        inner: the codec or protocol across nodes (not ``Hierarchical``).
+        local_size: ranks per node; default ``$LOCAL_WORLD_SIZE`` (torchrun sets it),
+            capped at the world size.
+    """
+
     def __init__(self, inner, *, local_size: int | None = None) -> None:
         if not isinstance(inner, (Codec, Protocol)) or isinstance(inner, Hierarchical):
             raise TypeError(f"inner must be a gradzip codec or protocol (not Hierarchical), got {type(inner).__name__}")

@@ -46,6 +46,13 @@ def int8_lanes(world_size: int) -> tuple[int, int]:
 
 
 class Int8Allreduce(Protocol):
+    """Block-wise int8 codes summed exactly by allreduce (module docstring).
+
+    Args:
+        codec: an ``Int8`` whose block it takes (default: ``Int8(block=block)``).
+        block: elements per scale when no codec is given; ``None``: one per tensor.
+    """
+
     rounds = 2
 
     def __init__(self, codec: Int8 | None = None, *, block: int | None = 1024) -> None:

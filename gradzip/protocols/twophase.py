@@ -53,6 +53,15 @@ def owner_key(name: str, j: int, world: int) -> str:
 
 
 class TwoPhase(Protocol):
+    """A compressed reduce-scatter (each rank owns one piece of every tensor), then the
+    owners re-encode their averaged pieces with their own error feedback and all-gather
+    them: about ``2(N-1)/N`` of the compressed call per rank (module docstring).
+
+    Args:
+        codec: any framable codec (non-summable ones, or ``FP16``/``BF16`` with error
+            feedback).
+    """
+
     rounds = 4
 
     def __init__(self, codec: Codec) -> None:
