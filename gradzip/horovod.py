@@ -394,7 +394,7 @@ def barrier(process_set=global_process_set) -> None:
         dist.barrier()
 
 
-def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:
+def broadcast_parameters(params, root_rank) -> None:
     """Horovod's ``broadcast_parameters``: ``params`` is a ``state_dict()`` (broadcast in sorted
     key order) or a list of ``(name, tensor)`` pairs or tensors; each is overwritten in place."""
     if isinstance(params, dict):
@@ -405,20 +405,20 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
         raise ValueError(f"invalid params of type {type(params).__name__}: a dict (state_dict) or a list")
     for name, p in params:
         if isinstance(p, torch.Tensor):
-            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name,
-                       process_set=process_set)
+            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name)
 
 
-def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_set) -> None:
+def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
     """Every rank's optimizer state becomes ``root_rank``'s (hyper-parameters, buffers, and for
-    this module's ``DistributedOptimizer`` its gradzip state), through one object broadcast."""
+    this module's ``DistributedOptimizer`` its gradzip state), through one object broadcast.
+    ``model`` (Horovod's hint for sparse parameters) is not needed: the state travels pickled."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     sd = optimizer.state_dict() if rank() == root_rank else None
     buf = io.BytesIO()
     if sd is not None:
         torch.save(sd, buf)
-    got = broadcast_object(buf.getvalue() if sd is not None else None, root_rank, process_set=process_set)
+    got = broadcast_object(buf.getvalue() if sd is not None else None, root_rank)
     if rank() != root_rank:
         optimizer.load_state_dict(torch.load(io.BytesIO(got), weights_only=False))
 
@@ -725,6 +725,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         from .comm_horovod import HorovodCommunicator
 
         _horovod()
+        inner = getattr(method, "codec", method)
+        if getattr(inner, "wire_dtype", None) == torch.bfloat16:
+            raise ValueError(f"{method!r} sends bfloat16, which Horovod's torch binding cannot carry; "
+                             "use transport='torch' or FP16")
         comm = HorovodCommunicator()
         world = comm.world_size
     else:
