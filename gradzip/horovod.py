@@ -738,8 +738,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     f_gz = 1.0 if f == 1.0 else f / world
 
     base = type(optimizer)
-    cls = type(base.__name__, (_HorovodOptimizer, base), {"__module__": base.__module__,
-                                                          "__qualname__": base.__qualname__})
+    cls = type(base.__name__, (_HorovodOptimizer, base), {"__module__": __name__})
     self = cls.__new__(cls)
     try:
         base.__init__(self, optimizer.param_groups)
