@@ -163,8 +163,12 @@ class Engine:
         momentum: Momentum | None = None,
         clip: float | None = None,
     ) -> None:
-        self.stats_ = Stats()
-        self.comm = Communicator(process_group, self.stats_)
+        if isinstance(process_group, Communicator):  # e.g. comm_horovod.HorovodCommunicator
+            self.comm = process_group
+            self.stats_ = process_group.stats
+        else:
+            self.stats_ = Stats()
+            self.comm = Communicator(process_group, self.stats_)
         self.method = method
         self.start_iter = args.integer("start_iter", start_iter, 0)
         self.on_nonfinite = args.choice("on_nonfinite", on_nonfinite, _NONFINITE_POLICIES)
