@@ -383,5 +383,5 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["smoke"] is True and data["copy_bandwidth_gbps"] > 0
     names = {r["kernel"] for r in data["results"]}
-    assert {"threshold_ef", "threshold_index", "decode_add_bitmap2", "scatter_add_signed", "scatter_add_sparse", "sampled_topk"} <= names
+    assert {"threshold_ef", "threshold_index", "decode_add_bitmap2", "scatter_add_signed", "scatter_add_sparse", "sampled_topk", "sampled_topk_approx"} <= names
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in data["results"])
