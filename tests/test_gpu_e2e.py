@@ -346,3 +346,64 @@ def _engine_passes_device(rank, world):
     assert torch.equal(fut.wait(), torch.arange(6, dtype=torch.float32))
     assert seen == [x.device]
     return True
+
+
+# -- benchmarks/gpu_step.py ---------------------------------------------------------------------
+
+
+def _gpu_step_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_step.py"
+    spec = importlib.util.spec_from_file_location("gz_bench_gpu_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check_gpu_step(doc, mod, device_word):
+    assert device_word in doc["device"].lower() and doc["errors"] == []
+    assert set(doc["models"]) == {"tiny_resnet", "tiny_gpt"}
+    for m in doc["models"].values():
+        assert m["compute_ms_per_step"] > 0 and set(m["methods"]) == set(mod.DEFAULT_METHODS)
+        rows = m["methods"]
+        ident = rows["Identity()"]
+        assert ident["wire_ratio_vs_allreduce"] == 1.0 and ident["breakeven_gbps"] is None
+        for spec, row in rows.items():
+            assert row["codec_ms_per_step"] > 0 and row["fraction_of_compute"] > 0, spec
+        # the break-even link: codec time spent = wire time saved
+        top = rows["TopK(0.01, mode='approx')"]
+        assert top["wire_ratio_vs_allreduce"] > 10
+        saved = m["allreduce_wire_bits_per_step"] - top["wire_bits_per_step"]
+        extra = (top["codec_ms_per_step"] - ident["codec_ms_per_step"]) / 1e3
+        if extra > 0:
+            assert top["breakeven_gbps"] == pytest.approx(saved / extra / 1e9)
+
+
+def test_gpu_step_benchmark_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_step.py end to end on the CPU (tiny models, 2 steps, 2 ranks in the model)."""
+    import json
+
+    mod = _gpu_step_module()
+    out = tmp_path / "gs.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = mod.main(["--device", "cpu", "--models", "tiny", "--steps", "2", "--warmup", "0", "--world", "2",
+                       "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    _check_gpu_step(json.loads(out.read_text()), mod, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_step_benchmark_runs_on_cuda(tmp_path):
+    import json
+
+    mod = _gpu_step_module()
+    out = tmp_path / "gs.json"
+    assert mod.main(["--device", "cuda", "--models", "tiny", "--steps", "2", "--world", "8", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    _check_gpu_step(doc, mod, "")
+    assert any(v.get("cuda") == "triton" for v in doc["kernels_chosen"].values()), doc["kernels_chosen"]
