@@ -24,6 +24,14 @@ submission order:
 
 So on every rank the collectives go out in the same order, and each protocol's
 result arrives as a ``torch.futures.Future`` with no ``.wait()`` in a callback.
+
+On CUDA the last round's callback runs on a stream from torch's pool (the one NCCL's
+and gloo's CUDA futures hand their callbacks), so the decode it launches is ordered
+after the collective but not before the caller's stream. The protocol's future is
+therefore made CUDA-aware on the call's device (``submit(..., device=)``): setting its
+result records an event on the callback's stream, and ``wait()`` or ``then()`` on it
+makes the caller's current stream wait for that event (DDP's reducer, the
+DistributedOptimizer and LocalSGD read the result on their own streams).
 """
 from __future__ import annotations
 
@@ -162,11 +170,14 @@ class Communicator:
         return self._timed(w, nbytes, control, nbytes - mine)
 
     # -- protocols ---------------------------------------------------------------------
-    def submit(self, protocol: Protocol) -> torch.futures.Future:
-        """Start a protocol; unless ``defer``, first drive all earlier ones to their last round."""
+    def submit(self, protocol: Protocol, device: torch.device | None = None) -> torch.futures.Future:
+        """Start a protocol; unless ``defer``, first drive all earlier ones to their last round.
+
+        ``device``: where the protocol's tensors live; a CUDA device makes the returned
+        future CUDA-aware there (see the module docstring)."""
         if not self.defer:
             self.flush()
-        job = _Pending(protocol, torch.futures.Future())
+        job = _Pending(protocol, torch.futures.Future(devices=future_devices(device)))
         self._advance(job)
         if job.round is not None and not job.round.last:
             self._pending.append(job)
@@ -222,6 +233,17 @@ class Communicator:
             done = torch.futures.Future()
             done.set_result([])
             finish(done)
+
+
+def future_devices(device) -> list[torch.device]:
+    """The devices a protocol's future must be CUDA-aware on: ``[device]`` for a CUDA
+    device, none for the CPU (or None)."""
+    if device is None:
+        return []
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    return [device if device.index is not None else torch.device("cuda", torch.cuda.current_device())]
 
 
 def allgather_bytes(

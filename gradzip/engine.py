@@ -232,7 +232,8 @@ class Engine:
         out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
         with self._lock:
             self._inflight += 1
-        return self.comm.submit(self._run(names, tensors, out_dtype, dest, zero_is_unused, params))
+        device = tensors[0].device if tensors else (dest.device if dest is not None else None)
+        return self.comm.submit(self._run(names, tensors, out_dtype, dest, zero_is_unused, params), device=device)
 
     def flush(self) -> None:
         """Issue all outstanding collectives (call after the last bucket of a step)."""

@@ -58,13 +58,16 @@ from .quant import (
     terngrad_encode_reference,
 )
 from .reference import (
+    APPROX_TOL,
     ThresholdResult,
+    approx_band,
     abs_select_reference,
     accum_dtype,
     decode_add_bitmap2_reference,
     decode_signed_indices,
     encode_signed_indices,
     pack_2bit,
+    sampled_topk_approx_reference,
     sampled_topk_reference,
     scatter_add_signed_reference,
     scatter_add_sparse_reference,
@@ -82,6 +85,8 @@ __all__ = [
     "scatter_add_sparse",
     "abs_select",
     "sampled_topk",
+    "approx_band",
+    "APPROX_TOL",
     "pack_2bit",
     "unpack_2bit",
     "encode_signed_indices",
@@ -285,13 +290,19 @@ def abs_select(v: torch.Tensor, thr, expected: int | None = None) -> torch.Tenso
     return _run("abs_select", v, v.reshape(-1), thr, expected)
 
 
-def sampled_topk(v: torch.Tensor, k: int, probe: torch.Tensor) -> torch.Tensor:
-    """DGC top-k: at most ``k`` ascending int64 indices of large ``|v|``.
+def sampled_topk(v: torch.Tensor, k: int, probe: torch.Tensor, *, approx: bool = False, route: list | None = None) -> torch.Tensor:
+    """DGC top-k: ascending int64 indices of large ``|v|``.
 
+    ``approx=False``: at most ``k`` of them,
     :func:`~gradzip.kernels.reference.sampled_topk_reference` with the compaction
     (:func:`abs_select`) dispatched: the threshold estimate is ``torch.topk`` over
     the sample, the compaction one pass over ``v``, the trim a top-k over the
     survivors (about ``1.25 k`` of them).
+
+    ``approx=True``: between ``(1 - APPROX_TOL) k`` and ``(1 + APPROX_TOL) k`` of them
+    (:func:`approx_band`), without the exact trim:
+    :func:`~gradzip.kernels.reference.sampled_topk_approx_reference`, both of its
+    compactions dispatched. ``route`` (a list) receives the route it took.
     """
     _check_float("v", v)
     n = v.numel()
@@ -299,6 +310,8 @@ def sampled_topk(v: torch.Tensor, k: int, probe: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"k must be in [1, {n}], got {k}")
     if probe.numel() == 0:
         raise ValueError("probe must hold at least one index")
+    if approx:
+        return sampled_topk_approx_reference(v.reshape(-1), int(k), probe.to(v.device), select=abs_select, route=route)
     return sampled_topk_reference(v.reshape(-1), int(k), probe.to(v.device), select=abs_select)
 
 

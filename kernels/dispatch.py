@@ -139,6 +139,29 @@ def _unusable(backend: str, device: torch.device) -> str | None:
     return _import_backend(backend)
 
 
+# The Triton interpreter is not thread-safe: it patches ``triton.language`` for the kernel it
+# runs and restores it afterwards, so two kernels interpreted at once (a protocol decoding in a
+# collective's callback thread while the hook encodes the next bucket) break each other.
+# Interpreted launches are serialized; compiled kernels and other backends are not.
+_interpreter_lock = threading.RLock()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_LOCK = _NoLock()
+
+
+def _guard(backend: str, device: torch.device):
+    """The lock a launch of ``backend`` on ``device`` tensors must hold (see above)."""
+    return _interpreter_lock if backend == "triton" and device.type == "cpu" and _interpreting() else _NO_LOCK
+
+
 def _load(op: str, backend: str) -> Callable:
     key = (op, backend)
     fn = _loaded.get(key)
@@ -176,7 +199,8 @@ def _call(op: str, device: torch.device, *args, **kwargs):
         if reason:
             raise KernelBackendError(f"{ENV_VAR}={forced} cannot run {op}: {reason}")
         try:
-            out = _load(op, forced)(*args, **kwargs)
+            with _guard(forced, device):
+                out = _load(op, forced)(*args, **kwargs)
         except Unsupported as e:
             raise KernelBackendError(f"{ENV_VAR}={forced} cannot run {op}: {e}") from e
         _record(op, device, forced, [f"forced by {ENV_VAR}"])
@@ -193,7 +217,8 @@ def _call(op: str, device: torch.device, *args, **kwargs):
             why.append(f"{backend}: {reason}")
             continue
         try:
-            out = _load(op, backend)(*args, **kwargs)
+            with _guard(backend, device):
+                out = _load(op, backend)(*args, **kwargs)
         except Unsupported as e:
             why.append(f"{backend}: {e}")
             continue

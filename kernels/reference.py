@@ -30,6 +30,9 @@ __all__ = [
     "abs_select_reference",
     "sampled_topk_reference",
     "sampled_topk_threshold",
+    "sampled_topk_approx_reference",
+    "approx_band",
+    "APPROX_TOL",
 ]
 
 _SIGN_BIT = 1 << 31
@@ -293,4 +296,81 @@ def sampled_topk_reference(
     idx = select(v, thr, math.ceil(_sample_k(k, s, n) * n / s))
     if idx.numel() > k:
         idx = idx[torch.topk(v[idx].abs(), k, sorted=False).indices].sort().values
+    return idx
+
+
+# -- approximate top-k -------------------------------------------------------------------------
+
+APPROX_TOL = 0.1  # the approximate top-k's count stays within k * (1 -+ APPROX_TOL)
+_SUB = 4096  # survivors sampled to place the second threshold
+
+
+def approx_band(k: int, tol: float = APPROX_TOL) -> tuple[int, int]:
+    """The counts the approximate top-k may return for ``k``: ``[ceil((1-tol) k), floor((1+tol) k)]``
+    (``k`` itself always inside)."""
+    return min(k, math.ceil((1 - tol) * k - 1e-9)), max(k, math.floor((1 + tol) * k + 1e-9))
+
+
+def _approx_sample_k(k: int, s: int, n: int) -> int:
+    """The sample rank of the first threshold: ``m = k s / n`` samples are expected above the
+    k-th largest; aiming ``3 sqrt(m) + 1`` above it leaves fewer than ``k`` survivors in about
+    one draw in a few hundred (a binomial count 3 standard deviations short)."""
+    m = k * s / n
+    return min(s, max(1, math.ceil(m + 3 * math.sqrt(m) + 1)))
+
+
+def sampled_topk_approx_reference(
+    v: torch.Tensor,
+    k: int,
+    probe: torch.Tensor,
+    *,
+    select: Callable[..., torch.Tensor] | None = None,
+    tol: float = APPROX_TOL,
+    route: list | None = None,
+) -> torch.Tensor:
+    """Indices (int64, ascending) of about ``k`` large elements of ``|v|``, without an exact
+    top-k over the survivors: their count ``c`` is in :func:`approx_band` (within ``tol`` of
+    ``k``), always.
+
+    1. ``thr``: the :func:`_approx_sample_k`-th largest of ``|v[probe]|``, aimed a few standard
+       deviations of the sample's count below the k-th largest value; ``select`` (one pass
+       over ``v``, by default :func:`abs_select_reference`) keeps ``|v| >= thr``. A count in
+       the band is the answer (route ``"survivors"``: large samples, ``k s / n`` in the
+       thousands, land there).
+    2. More survivors than the band: a second threshold, the quantile ``k / c`` of the
+       survivors' ``|v|`` at up to 4096 positions taken from the probe (``probe % c``), and
+       ``select`` again over the survivors' values (route ``"resampled"``). The count of a
+       quantile of 4096 draws is off by about ``0.7%`` of ``c``, so this lands in the band but
+       for ties (many equal values at the threshold).
+    3. Otherwise (ties, or fewer survivors than the band: the sample overestimated the
+       threshold) the exact answer: a top-k over the survivors, or over ``v`` when they are
+       too few (routes ``"trim"``, ``"exact"``). Exactly ``k``: inside the band.
+
+    ``route``, a list, receives the route taken. Elements with a NaN ``|v|`` are never
+    selected by the thresholds (they may be by the exact fallbacks, as ``torch.topk`` ranks
+    NaN highest).
+    """
+    v = v.reshape(-1)
+    select = select or abs_select_reference
+    n, s = v.numel(), probe.numel()
+    lo, hi = approx_band(k, tol)
+    ks = _approx_sample_k(k, s, n)
+    thr = torch.topk(v[probe].abs(), ks, sorted=False).values.min()
+    idx = select(v, thr, math.ceil(ks * n / s))
+    c = idx.numel()
+    taken = "survivors"
+    if c > hi:
+        a = v[idx].abs()
+        sub = a[probe[:_SUB] % c]
+        r = min(sub.numel(), max(1, round(k * sub.numel() / c)))
+        thr2 = torch.topk(sub, r, sorted=False).values.min()
+        keep = select(a, thr2, k)
+        if lo <= keep.numel() <= hi:
+            idx, taken = idx[keep], "resampled"
+        else:
+            idx, taken = idx[torch.topk(a, k, sorted=False).indices].sort().values, "trim"
+    elif c < lo:
+        idx, taken = torch.topk(v.abs(), k, sorted=False).indices.sort().values, "exact"
+    if route is not None:
+        route.append(taken)
     return idx

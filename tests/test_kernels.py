@@ -145,6 +145,73 @@ def test_abs_select_and_sampled_topk_reference():
     assert sel.numel() == 100 and v.abs()[sel].min() >= v.abs()[dropped].max()
 
 
+def approx_cases():
+    """Distributions for the approximate top-k: (name, v, k, sample size)."""
+    g = torch.Generator().manual_seed(11)
+    n = 200_000
+    normal = torch.randn(n, generator=g)
+    cases = [
+        ("normal", normal, 200, 20_000),
+        ("normal_tiny_k", normal, 7, 20_000),
+        ("normal_big_k", normal, 20_000, 20_000),
+        ("cauchy", torch.empty(n).cauchy_(generator=g), 500, 20_000),
+        ("lognormal", torch.empty(n).log_normal_(generator=g), 2_000, 4_000),
+        ("layers", torch.cat([torch.randn(n // 2, generator=g) * 1e-3, torch.randn(n // 2, generator=g)]), 1_000, 20_000),
+        ("sparse_ties", torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.002), 1_000, 20_000),
+        ("constant", torch.full((n,), 0.25), 300, 20_000),
+    ]
+    return [(name, v, k, torch.randint(n, (s,), generator=g)) for name, v, k, s in cases]
+
+
+def test_sampled_topk_approx_stays_in_band_and_sends_the_largest():
+    """The approximate top-k: a count within 10% of k, ascending distinct indices, and every
+    element it leaves out no larger than any it sends (a threshold set); the cheap routes
+    (no exact top-k) taken where no ties sit at the threshold."""
+    routes = {}
+    for name, v, k, probe in approx_cases():
+        got = []
+        idx = R.sampled_topk_approx_reference(v, k, probe, route=got)
+        routes[name] = got[0]
+        lo, hi = R.approx_band(k)
+        assert lo <= idx.numel() <= hi, (name, idx.numel(), k)
+        assert lo >= math.ceil(0.9 * k) and hi <= math.floor(1.1 * k)
+        assert bool((idx.diff() > 0).all()), name
+        out = torch.ones(v.numel(), dtype=torch.bool)
+        out[idx] = False
+        assert v[idx].abs().min() >= v[out].abs().max(), name
+    assert routes["constant"] == "trim" and routes["sparse_ties"] in ("resampled", "trim")
+    for name in ("normal", "cauchy", "lognormal", "layers", "normal_big_k"):
+        assert routes[name] in ("survivors", "resampled"), (name, routes[name])
+    assert routes["normal_big_k"] == "survivors"  # k s / n = 2000 samples: the first threshold lands in the band
+    # A probe of the largest elements only overestimates the threshold: the exact route.
+    v = rand(50_000, seed=4)
+    top = torch.topk(v.abs(), 10).indices
+    got = []
+    idx = R.sampled_topk_approx_reference(v, 500, top.repeat(100), route=got)
+    assert got == ["exact"] and torch.equal(idx, torch.topk(v.abs(), 500).indices.sort().values)
+    assert R.approx_band(1) == (1, 1) and R.approx_band(10) == (9, 11) and R.approx_band(25) == (23, 27)
+
+
+def test_topk_codec_approx_mode():
+    import gradzip as gz
+    from gradzip.codecs.base import TensorContext
+
+    m = gz.TopK(0.001, mode="approx", sample=8192)
+    assert gz.parse(repr(m)).config() == m.config() and gz.TopK().mode == "exact"
+    x = rand(300_000, seed=9)
+    k = 300
+    for step in range(3):
+        p = m.compress(x, TensorContext(name="w", step=step, dtype=x.dtype))
+        sent = m.decompress(p).reshape(-1)
+        nz = sent.nonzero().reshape(-1)
+        lo, hi = R.approx_band(k)
+        assert lo <= nz.numel() <= hi and torch.equal(sent[nz], x[nz])
+    small = m.compress(x[:5000], TensorContext(name="s", dtype=x.dtype))  # <= sample: the exact route
+    assert (m.decompress(small) != 0).sum() == 5
+    with pytest.raises(ValueError, match="mode"):
+        gz.TopK(0.01, mode="approximate")
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 
 

@@ -211,6 +211,34 @@ def test_sampled_topk_matches_reference_and_counts_within_10_percent(dtype, monk
     assert 0.9 * k <= got.numel() <= 1.1 * k
 
 
+@interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sampled_topk_approx_with_triton_compaction_matches_reference(dtype, monkeypatch):
+    """The approximate top-k with both compactions in the Triton kernel (interpreter) gives the
+    reference's indices, within 10% of k, on several distributions."""
+    n = 60_013
+    g = gen(21)
+    cases = {
+        "normal": (torch.randn(n, generator=g), 60),
+        "cauchy": (torch.empty(n).cauchy_(generator=g), 600),
+        "layers": (torch.cat([torch.randn(n // 3, generator=g) * 1e-2, torch.randn(n - n // 3, generator=g)]), 300),
+        "sparse_ties": (torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.004), 300),
+    }
+    for name, (v, k) in cases.items():
+        v = v.to(dtype)
+        probe = torch.randint(n, (6000,), generator=g)
+        monkeypatch.setenv(K.ENV_VAR, "triton")
+        route = []
+        got = K.sampled_topk(v, k, probe, approx=True, route=route)
+        assert K.backend_report()["ops"]["abs_select"]["chosen"]["cpu"]["backend"] == "triton"
+        monkeypatch.setenv(K.ENV_VAR, "reference")
+        want_route = []
+        assert torch.equal(got, K.sampled_topk(v, k, probe, approx=True, route=want_route)), name
+        assert route == want_route
+        lo, hi = K.approx_band(k)
+        assert lo <= got.numel() <= hi, (name, got.numel())
+
+
 # -- the compressors through the dispatch ---------------------------------------------------------
 
 
@@ -355,5 +383,5 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["smoke"] is True and data["copy_bandwidth_gbps"] > 0
     names = {r["kernel"] for r in data["results"]}
-    assert {"threshold_ef", "threshold_index", "decode_add_bitmap2", "scatter_add_signed", "scatter_add_sparse", "sampled_topk"} <= names
+    assert {"threshold_ef", "threshold_index", "decode_add_bitmap2", "scatter_add_signed", "scatter_add_sparse", "sampled_topk", "sampled_topk_approx"} <= names
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in data["results"])

@@ -83,6 +83,12 @@ class TopK(Codec):
     most k elements (fewer only when the sample overestimates the threshold) and
     costs one pass over the tensor plus top-k over the sample and the survivors.
     ``mode="auto"`` is exact below ``sampled_above`` elements and sampled from there.
+    ``mode="approx"`` skips the exact trim: it sends between ``0.9 k`` and ``1.1 k``
+    large elements (``gradzip.kernels.approx_band``; not exactly the largest), chosen by
+    the sample's threshold and, when too many survive it, a second threshold placed on
+    4096 of the survivors (``gradzip.kernels.sampled_topk(approx=True)``); ties or a
+    sample that overestimated the threshold fall back to an exact top-k. Tensors of at
+    most ``sample`` elements take the exact route in every mode.
 
     Wire: ``FMT_SPARSE`` (the gaps between the ascending positions, bit-packed at the
     width of the largest: about ``log2(n / k)`` bits each, then the values), or
@@ -116,7 +122,7 @@ class TopK(Codec):
         values: str | None = None,
     ) -> None:
         self.ratio = warmup.check(args.ratio, "ratio", ratio)
-        self.mode = args.choice("mode", mode, ("exact", "sampled", "auto"))
+        self.mode = args.choice("mode", mode, ("exact", "sampled", "auto", "approx"))
         self.sample = args.integer("sample", sample, 1)
         self.sampled_above = args.integer("sampled_above", sampled_above, 1)
         self.seed = args.integer("seed", seed)
@@ -125,7 +131,7 @@ class TopK(Codec):
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
         n = v.numel()
-        sampled = self.mode == "sampled" or (self.mode == "auto" and n >= self.sampled_above)
+        sampled = self.mode in ("sampled", "approx") or (self.mode == "auto" and n >= self.sampled_above)
         if not sampled or n <= self.sample:
             return torch.topk(v.abs(), k, sorted=False).indices.sort().values
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
@@ -133,7 +139,7 @@ class TopK(Codec):
         # Aim 25% above k, then trim the survivors to exactly k: the estimate's
         # spread then rarely leaves fewer than k (DGC's hierarchical selection).
         # The compaction pass is dispatched (a one-pass kernel on the GPU).
-        return K.sampled_topk(v, k, probe)
+        return K.sampled_topk(v, k, probe, approx=self.mode == "approx")
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..device import DeviceThresholdResult
-from ..dispatch import KERNEL_DTYPES
+from ..dispatch import KERNEL_DTYPES, _guard
 from ..reference import ThresholdResult, wants_residual
 from . import LAUNCH, check, load_compensated, row_tile, size, spec
 
@@ -102,9 +102,10 @@ class _TritonThresholdResult(DeviceThresholdResult):
         if count:
             offsets = torch.cumsum(self._counts, 0, dtype=torch.int64) - self._counts
             grid = (self._counts.numel(),)
-            _threshold_compact_kernel[grid](
-                self._words, offsets, out, self.n, ROWS=self._rows, num_warps=NUM_WARPS, **LAUNCH
-            )
+            with _guard("triton", out.device):  # launched outside the dispatch: serialize it under the interpreter
+                _threshold_compact_kernel[grid](
+                    self._words, offsets, out, self.n, ROWS=self._rows, num_warps=NUM_WARPS, **LAUNCH
+                )
         return out
 
 

@@ -1,0 +1,386 @@
+"""GPU step time: compute per step, gradzip's codec time per step per method, and break-even links.
+
+    python benchmarks/gpu_step.py                                   # CUDA: ResNet-50 and GPT-2 small
+    python benchmarks/gpu_step.py --models gpt2 --methods "TopK(0.01, mode='approx')"
+    python benchmarks/gpu_step.py --device cpu --models tiny --steps 2   # the smoke run (tests)
+
+For each model, at random initialization (seed 0), on one device:
+
+1. **Compute step**: forward, backward and an SGD step on a synthetic batch, no
+   communication; the median of ``--steps`` timed steps after ``--warmup`` (CUDA:
+   ``torch.cuda.synchronize()`` around each step).
+2. **Codec time per step**, for every method (``gz.parse`` specs): the gradients of one
+   backward, cut into DDP's buckets (25 MiB, the first 1 MiB: ``costmodel.ddp_buckets``),
+   each bucket run through the method's protocol by ``costmodel.dry_run`` as one rank among
+   ``--world`` identical ranks: error feedback, encode, framing, and the decode of all
+   ``--world`` peers (the loopback communicator hands this rank's message back for every
+   peer). Timed as the wall time of all buckets with the device synchronized before and
+   after, the median over ``--steps`` steps (each step advances the codecs' state, as
+   training does). ``Identity()`` is plain DDP's cost (a pre-division and a copy).
+3. **Fraction added**: codec time / compute step.
+4. **Break-even link**: the cost model's wire time of the collectives each method launched
+   (``costmodel.wire_time``, ring formulas, latency 0, ``--world`` ranks on one flat link)
+   against plain allreduce of the same gradients. With ``W(B) = bits / B`` the wire time at
+   link speed ``B``, a method saves time on links slower than
+   ``B* = (bits_allreduce - bits_method) / (codec_method - codec_identity)``; ``inf`` when it
+   costs no more codec time than plain allreduce, ``null`` when it sends no fewer bits. No
+   overlap of wire and compute is assumed (an upper bound on what the wire can cost).
+
+A method whose dry run raises is recorded under ``errors`` (and the exit status is 1). Known:
+the loopback communicator replays this rank's piece as every owner's, so TwoPhase (non-summable
+codecs from 4 ranks) fails on tensors whose size is not a multiple of ``--world``
+(``corrupt ... frame``); every tensor of the models here is a multiple of 8.
+
+Writes ``benchmarks/results/gpu_step_<device>.json`` (``--out`` to change), naming the
+device, torch, triton, the models' sizes and every figure. The kernels chosen
+(``gradzip.kernels.backend_report()``) are recorded per op.
+
+Models (written here; torchvision is not needed):
+
+* ``resnet50``: ResNet-50 (bottleneck blocks 3-4-6-3, 25.6M parameters), batch 64 at 224x224;
+* ``gpt2``: a GPT-2-small-sized decoder (12 layers, d 768, 12 heads, vocabulary 50257,
+  context 1024; 124M parameters, tied embedding), batch 8 x 1024 tokens;
+* ``tiny``: small versions of both (for the CPU smoke run).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_METHODS = [
+    "Identity()",
+    "FP16()",
+    "BF16()",
+    "Threshold(tau=0.001, policy='target', density=0.01)",
+    "TopK(0.01)",
+    "TopK(0.01, mode='sampled')",
+    "TopK(0.01, mode='approx')",
+    "RandomK(0.01)",
+    "SignSGD(block=1024)",
+    "QSGD(7)",
+    "TernGrad(block=1024)",
+    "Int8()",
+    "Int8(allreduce=True)",
+    "PowerSGD(rank=4)",
+]
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout (He et al. 2016): ``blocks`` bottlenecks per stage, ``base`` stem width."""
+
+    def __init__(self, blocks=(3, 4, 6, 3), base: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(base), nn.ReLU(),
+                                  nn.MaxPool2d(3, stride=2, padding=1))
+        layers, cin = [], base
+        for i, n in enumerate(blocks):
+            width = base * 2**i
+            for j in range(n):
+                layers.append(Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
+                cin = 4 * width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder (pre-norm blocks, learned positions, tied embedding)."""
+
+    def __init__(self, vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12, heads: int = 12) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def build(name: str, device: torch.device):
+    """``(model, make_batch, loss_fn, description)`` of one model; ``make_batch(g)`` draws a batch."""
+    if name in ("resnet50", "tiny_resnet"):
+        big = name == "resnet50"
+        model = ResNet() if big else ResNet(blocks=(1, 1, 1, 1), base=8, classes=16)
+        batch, side, classes = (64, 224, 1000) if big else (4, 32, 16)
+
+        def make_batch(g):
+            x = torch.randn(batch, 3, side, side, generator=g).to(device)
+            return x, torch.randint(classes, (batch,), generator=g).to(device)
+
+        def loss_fn(m, b):
+            return F.cross_entropy(m(b[0]), b[1])
+
+        desc = f"ResNet, batch {batch} at {side}x{side}"
+    elif name in ("gpt2", "tiny_gpt"):
+        big = name == "gpt2"
+        model = GPT() if big else GPT(vocab=257, ctx=64, d=32, layers=2, heads=4)
+        batch, seq, vocab = (8, 1024, 50257) if big else (2, 64, 257)
+
+        def make_batch(g):
+            idx = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
+            return idx[:, :-1], idx[:, 1:]
+
+        def loss_fn(m, b):
+            return F.cross_entropy(m(b[0]).reshape(-1, vocab).float(), b[1].reshape(-1))
+
+        desc = f"GPT decoder, batch {batch} x {seq} tokens"
+    else:
+        raise ValueError(f"unknown model {name!r}: resnet50, gpt2, tiny_resnet, tiny_gpt (or tiny: both)")
+    return model.to(device), make_batch, loss_fn, desc
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def measure_model(name, methods, device, world, steps, warmup, log=print) -> dict:
+    import gradzip as gz
+    from gradzip.costmodel import Link, ddp_buckets, dry_run, wire_time
+
+    torch.manual_seed(0)
+    model, make_batch, loss_fn, desc = build(name, device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    batches = [make_batch(g) for _ in range(2)]
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batches[i % 2]).backward()
+        opt.step()
+
+    for i in range(warmup):
+        step(i)
+    compute = [timed(lambda: step(i), device) for i in range(steps)]
+    compute_s = statistics.median(compute)
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model, batches[0]).backward()
+    grads = [p.grad.detach().clone() for _, p in params]
+    names = [n for n, _ in params]
+    nbytes = [t.numel() * t.element_size() for t in grads]
+    buckets = ddp_buckets(nbytes)
+    raw_bytes = sum(nbytes)
+    ones = Link(1.0)  # wire time at 1 bit/s = the bits on the wire (latency 0)
+    raw_bits = sum(
+        wire_time([c for c in dry_run(gz.Identity(), [grads[i] for i in b], world_size=world, decode=False).collectives],
+                  world, ones)
+        for b in buckets
+    )
+    log(f"{name}: {sum(t.numel() for t in grads) / 1e6:.1f}M parameters, {len(buckets)} buckets, "
+        f"compute {compute_s * 1e3:.2f} ms/step")
+
+    rows = {}
+    for spec in methods:
+        method = gz.parse(spec)
+        stores: dict = {}
+        times, colls = [], []
+        try:
+            for s in range(warmup + steps):
+                colls = []
+
+                def run():
+                    for b in buckets:
+                        d = dry_run(method, [grads[i] for i in b], world_size=world, names=[names[i] for i in b],
+                                    stores=stores, step=s)
+                        colls.extend(d.collectives)
+
+                t = timed(run, device)
+                if s >= warmup:
+                    times.append(t)
+        except Exception as e:  # noqa: BLE001 - recorded in the results and printed, never dropped
+            rows[spec] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {spec:55s} FAILED: {rows[spec]['error']}")
+            continue
+        codec_s = statistics.median(times)
+        bits = wire_time(colls, world, ones)
+        rows[spec] = {
+            "codec_ms_per_step": codec_s * 1e3,
+            "codec_ms_min": min(times) * 1e3,
+            "fraction_of_compute": codec_s / compute_s,
+            "bytes_handed": sum(c.nbytes for c in colls),
+            "wire_bits_per_step": bits,
+            "wire_ratio_vs_allreduce": raw_bits / bits if bits else math.inf,
+        }
+        log(f"  {spec:55s} codec {codec_s * 1e3:9.3f} ms/step ({codec_s / compute_s:7.1%} of compute), "
+            f"wire {raw_bits / bits if bits else math.inf:8.1f}x less than allreduce")
+    base = rows.get("Identity()", {}).get("codec_ms_per_step", 0.0) / 1e3
+    for spec, row in rows.items():
+        if "error" in row:
+            continue
+        saved = raw_bits - row["wire_bits_per_step"]
+        extra = row["codec_ms_per_step"] / 1e3 - base
+        if saved <= 0:
+            be = None
+        elif extra <= 0:
+            be = math.inf
+        else:
+            be = saved / extra / 1e9
+        row["breakeven_gbps"] = be
+    return {
+        "description": desc,
+        "parameters": sum(t.numel() for t in grads),
+        "gradient_bytes": raw_bytes,
+        "buckets": len(buckets),
+        "compute_ms_per_step": compute_s * 1e3,
+        "compute_ms_all": [c * 1e3 for c in compute],
+        "allreduce_wire_bits_per_step": raw_bits,
+        "methods": rows,
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    ap.add_argument("--models", "--model", default="resnet50,gpt2", help="comma-separated: resnet50, gpt2, tiny")
+    ap.add_argument("--methods", default=None, help="';'-separated gz.parse specs (default: every method)")
+    ap.add_argument("--world", type=int, default=8, help="ranks for the protocols and the cost model (default 8)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 3 on CUDA, 1 on CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_step_<device>.json)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_step: no CUDA device; use --device cpu for the smoke run", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.world < 1:
+        ap.error("--steps and --world must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
+    models = []
+    for m in args.models.split(","):
+        models += ["tiny_resnet", "tiny_gpt"] if m.strip() == "tiny" else [m.strip()]
+    methods = DEFAULT_METHODS if args.methods is None else [s.strip() for s in args.methods.split(";") if s.strip()]
+
+    import gradzip as gz
+    import gradzip.kernels as K
+
+    for spec in methods:
+        gz.parse(spec)  # a bad spec fails before anything is timed
+    K.reset_dispatch()
+    results = {m: measure_model(m, methods, device, args.world, args.steps, warmup) for m in models}
+    report = K.backend_report()
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - recorded, not needed
+        triton_version = None
+    name = device_name(device)
+    doc = {
+        "benchmark": "benchmarks/gpu_step.py",
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "machine": {"node": platform.node(), "platform": platform.platform(), "python": platform.python_version()},
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "world": args.world,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "warmup": warmup,
+        "cost_model": "ring formulas (gradzip.costmodel.wire_time), latency 0, one flat link, no overlap",
+        "kernels_chosen": {op: {dev: c["backend"] for dev, c in v["chosen"].items()} for op, v in report["ops"].items()
+                           if v["chosen"]},
+        "models": results,
+    }
+    failed = [f"{m}: {spec}: {row['error']}" for m, r in results.items() for spec, row in r["methods"].items() if "error" in row]
+    doc["errors"] = failed
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu_step_{slug(name)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=lambda v: None if v != v else str(v)) + "\n")
+    print(f"wrote {out}")
+    for line in failed:
+        print(f"gpu_step: FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
