@@ -133,6 +133,13 @@ def check_owner(sd: dict, rank: int, world_size: int) -> None:
             f"error-feedback state is per rank, so rank {rank} must load its own "
             "(save one file per rank: state.save(dir) / state.load(dir), or gradzip.checkpoint.save/load)"
         )
+    saved_global = sd.get("global_rank")
+    if saved_global is not None and dist.is_available() and dist.is_initialized() and int(saved_global) != dist.get_rank():
+        raise ValueError(
+            f"this gradzip state ({method}) was saved by global rank {saved_global} (rank {saved_rank} of its group), "
+            f"and this is global rank {dist.get_rank()}: with data-parallel subgroups (one per model shard), give "
+            "each shard its own checkpoint directory; to move states on purpose, gz.reshard them first"
+        )
 
 
 class Engine:
@@ -492,6 +499,9 @@ class Engine:
             "version": STATE_VERSION,
             "rank": self.comm.rank,  # residuals are per rank: load_state_dict refuses another rank's
             "world_size": self.comm.world_size,
+            # the process's rank in the whole job: a data-parallel subgroup's rank r of one model
+            # shard must not load rank r of another shard (same names and shapes, other residuals)
+            "global_rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
             "method_repr": repr(self.method),
             "method": self.method.config(),
             "error_feedback": self.error_feedback,

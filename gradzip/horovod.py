@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 import gradzip.args as args
 
+from . import checkpoint
 from .codecs.base import Codec
 from .codecs.cast import BF16, FP16, Identity
 from .optim import DistributedOptimizer as _GzOptimizer
@@ -409,12 +410,17 @@ def broadcast_parameters(params, root_rank) -> None:
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
-    """Every rank's optimizer state becomes ``root_rank``'s (hyper-parameters, buffers, and for
-    this module's ``DistributedOptimizer`` its gradzip state), through one object broadcast.
-    ``model`` (Horovod's hint for sparse parameters) is not needed: the state travels pickled."""
+    """Every rank's optimizer state becomes ``root_rank``'s (hyper-parameters and buffers),
+    through one object broadcast. The gradzip state of this module's ``DistributedOptimizer``
+    (error-feedback residuals, momentum buffers: per rank) stays each rank's own: it is not
+    broadcast (the root's residuals are not another rank's). ``model`` (Horovod's hint for
+    sparse parameters) is not needed: the state travels pickled."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    sd = optimizer.state_dict() if rank() == root_rank else None
+    sd = None
+    if rank() == root_rank:
+        sd = dict(optimizer.state_dict())
+        sd.pop("gradzip", None)
     buf = io.BytesIO()
     if sd is not None:
         torch.save(sd, buf)
@@ -664,9 +670,18 @@ class _HorovodOptimizer:
                 "optimizer.synchronize(); the gradients of this step are already being communicated")
         super().zero_grad(set_to_none=set_to_none)
 
-    def stats(self) -> dict:
-        """Bytes and times counted at the collectives (:mod:`gradzip.stats`)."""
-        return self._gz.stats()
+    def stats(self, reset: bool = False) -> dict:
+        """Bytes and times counted at the collectives (:mod:`gradzip.stats`); ``reset=True``:
+        those since the previous ``stats(reset=True)``."""
+        return self._gz.stats(reset=reset)
+
+    def save(self, directory):
+        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory) -> None:
+        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
+        checkpoint.load(self, directory)
 
     @property
     def engine(self):
@@ -683,16 +698,17 @@ class _HorovodOptimizer:
             raise RuntimeError("load_state_dict() called in the middle of a step (after backward, before step())")
         sd = dict(state_dict)
         gz_state = sd.pop("gradzip", None)
-        super().load_state_dict(sd)
-        if gz_state is not None:
+        if gz_state is not None:  # first: a state of another rank is refused before anything changes
             self._gz.engine.load_state_dict(gz_state)
+        super().load_state_dict(sd)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, *, transport: str | None = None,
                          error_feedback: bool | None = None, on_nonfinite: str = "skip", start_iter: int = 0,
-                         momentum_correction: bool = False, clip: float | None = None, bucket_mb: float = 25):
+                         momentum_correction: bool = False, clip: float | None = None, bucket_mb: float = 25,
+                         check_parameters: bool = True):
     """Horovod's ``DistributedOptimizer`` (same signature and order; keyword-only extras after
     ``process_set``) on gradzip's engine. Returns an instance of a subclass of
     ``type(optimizer)``; see the module docstring."""
@@ -755,7 +771,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         self, named_parameters, compression=method, backward_passes_per_step=backward_passes_per_step,
         op="sum" if op == Sum else "average", gradient_predivide_factor=f_gz, bucket_mb=bucket_mb,
         process_group=comm, error_feedback=error_feedback, start_iter=start_iter, on_nonfinite=on_nonfinite,
-        momentum_correction=momentum_correction, clip=clip, groups=groups,
+        momentum_correction=momentum_correction, clip=clip, groups=groups, check_parameters=check_parameters,
     )
     return self
 

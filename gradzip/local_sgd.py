@@ -355,7 +355,7 @@ class LocalSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._check_parameters:  # the first step, on every rank, before any push
             self._check_parameters = False
-            check_parameters_agree(list(self._global.items()), self.engine.comm.group, what="global model tensors")
+            check_parameters_agree(list(self._global.items()), comm=self.engine.comm, what="global model tensors")
         loss = self.optimizer.step(closure)
         self.local_step += 1
         t = self.local_step
@@ -627,6 +627,7 @@ class LocalSGD(torch.optim.Optimizer):
         self._pull_pending = bool(mine["pull_pending"])
         self._aligned = bool(mine["aligned"])
         self.local_step = int(mine["local_step"])
+        self._steps_mark = self.local_step  # stats(reset=True) intervals start at the resume
         self.engine.load_state_dict(sd.pop("gradzip"))
         self.optimizer.load_state_dict(sd)
 

@@ -306,7 +306,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _submit(self, b: _Bucket) -> None:
         if self._unchecked is not None:  # the first step's first bucket, on every rank
             named, self._unchecked = self._unchecked, None
-            check_parameters_agree(named, self.engine.comm.group)
+            check_parameters_agree(named, comm=self.engine.comm)
         grads = []
         for p in b.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)

@@ -133,7 +133,17 @@ def register_value(name: str, value) -> None:
         raise TypeError(f"{name!r} is already a registered value")
 
 
+def _load_builtins() -> None:
+    """Register gradzip's own methods: ``import gradzip`` loads its modules lazily, so a
+    process that imported only ``gradzip.registry`` (or another submodule) has not yet."""
+    import importlib
+
+    importlib.import_module("gradzip")._load()
+
+
 def lookup(name: str) -> type:
+    if name not in _CLASSES:
+        _load_builtins()
     try:
         return _CLASSES[name]
     except KeyError:
@@ -142,6 +152,7 @@ def lookup(name: str) -> type:
 
 def names(kind: str | None = None) -> list[str]:
     """Registered method names (of one kind, or all), sorted."""
+    _load_builtins()
     return sorted(n for n, c in _CLASSES.items() if kind is None or _kind(c) == kind)
 
 

@@ -73,6 +73,8 @@ class Stats:
     comm_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _marks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The totals a ``load_state_dict`` brought in: every interval starts there after a resume.
+    _base: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -89,17 +91,19 @@ class Stats:
                 if not f.name.startswith("_"):
                     setattr(self, f.name, f.default)
             self._marks.clear()
+            self._base = None
 
     def state_dict(self) -> dict:
         with self._lock:
             return {k: getattr(self, k) for k in self.names()}
 
     def since(self, mark: str = "reset") -> dict:
-        """The counts since the last ``since(mark)`` (since the start, the first time), and
-        a new interval from now; each ``mark`` keeps its own interval."""
+        """The counts since the last ``since(mark)`` (since the start or the last
+        ``load_state_dict``, the first time), and a new interval from now; each ``mark``
+        keeps its own interval."""
         with self._lock:
             now = {k: getattr(self, k) for k in self.names()}
-            before = self._marks.get(mark)
+            before = self._marks.get(mark, self._base)
             self._marks[mark] = now
         return now if before is None else {k: now[k] - before[k] for k in now}
 
@@ -122,10 +126,13 @@ class Stats:
     def load_state_dict(self, sd: dict) -> None:
         """Fields missing from ``sd`` (a state saved before they existed) keep their values."""
         with self._lock:
-            self._marks.clear()  # intervals start afresh from the loaded totals
             for f in fields(self):
                 if not f.name.startswith("_") and f.name in sd:
                     setattr(self, f.name, type(f.default)(sd[f.name]))
+            # every interval starts afresh at the loaded totals (not at zero: a delta after a
+            # resume must not report the whole run)
+            self._base = {k: getattr(self, k) for k in self.names()}
+            self._marks.clear()
 
 
 def log_every(obj, every: int, fn=None) -> None:

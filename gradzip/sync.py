@@ -18,6 +18,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from .comm import Communicator
+
 __all__ = ["broadcast_parameters", "check_parameters_agree", "tensor_hash"]
 
 _MASK = (1 << 62) - 1  # hashes and their negations fit in int64
@@ -99,7 +101,7 @@ def tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
-def check_parameters_agree(named_params, group=None, *, what: str = "parameters") -> None:
+def check_parameters_agree(named_params, group=None, *, what: str = "parameters", comm=None) -> None:
     """Raise ``ValueError`` on every rank unless every rank holds the same tensors.
 
     Args:
@@ -107,6 +109,8 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
             a module (its parameters and buffers), in the same order on every rank.
         group: the process group (default: the global one).
         what: the word the message uses for the tensors.
+        comm: a gradzip communicator (``engine.comm``: torch.distributed's or Horovod's) to
+            run the allreduce on instead of ``group``; its bytes are booked as control bytes.
 
     One allreduce(MAX) of ``2 * (T + 1)`` int64: each tensor's hash and its negation,
     plus a hash of the names (so a rank holding other tensors is caught too). The error
@@ -116,11 +120,18 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
     names = hashlib.blake2b("\0".join(n for n, _ in named).encode(), digest_size=8).digest()
     hashes = [int.from_bytes(names, "little") & _MASK] + [tensor_hash(t) for _, t in named]
     device = named[0][1].device if named else torch.device("cpu")
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+    on_torch = comm is None or isinstance(comm, Communicator)  # not Horovod's
+    pg = group if comm is None else getattr(comm, "group", None)
+    if on_torch and dist.get_backend(pg) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     h = torch.tensor(hashes, dtype=torch.int64)
     both = torch.cat([h, -h]).to(device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if comm is None:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        rank = dist.get_rank(group)
+    else:
+        comm.allreduce(both, dist.ReduceOp.MAX, control=True).wait()
+        rank = comm.rank
     both = both.cpu()
     hi, lo = both[: len(hashes)], -both[len(hashes) :]
     differ = (hi != lo).nonzero().flatten().tolist()
@@ -130,7 +141,7 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
             "before wrapping, or load the same checkpoint on every rank")
     if differ[0] == 0:
         raise ValueError(f"the ranks hold {what} of different names or order ({len(named)} on rank "
-                         f"{dist.get_rank(group)}); {hint}")
+                         f"{rank}); {hint}")
     first = named[differ[0] - 1][0]
     raise ValueError(
         f"{what} differ across ranks, first in {first!r} ({len(differ)} of {len(named)} tensors differ); {hint}"
