@@ -120,8 +120,8 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
     names = hashlib.blake2b("\0".join(n for n, _ in named).encode(), digest_size=8).digest()
     hashes = [int.from_bytes(names, "little") & _MASK] + [tensor_hash(t) for _, t in named]
     device = named[0][1].device if named else torch.device("cpu")
-    on_torch = comm is None or isinstance(comm, Communicator)  # not Horovod's
     pg = group if comm is None else getattr(comm, "group", None)
+    on_torch = comm is None or type(comm) is Communicator  # not Horovod's (a subclass)
     if on_torch and dist.get_backend(pg) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     h = torch.tensor(hashes, dtype=torch.int64)

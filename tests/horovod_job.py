@@ -202,6 +202,22 @@ def main(prefix: str) -> None:
         assert all(torch.equal(s1["state"][k]["momentum_buffer"], s2["state"][k]["momentum_buffer"]) for k in s1["state"])
         assert gh.broadcast_object({"r": hv.rank()}, root_rank=1) == {"r": 1}
 
+    @check("broadcast_gradzip_optimizer_state")
+    def _():
+        # the usual Horovod pattern (wrap, then broadcast rank 0's state) with a gradzip optimizer:
+        # the hyper-parameters and buffers travel, the per-rank gradzip state stays each rank's own
+        model, xs, ys = model_and_data(0)
+        opt = gh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 + hv.rank(), momentum=0.9),
+                                      named_parameters=model.named_parameters(), compression="TopK(0.1)")
+        F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
+        opt.step()
+        mine = opt.engine.state_dict()
+        gh.broadcast_optimizer_state(opt, root_rank=0)
+        assert opt.param_groups[0]["lr"] == 0.1
+        after = opt.engine.state_dict()
+        assert after["rank"] == hv.rank()
+        assert all(torch.equal(mine["residuals"][k], after["residuals"][k]) for k in mine["residuals"])
+
     @check("allreduce")
     def _():
         t = torch.randn(1000, generator=torch.Generator().manual_seed(hv.rank())) * 10
@@ -283,6 +299,9 @@ def main(prefix: str) -> None:
 
     @check("init_transport_horovod")
     def _():
+        # Horovod alone: no torch.distributed process group behind the optimizer (the first
+        # step's parameter check runs on Horovod's collectives too)
+        torch.distributed.destroy_process_group()
         gh.init(transport="horovod")
         assert gh.transport() == "horovod" and gh.size() == 2 and gh.rank() == hv.rank()
         t = torch.randn(10, generator=torch.Generator().manual_seed(hv.rank()))
@@ -295,6 +314,16 @@ def main(prefix: str) -> None:
         F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
         opt.step()
         assert type(opt.engine.comm).__name__ == "HorovodCommunicator"
+        torch.manual_seed(hv.rank())  # replicas that differ: refused on every rank at the first step
+        other = torch.nn.Linear(3, 2)
+        opt2 = gh.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), named_parameters=other.named_parameters(),
+                                       compression="TopK(0.5)")
+        try:  # the check runs as the first bucket is submitted, inside backward
+            other(torch.ones(1, 3)).sum().backward()
+            opt2.step()
+            raise RuntimeError("differing replicas accepted")
+        except ValueError as exc:
+            assert "differ across ranks" in str(exc), exc
 
     with open(f"{prefix}.{hv.rank()}.json", "w") as f:
         json.dump(RESULTS, f, indent=1)

@@ -64,6 +64,15 @@ def _all_fronts(rank, world, root):
     out["residuals_differ_across_ranks"] = not all(
         torch.equal(other["residuals"][k], v) for k, v in mine["residuals"].items()
     )
+    # Another model shard's state (data-parallel subgroups: same group rank, other global
+    # rank, same names and shapes): refused too.
+    shard = dict(mine, global_rank=mine["global_rank"] + 2)
+    try:
+        register_hook(DDP(_model()), gz.TopK(0.25)).load_state_dict(shard)
+        out["shard"] = None
+    except ValueError as e:
+        out["shard"] = str(e)
+    out["global_rank"] = mine["global_rank"]
     # A directory of another world size: a clear error naming what it holds.
     try:
         fresh.load(os.path.join(root, "none"))
@@ -131,6 +140,8 @@ def test_states_carry_their_rank_and_refuse_another_ranks(tmp_path):
             assert msg is not None, key
             assert f"saved by rank {1 - rank}" in msg and f"this is rank {rank}" in msg, msg
         assert out["hook_residuals_equal"]
+        assert out["global_rank"] == rank
+        assert out["shard"] and f"saved by global rank {rank + 2}" in out["shard"], out["shard"]
         assert out["optim_step"] == 2
         assert out["local_untouched"] and out["local_step"] == 2
         assert "holds no gradzip states" in out["missing"]

@@ -40,7 +40,7 @@ JOB_CHECKS = [
     "init", "identity_bit_exact", "op_sum", "op_average_int", "predivide_2", "groups_int", "num_groups",
     "groups_list", "backward_passes_2", "set_backward_passes", "process_set_global", "sparse_grads",
     "sparse_as_dense", "hvd_fp16", "gz_fp16", "hvd_none", "load_plain_state", "zero_grad_mid_step_raises",
-    "broadcasts", "allreduce", "adapters_in_horovod", "example_identity_bit_exact",
+    "broadcasts", "broadcast_gradzip_optimizer_state", "allreduce", "adapters_in_horovod", "example_identity_bit_exact",
     "transport TopK(0.01)", "transport SignSGD()", "transport PowerSGD(rank=1)", "transport TwoPhase(TopK(0.01))",
     "transport Identity()", "transport_bf16_refused", "init_transport_horovod",
 ]

@@ -177,3 +177,16 @@ def test_a_new_codec_in_its_own_file_works_everywhere(toy):
     rows = json.loads((toy / "out" / "results.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["Identity", "Toy()"]
     assert rows[1]["ratio"] > 1.5 and rows[1]["accuracy"] > 0.5
+
+
+def test_parse_works_after_importing_only_the_registry():
+    """``import gradzip`` loads its modules lazily; a process that imports only
+    ``gradzip.registry`` still parses gradzip's own methods."""
+    import subprocess
+    import sys
+
+    code = ("from gradzip.registry import parse, names; m = parse('TopK(0.01)'); "
+            "print(type(m).__name__, 'Threshold' in names())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["TopK", "True"]

@@ -26,7 +26,12 @@ def test_stats_since_a_reset_are_deltas_and_the_totals_stay():
     assert s.as_dict(reset=True)["steps"] == 0  # nothing since
     assert s.since("other")["steps"] == 3  # another mark keeps its own interval
     s.load_state_dict(s.state_dict())
-    assert s.as_dict(reset=True)["steps"] == 3  # a loaded state starts the intervals afresh
+    # a loaded state starts every interval at the loaded totals: a delta after a resume must
+    # not report the whole run
+    assert s.as_dict(reset=True)["steps"] == 0 and s.since("other")["steps"] == 0
+    s.add(steps=2, bytes_sent=50)
+    assert s.as_dict(reset=True)["steps"] == 2 and s.as_dict()["steps"] == 5
+    assert s.since("log")["bytes_sent"] == 50  # a mark first used after the resume, too
 
 
 def _logged(rank, world):

@@ -101,7 +101,7 @@ class TopK(Codec):
     Args:
         ratio: the fraction of elements sent, in (0, 1], or a warm-up schedule
             (:mod:`gradzip.warmup`).
-        mode: ``"exact"``, ``"sampled"`` or ``"auto"`` (above).
+        mode: ``"exact"``, ``"sampled"``, ``"auto"`` or ``"approx"`` (above).
         sample: elements sampled by ``"sampled"``, an integer >= 1.
         sampled_above: ``"auto"`` samples tensors of at least this many elements.
         seed: the sampling seed.
