@@ -259,7 +259,9 @@ def test_qsgd_rounds_to_a_neighbouring_level(data, levels, block):
     p = comp.compress(x, ctx(x))
     assert p.fmt == FMT_QSGD and p.scale == levels and comp.bits == {1: 2, 2: 4, 7: 4, 8: 8, 127: 8}[levels]
     v, out, mask = by_block(comp, x, comp.decompress(p))
-    step = (torch.linalg.vector_norm(v.float(), dim=1, keepdim=True).double() / levels).expand_as(v)
+    # the codec sums squares in float64 (a float32 sum of many tiny values is off by ~1e-5, which
+    # at level 127 moves the level by more than the tolerance below)
+    step = (torch.linalg.vector_norm(v.double(), dim=1, keepdim=True) / levels).expand_as(v)
     pos = step > 0
     r = torch.where(pos, v.abs() / step, 0.0)
     lvl = torch.where(pos, out.abs() / step, out.abs())
