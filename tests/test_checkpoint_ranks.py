@@ -31,6 +31,15 @@ def _train(model, opt, steps=2):
         opt.step()
 
 
+def _refusal(fn, exc=ValueError):
+    """The message ``fn()`` raises (``exc``), or None when it does not raise."""
+    try:
+        fn()
+    except exc as e:
+        return str(e)
+    return None
+
+
 def _all_fronts(rank, world, root):
     """Every front end: save per rank, refuse the other rank's state, load its own."""
     import torch.distributed.checkpoint as dcp
@@ -51,11 +60,7 @@ def _all_fronts(rank, world, root):
     out["files"] = sorted(os.listdir(os.path.join(root, "hook")))
     other = torch.load(os.path.join(root, "hook", f"gradzip_rank{1 - rank}_of_{world}.pt"), weights_only=True)
     fresh = register_hook(DDP(_model()), gz.TopK(0.25))
-    try:
-        fresh.load_state_dict(other)
-        out["other"] = None
-    except ValueError as e:
-        out["other"] = str(e)
+    out["other"] = _refusal(lambda: fresh.load_state_dict(other))
     fresh.load(os.path.join(root, "hook"))
     mine = torch.load(path, weights_only=True)
     out["hook_residuals_equal"] = all(
@@ -67,18 +72,10 @@ def _all_fronts(rank, world, root):
     # Another model shard's state (data-parallel subgroups: same group rank, other global
     # rank, same names and shapes): refused too.
     shard = dict(mine, global_rank=mine["global_rank"] + 2)
-    try:
-        register_hook(DDP(_model()), gz.TopK(0.25)).load_state_dict(shard)
-        out["shard"] = None
-    except ValueError as e:
-        out["shard"] = str(e)
+    out["shard"] = _refusal(lambda: register_hook(DDP(_model()), gz.TopK(0.25)).load_state_dict(shard))
     out["global_rank"] = mine["global_rank"]
     # A directory of another world size: a clear error naming what it holds.
-    try:
-        fresh.load(os.path.join(root, "none"))
-        out["missing"] = None
-    except FileNotFoundError as e:
-        out["missing"] = str(e)
+    out["missing"] = _refusal(lambda: fresh.load(os.path.join(root, "none")), FileNotFoundError)
 
     # DistributedOptimizer
     model = _model()
@@ -92,12 +89,9 @@ def _all_fronts(rank, world, root):
                                    named_parameters=model2.named_parameters(), compression=gz.TopK(0.25))
     opt2.load(os.path.join(root, "optim"))
     out["optim_step"] = opt2.engine.step
-    try:
-        opt2.load_state_dict(torch.load(os.path.join(root, "optim", f"gradzip_rank{1 - rank}_of_{world}.pt"),
-                                        weights_only=True))
-        out["optim_other"] = None
-    except ValueError as e:
-        out["optim_other"] = str(e)
+    other_file = f"gradzip_rank{1 - rank}_of_{world}.pt"
+    out["optim_other"] = _refusal(lambda: opt2.load_state_dict(
+        torch.load(os.path.join(root, "optim", other_file), weights_only=True)))
 
     # LocalSGD: refused before anything is changed
     model = _model()
@@ -107,12 +101,8 @@ def _all_fronts(rank, world, root):
     dist.barrier()
     model3 = _model()
     lsgd3 = gz.LocalSGD(torch.optim.SGD(model3.parameters(), lr=0.1), model3, period=2, compression=gz.TopK(0.25))
-    try:
-        lsgd3.load_state_dict(torch.load(os.path.join(root, "local", f"gradzip_rank{1 - rank}_of_{world}.pt"),
-                                         weights_only=True))
-        out["local_other"] = None
-    except ValueError as e:
-        out["local_other"] = str(e)
+    out["local_other"] = _refusal(lambda: lsgd3.load_state_dict(
+        torch.load(os.path.join(root, "local", other_file), weights_only=True)))
     out["local_untouched"] = lsgd3.local_step == 0
     lsgd3.load(os.path.join(root, "local"))
     out["local_step"] = lsgd3.local_step
