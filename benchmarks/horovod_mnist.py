@@ -5,7 +5,7 @@
 For each seed: Horovod's own run (``horovodrun --gloo``, ``horovod.torch``, Compression.none),
 then the same script with ``--hvd gradzip`` under horovodrun with TopK(0.01) and PowerSGD(rank=1);
 for the first seed also Identity, under horovodrun and under ``torchrun``. Writes
-benchmarks/results/horovod_mnist_<np>ranks_cpu.json: every run's test accuracy, final
+benchmarks/results/horovod_mnist_<np>ranks[_<epochs>ep]_cpu.json (no suffix at the default 10 epochs): every run's test accuracy, final
 parameter hash and gradzip's byte stats, each method's mean accuracy minus Horovod's (in
 percentage points), whether Identity's parameters equal Horovod's bit for bit, the command
 and the machine.
@@ -99,7 +99,8 @@ def write(a, argv, runs) -> None:
         "runs": runs,
     }
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"horovod_mnist_{a.np}ranks_cpu.json")
+    length = "" if a.epochs == 10 else f"_{a.epochs}ep"  # the example's default length has the plain name
+    path = os.path.join(a.out, f"horovod_mnist_{a.np}ranks{length}_cpu.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps(summary, indent=1))
