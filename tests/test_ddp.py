@@ -215,7 +215,10 @@ def _stress(rank, world, comp, steps):
 
 
 @pytest.mark.parametrize(
-    "comp", [gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)), gz.TopK(0.05)], ids=["threshold", "topk"]
+    "comp",
+    [gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)), gz.TopK(0.05),
+     gz.TopK(0.05, values="sign", scope="call"), gz.Threshold(policy="target", density=0.05, scope="call")],
+    ids=["threshold", "topk", "topk-sign-call", "threshold-call"],
 )
 def test_many_buckets_on_four_ranks_neither_hang_nor_diverge(comp):
     steps = 15  # 24 buckets of two rounds each: 720 collectives a rank

@@ -37,6 +37,8 @@ class TensorContext:
         store: the tensor's state (a dict of tensors and plain values).
         rank: this rank in the process group.
         world_size: the process group's size.
+        k: how many elements the protocol allotted this tensor (``scope="call"`` codecs,
+            :meth:`Codec.allot`), or None: the codec's own count.
     """
 
     name: str = ""
@@ -45,6 +47,7 @@ class TensorContext:
     store: dict = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
+    k: int | None = None
 
 
 def check_input(x) -> None:
@@ -77,6 +80,14 @@ class Codec(Registered, register=False):
     framable: ClassVar[bool] = True  # a payload decodes from its frame alone (no local data)
     sparse: ClassVar[bool] = False  # sends some coordinates whole, the rest not at all (momentum masking)
     protocol: str | None = None
+    #: ``"call"``: the codec chooses what to send over all tensors of a call at once
+    #: (:meth:`allot`), and only ``AllGather`` carries it; ``"tensor"``: tensor by tensor.
+    scope: str = "tensor"
+
+    def allot(self, xs, ctxs) -> list:
+        """Per tensor, how many elements to send when the call's flat inputs ``xs`` are
+        chosen from together (``scope="call"``); only such codecs implement it."""
+        raise NotImplementedError(f"{type(self).__name__} chooses tensor by tensor")
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         raise NotImplementedError

@@ -13,15 +13,34 @@ from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
 from .cast import saturating_cast
 
-__all__ = ["TopK", "RandomK", "pack_gaps", "unpack_gaps"]
+__all__ = ["TopK", "RandomK", "pack_gaps", "unpack_gaps", "call_counts"]
 
 FMT_SPARSE = 4  # body: u8 bits, the index gaps packed at that width, then the values in vdtype
 FMT_SPARSE_MASK = 5  # body: a 1-bit mask of the sent positions (ceil(n / 8) bytes), then the values
+FMT_SPARSE_SIGN = 6  # body: the gaps as FMT_SPARSE, each with a sign bit; every value is +-scale
+FMT_SPARSE_SIGN2 = 7  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -scale
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_VALUES = (*_VALUE_DTYPES, "sign")
+_SCOPES = ("tensor", "call")
 
 
 def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
+
+
+def call_counts(xs, ratio: float) -> list:
+    """Per flat tensor of ``xs``, how many of its elements are among the
+    ``ceil(ratio * total)`` largest magnitudes of all of them together (ties broken by
+    ``torch.topk``): a call-wide top-k, allotted to its tensors. A tensor may get none."""
+    sizes = [x.numel() for x in xs]
+    total = sum(sizes)
+    k = _k_of(ratio, total)
+    if not k:
+        return [0] * len(xs)
+    flat = torch.cat([x.reshape(-1).abs().to(torch.float32) for x in xs])
+    top = torch.topk(flat, k, sorted=False).indices
+    ends = torch.tensor(sizes, device=top.device).cumsum(0)
+    return torch.bincount(torch.bucketize(top, ends, right=True), minlength=len(xs)).tolist()
 
 
 def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: int = 0) -> torch.Tensor:
@@ -98,6 +117,20 @@ class TopK(Codec):
     gradient's), or in ``values="fp16"``/``"bf16"``: finite values saturate, and error
     feedback keeps what the rounding drops.
 
+    ``values="sign"`` is Sattler et al.'s sparse ternary compression (STC, 2019): every
+    kept value is sent as ``+-mu``, ``mu`` the mean magnitude of the kept values (one
+    float32 per frame), so a position costs its gap and one sign bit
+    (``FMT_SPARSE_SIGN``), or 2 bits per element where that is smaller
+    (``FMT_SPARSE_SIGN2``); error feedback keeps each kept value's ``v - sign(v) * mu``.
+    At the same bytes it sends about 3-4 times the positions of float32 values.
+
+    ``scope="call"`` chooses the ``ceil(ratio * n)`` largest magnitudes over all tensors of
+    a call (a DDP bucket) together, ``n`` the call's elements: a layer with larger
+    compensated values gets more of the budget, one with small ones may send nothing
+    (:meth:`allot`). Only ``AllGather`` carries it (``as_protocol`` picks it; TwoPhase
+    refuses: its owners would re-select per piece). With ``values="sign"``, ``mu`` is
+    still per tensor.
+
     Args:
         ratio: the fraction of elements sent, in (0, 1], or a warm-up schedule
             (:mod:`gradzip.warmup`).
@@ -105,10 +138,14 @@ class TopK(Codec):
         sample: elements sampled by ``"sampled"``, an integer >= 1.
         sampled_above: ``"auto"`` samples tensors of at least this many elements.
         seed: the sampling seed.
-        values: ``None`` (the gradient's dtype), ``"fp16"`` or ``"bf16"``.
+        values: ``None`` (the gradient's dtype), ``"fp16"``, ``"bf16"`` or ``"sign"``
+            (``+-mu``, above).
+        scope: ``"tensor"`` (each tensor keeps ``ceil(ratio * n)`` of its own) or ``"call"``
+            (the call's tensors share one top-k, above).
     """
 
-    formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK}
+    formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK, "SPARSE_SIGN": FMT_SPARSE_SIGN,
+               "SPARSE_SIGN2": FMT_SPARSE_SIGN2}
     sparse = True
 
     def __init__(
@@ -120,13 +157,19 @@ class TopK(Codec):
         sampled_above: int = 1 << 20,
         seed: int = 0,
         values: str | None = None,
+        scope: str = "tensor",
     ) -> None:
         self.ratio = warmup.check(args.ratio, "ratio", ratio)
         self.mode = args.choice("mode", mode, ("exact", "sampled", "auto", "approx"))
         self.sample = args.integer("sample", sample, 1)
         self.sampled_above = args.integer("sampled_above", sampled_above, 1)
         self.seed = args.integer("seed", seed)
-        self.values = None if values is None else args.choice("values", values, tuple(_VALUE_DTYPES))
+        self.values = None if values is None else args.choice("values", values, _VALUES)
+        self.scope = args.choice("scope", scope, _SCOPES)
+
+    def allot(self, xs, ctxs) -> list:
+        """``scope="call"``: each tensor's share of one top-k over the call (:func:`call_counts`)."""
+        return call_counts(xs, warmup.at(self.ratio, ctxs[0].step if ctxs else 0))
 
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
@@ -148,11 +191,15 @@ class TopK(Codec):
         n = v.numel()
         if n == 0:
             return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+        k = _k_of(warmup.at(self.ratio, ctx.step), n) if ctx.k is None else min(n, max(0, int(ctx.k)))
+        if k == 0:
+            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+        if self.values == "sign":
+            return self._ternary(v, x, k, ctx)
         if self.values is not None:
             vdtype = _VALUE_DTYPES[self.values]
         else:
             vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
-        k = _k_of(warmup.at(self.ratio, ctx.step), n)
         itemsize = torch.empty(0, dtype=vdtype).element_size()
         if k * itemsize >= n * v.element_size():  # the values alone are no smaller than the input
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
@@ -174,6 +221,31 @@ class TopK(Codec):
         if body.numel() >= n * v.element_size():
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
         return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype)
+
+    def _ternary(self, v: torch.Tensor, x: torch.Tensor, k: int, ctx: TensorContext) -> Payload:
+        """``values="sign"``: the top ``k`` positions of ``v``, each sent as ``+-mu``."""
+        n = v.numel()
+        idx = self.select(v, k, ctx)
+        vals = v[idx]
+        nonzero = vals != 0
+        if not bool(nonzero.all()):  # fewer than k nonzero elements: a zero is not sent as +mu
+            idx, vals = idx[nonzero], vals[nonzero]
+        if not idx.numel():
+            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+        mu = float(vals.abs().double().mean())
+        mu = float(torch.tensor(mu, dtype=torch.float32))  # the frame's float32 scale
+        if not mu > 0.0 or not math.isfinite(mu):  # all zero (nothing to send) or not finite (the engine's flag)
+            body = torch.empty(0, dtype=torch.uint8, device=x.device)
+            return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+        neg = vals < 0
+        bitmap = (n + 3) // 4
+        if idx.numel() < bitmap:
+            body = pack_gaps(idx, neg, extra_bits=1)
+            if body.numel() < bitmap:
+                return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_SPARSE_SIGN, scale=mu)
+        codes = torch.zeros(n, dtype=torch.int64, device=v.device)
+        codes[idx] = torch.where(neg, 2, 1)
+        return Payload(body=bitpack.pack_uint(codes, 2), shape=x.shape, dtype=x.dtype, fmt=FMT_SPARSE_SIGN2, scale=mu)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
@@ -210,6 +282,23 @@ class TopK(Codec):
     @staticmethod
     def _split(payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 indices, values) of a sparse frame, validated against ``n`` elements."""
+        if payload.fmt in (FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2):
+            mu = payload.scale
+            if not (mu > 0.0 and math.isfinite(mu)):
+                raise ValueError(f"corrupt sparse sign frame: scale {mu}")
+            if payload.fmt == FMT_SPARSE_SIGN:
+                idx, neg, _ = unpack_gaps(payload.body, n, 0, extra_bits=1)
+                neg = neg.bool()
+            else:
+                if payload.body.numel() != (n + 3) // 4:
+                    raise ValueError(f"corrupt sparse sign frame: {payload.body.numel()} bytes for {n} positions")
+                codes = bitpack.unpack_uint(payload.body, n, 2)
+                if bool((codes == 3).any()):
+                    raise ValueError("corrupt sparse sign frame: code 3")
+                idx = codes.nonzero().reshape(-1)
+                neg = codes[idx] == 2
+            vals = torch.full(idx.shape, mu, dtype=torch.float32, device=idx.device)
+            return idx, vals.masked_fill_(neg, -mu)
         if payload.fmt not in (FMT_SPARSE, FMT_SPARSE_MASK):
             raise ValueError(f"TopK cannot decode frame format {payload.fmt}")
         vsize = torch.empty(0, dtype=payload.vdtype).element_size()

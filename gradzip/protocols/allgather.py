@@ -43,7 +43,7 @@ class AllGather(Protocol):
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
         with call.codec():
-            payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
+            payloads = call.encode_all(codec)
             msg = pack_frames(payloads, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
         gathered = yield from allgather_bytes(call.comm, msg)

@@ -77,8 +77,9 @@ TWO_PHASE_FROM = 4
 
 def as_protocol(method, world_size: int | None = None, *, feedback: bool = False) -> Protocol:
     """The protocol that runs ``method``: a protocol as it is; a codec in the protocol it
-    names, else ``Allreduce`` (summable), or for the others ``TwoPhase`` from
-    ``TWO_PHASE_FROM`` ranks on and ``AllGather`` below (``world_size`` None: AllGather).
+    names, else ``AllGather`` for a ``scope="call"`` codec, ``Allreduce`` (summable), or for
+    the others ``TwoPhase`` from ``TWO_PHASE_FROM`` ranks on and ``AllGather`` below
+    (``world_size`` None: AllGather).
 
     A summable codec whose sum rounds in the wire dtype (``FP16``, ``BF16``) travels by
     ``TwoPhase`` when error feedback is on and there are several ranks: its owners sum in
@@ -90,6 +91,8 @@ def as_protocol(method, world_size: int | None = None, *, feedback: bool = False
     if isinstance(method, Codec):
         if method.protocol:
             name = method.protocol
+        elif method.scope == "call":  # one selection over the whole call: only AllGather keeps it whole
+            name = "AllGather"
         elif method.summable and method.rounds_sum and feedback and (world_size or 1) > 1:
             name = "TwoPhase"
         elif method.summable:
@@ -231,6 +234,17 @@ class Call:
         self._store(name, new)
         self._mask(codec, name, payload, 0, self.tensors[i].numel())
         return payload
+
+    def encode_all(self, codec: Codec) -> list:
+        """:meth:`encode` every tensor of the call. A ``scope="call"`` codec first sees all
+        the compensated inputs together and allots each tensor its count
+        (:meth:`Codec.allot`, into ``TensorContext.k``)."""
+        n = len(self.tensors)
+        if codec.scope == "call" and n:
+            xs = [self.x(i) if self.feeds(i) else self._x.get(self.names[i], self.tensors[i]) for i in range(n)]
+            for ctx, k in zip(self.contexts, codec.allot(xs, self.contexts)):
+                ctx.k = k
+        return [self.encode(codec, i) for i in range(n)]
 
     def _mask(self, codec: Codec, name: str, payload: Payload, a: int, b: int) -> None:
         """Momentum factor masking: zero the momentum where a sparse codec sent."""

@@ -54,6 +54,11 @@ class ReduceScatter(Protocol):
                 f"ReduceScatter needs a gradzip codec whose payloads travel in frames (Int8(), TopK(0.01), "
                 f"Identity(), ...), got {codec!r}"
             )
+        if codec.scope == "call":
+            raise ValueError(
+                f"ReduceScatter cuts every tensor into pieces that their owners encode again, so {codec!r} cannot choose "
+                f"over the whole call: use AllGather({codec!r}), or scope='tensor'"
+            )
         self.codec = codec
 
     @property

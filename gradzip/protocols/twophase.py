@@ -67,6 +67,11 @@ class TwoPhase(Protocol):
     def __init__(self, codec: Codec) -> None:
         if not isinstance(codec, Codec) or not codec.framable:
             raise ValueError(f"codec must be a gradzip codec whose payloads travel in frames, got {codec!r}")
+        if codec.scope == "call":
+            raise ValueError(
+                f"TwoPhase cuts every tensor into pieces that their owners encode again, so {codec!r} cannot choose "
+                f"over the whole call: use AllGather({codec!r}), or scope='tensor'"
+            )
         self.codec = codec
 
     @property
