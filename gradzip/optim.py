@@ -143,8 +143,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         on_nonfinite: ``"skip"`` (a NaN/Inf anywhere makes the whole step's average NaN
             and leaves residuals untouched) or ``"raise"``; see :class:`gradzip.engine.Engine`.
         momentum_correction: take over the wrapped ``torch.optim.SGD``'s momentum and weight
-            decay and apply them before compression (:mod:`gradzip.momentum`); other
-            optimizers raise ``ValueError``.
+            decay (``Adam``/``AdamW``: its beta1) and apply them before compression
+            (:mod:`gradzip.momentum`); other optimizers raise ``ValueError``.
         clip: local gradient clipping before compression (norm ``clip / sqrt(world_size)``
             per gradient).
         check_parameters: on the first step, before its first collective, check that every

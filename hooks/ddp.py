@@ -121,8 +121,9 @@ def register_hook(
         optimizer: a ``torch.optim.SGD`` whose momentum and weight decay the hook takes
             over (momentum correction, :mod:`gradzip.momentum`): momentum is applied on
             every rank before compression, sparse codecs zero it where they send, and the
-            optimizer is left a plain SGD. Other optimizers raise ``ValueError``: with
-            AdamW, leave it out (error feedback works on the gradient).
+            optimizer is left a plain SGD. A ``torch.optim.Adam`` or ``AdamW``: its first
+            moment (beta1) is taken over alike and the optimizer keeps the rest. Other
+            optimizers raise ``ValueError``.
         clip: local gradient clipping: each gradient's norm is limited to
             ``clip / sqrt(world_size)`` before compression (DGC's rule).
 

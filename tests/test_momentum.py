@@ -28,11 +28,11 @@ def batch(step, rank):
     return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
+def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     model = make_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=m, nesterov=nesterov, weight_decay=wd)
-    state = register_hook(ddp, gz.TopK(0.1), optimizer=opt)
+    state = register_hook(ddp, codec if codec is not None else gz.TopK(0.1), optimizer=opt)
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in opt.param_groups)
     for s in range(steps):
         x, y = batch(s, rank)
@@ -42,13 +42,15 @@ def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
     return [p.detach().clone() for p in model.parameters()], state.state_dict()
 
 
-def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
+def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     """DGC written out: per rank u = m u + g + wd p, v = r + (u, or g' + m u), send top-k(v),
-    r = v - sent, u = 0 where sent; a plain SGD step on the average of what was sent."""
+    r = v - sent, u = 0 where sent; a plain SGD step on the average of what was sent. A
+    ``scope="call"`` codec's top-k is taken over all parameters together (one DDP bucket),
+    written out here as a top-k of their concatenation."""
     model = make_model()
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
-    codec = gz.TopK(0.1)
+    codec = codec if codec is not None else gz.TopK(0.1)
     u = [[None] * len(params) for _ in range(world)]
     r = [[None] * len(params) for _ in range(world)]
     for s in range(steps):
@@ -58,14 +60,27 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
             x, y = batch(s, rank)
             F.cross_entropy(model(x), y).backward()
             grads.append([p.grad.clone() for p in params])
+        vs = [[None] * len(params) for _ in range(world)]
         for i, p in enumerate(params):
-            acc = torch.zeros(p.numel())
             for rank in range(world):
                 g = grads[rank][i].add(p.detach(), alpha=wd)
                 u[rank][i] = g.clone() if u[rank][i] is None else torch.add(g, u[rank][i], alpha=m)
                 send = g + m * u[rank][i] if nesterov else u[rank][i]
-                v = send.clone() if r[rank][i] is None else send + r[rank][i]
-                pay = codec.compress(v, TensorContext(name=names[i], step=s))
+                vs[rank][i] = send.clone() if r[rank][i] is None else send + r[rank][i]
+        ks = [[None] * len(params) for _ in range(world)]
+        if codec.scope == "call":
+            for rank in range(world):
+                flat = torch.cat([v.reshape(-1).abs() for v in vs[rank]])
+                top = set(torch.topk(flat, math.ceil(codec.ratio * flat.numel())).indices.tolist())
+                start = 0
+                for i, v in enumerate(vs[rank]):
+                    ks[rank][i] = sum(start <= j < start + v.numel() for j in top)
+                    start += v.numel()
+        for i, p in enumerate(params):
+            acc = torch.zeros(p.numel())
+            for rank in range(world):
+                v = vs[rank][i]
+                pay = codec.compress(v, TensorContext(name=names[i], step=s, k=ks[rank][i]))
                 codec.accumulate(pay, acc)
                 sent = codec.decompress(pay)
                 r[rank][i] = v - sent
@@ -75,10 +90,77 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3):
     return [p.detach().clone() for p in params], u
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
-def test_momentum_correction_equals_dgc_written_out(nesterov):
-    res = run_ranks(_ddp, 2, 5, nesterov)
-    want, u = reference(2, 5, nesterov)
+@pytest.mark.parametrize("nesterov, codec", [
+    (False, gz.TopK(0.1)),
+    (True, gz.TopK(0.1)),
+    (False, gz.TopK(0.1, values="sign", scope="call")),  # STC values, one top-k over the bucket
+], ids=["momentum", "nesterov", "sign-call"])
+def test_momentum_correction_equals_dgc_written_out(nesterov, codec):
+    res = run_ranks(_ddp, 2, 5, nesterov, 0.1, 0.9, 1e-3, codec)
+    want, u = reference(2, 5, nesterov, codec=codec)
+    names = [n for n, _ in make_model().named_parameters()]
+    for rank, (got, sd) in enumerate(res):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        for i, n in enumerate(names):
+            assert torch.equal(sd["momentum"][f"{n}:momentum"], u[rank][i].view_as(sd["momentum"][f"{n}:momentum"]))
+
+
+def _adam(rank, world, steps, lr=0.01, b1=0.9, wd=0.01):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(b1, 0.999), weight_decay=wd)
+    state = register_hook(ddp, gz.TopK(0.1, values="sign", scope="call"), optimizer=opt)
+    assert all(g["betas"] == (0.0, 0.999) and g["weight_decay"] == wd for g in opt.param_groups)
+    for s in range(steps):
+        x, y = batch(s, rank)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], state.state_dict()
+
+
+def adam_reference(world, steps, lr=0.01, b1=0.9, wd=0.01):
+    """Adam's first moment before compression, written out: per rank u = b1 u + (1 - b1) g,
+    v = r + u, send the call-wide top-k of v as +-mu, r = v - sent, u = 0 where sent; AdamW
+    with beta1 = 0 (its beta2, eps and decoupled weight decay kept) steps on the average."""
+    model = make_model()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.0, 0.999), weight_decay=wd)
+    codec = gz.TopK(0.1, values="sign", scope="call")
+    u = [[None] * len(params) for _ in range(world)]
+    r = [[None] * len(params) for _ in range(world)]
+    for s in range(steps):
+        acc = [torch.zeros(p.numel()) for p in params]
+        for rank in range(world):
+            model.zero_grad()
+            x, y = batch(s, rank)
+            F.cross_entropy(model(x), y).backward()
+            vs = []
+            for i, p in enumerate(params):
+                g = p.grad.clone()
+                u[rank][i] = torch.mul(g, 1 - b1) if u[rank][i] is None else torch.add(u[rank][i] * b1, g, alpha=1 - b1)
+                vs.append(u[rank][i].clone() if r[rank][i] is None else u[rank][i] + r[rank][i])
+            flat = torch.cat([v.reshape(-1).abs() for v in vs])
+            top = torch.topk(flat, math.ceil(0.1 * flat.numel())).indices
+            ends = torch.tensor([v.numel() for v in vs]).cumsum(0)
+            ks = torch.bincount(torch.bucketize(top, ends, right=True), minlength=len(vs)).tolist()
+            for i, v in enumerate(vs):
+                pay = codec.compress(v, TensorContext(name=names[i], step=s, k=ks[i]))
+                codec.accumulate(pay, acc[i])
+                sent = codec.decompress(pay)
+                r[rank][i] = v - sent
+                u[rank][i] = u[rank][i].masked_fill(sent != 0, 0.0)
+        for p, a in zip(params, acc):
+            p.grad = a.div_(world).view_as(p)
+        opt.step()
+    return [p.detach().clone() for p in params], u
+
+
+def test_adam_momentum_correction_equals_its_reference():
+    res = run_ranks(_adam, 2, 5)
+    want, u = adam_reference(2, 5)
     names = [n for n, _ in make_model().named_parameters()]
     for rank, (got, sd) in enumerate(res):
         for a, b in zip(got, want):
@@ -89,7 +171,8 @@ def test_momentum_correction_equals_dgc_written_out(nesterov):
 
 def test_momentum_correction_refuses_what_it_cannot_take_over():
     model = make_model()
-    for opt in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)):
+    for opt in (torch.optim.RMSprop(model.parameters(), momentum=0.9), torch.optim.AdamW(model.parameters(), maximize=True),
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)):
         with pytest.raises(ValueError, match="momentum correction"):
             gz.momentum.Momentum.adopt(opt, list(model.named_parameters()))
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
