@@ -22,6 +22,7 @@ FMT_SPARSE_SIGN2 = 7  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -sca
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _VALUES = (*_VALUE_DTYPES, "sign")
 _SCOPES = ("tensor", "call")
+_F32_MAX = 3.4028234663852886e38
 
 
 def _k_of(ratio: float, n: int) -> int:
@@ -232,9 +233,17 @@ class TopK(Codec):
             idx, vals = idx[nonzero], vals[nonzero]
         if not idx.numel():
             return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
-        mu = float(vals.abs().double().mean())
-        mu = float(torch.tensor(mu, dtype=torch.float32))  # the frame's float32 scale
-        if not mu > 0.0 or not math.isfinite(mu):  # all zero (nothing to send) or not finite (the engine's flag)
+        amax = float(vals.abs().max())
+        if math.isfinite(amax) and amax > _F32_MAX:
+            raise ValueError(
+                f"TopK(values='sign') frames carry mu as float32; a float64 value of magnitude {amax:.3g} "
+                "is beyond float32's range: scale the gradient, or send the values (values=None)"
+            )
+        mean = float(vals.abs().double().mean())
+        mu = float(torch.tensor(mean, dtype=torch.float32))  # the frame's float32 scale
+        if not mu > 0.0 or not math.isfinite(mu):
+            # Not finite: the engine's non-finite check sees the input. Zero: float64 values below
+            # float32's smallest; nothing is sent and error feedback keeps them.
             body = torch.empty(0, dtype=torch.uint8, device=x.device)
             return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
         neg = vals < 0
