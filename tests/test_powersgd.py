@@ -232,12 +232,13 @@ def test_low_rank_average_is_recovered_and_ranks_agree():
     assert torch.equal(outs[0][off : off + 30], (grads[0][1] + grads[1][1]) / 2)  # bias: exact average
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_error_feedback_keeps_what_was_not_sent(world):
+@pytest.mark.parametrize("world, factors", [(1, None), (3, None), (3, "bf16")])
+def test_error_feedback_keeps_what_was_not_sent(world, factors):
     """Compressed: residual_w = M_w - M_hat (M_w = g_w + residual), checked in float64 to
     the rounding of that float32 subtraction (half an ulp of the residual). Sent
-    whole: residual zero. Over several steps."""
-    comp = PowerSGD(rank=1)
+    whole: residual zero. Over several steps. With bfloat16 factors M_hat is built from
+    the rounded sums every rank receives, so the residual keeps the rounding too."""
+    comp = PowerSGD(rank=1, factors=factors)
     sim = Sim(comp, world)
     for step in range(4):
         grads = [grads_for(step, r) for r in range(world)]
@@ -274,6 +275,22 @@ def test_wire_bytes_two_rounds_and_warm_start_state():
     only_1d = Sim(comp, 2)
     only_1d.reduce(["b", "c"], [[torch.randn(5), torch.randn(3, 4)] for _ in range(2)])
     assert only_1d.rounds == [[4 * 17]]  # nothing compressed: one round
+
+
+def test_bf16_factors_halve_the_factor_bytes_and_stay_close():
+    sims = {f: Sim(PowerSGD(rank=2, factors=f), 2) for f in (None, "bf16")}
+    grads = [grads_for(0, r) for r in range(2)]
+    outs = {f: sim.reduce(NAMES, grads) for f, sim in sims.items()}
+    unc = 30 + 12  # b1, small: float32, with the uncompressed tensors
+    p = 30 * 2 + 30 * 2 + 10 * 2 + 6 * 2
+    q = 40 * 2 + 40 * 2 + 30 * 2 + 27 * 2
+    assert sims["bf16"].rounds == [[4 * unc, 2 * p], [2 * q]]
+    assert torch.equal(outs["bf16"][0], outs["bf16"][1])
+    off = 30 * 40
+    assert torch.equal(outs["bf16"][0][off : off + 30], outs[None][0][off : off + 30])  # the bias: exact
+    torch.testing.assert_close(outs["bf16"][0][:off], outs[None][0][:off], atol=0.02, rtol=0.02)
+    with pytest.raises(ValueError, match="factors"):
+        PowerSGD(factors="fp8")
 
 
 def test_stored_q_is_replaced_never_changed_in_place():
