@@ -140,9 +140,9 @@ class BenchConfig:
     timeout_s: float = 600.0
     device: str = "cpu"
     train_limit: int | None = None  # use only the first n training samples (--quick)
-    #: SGD momentum taken over by the hook (momentum correction, ``register_hook(optimizer=)``):
-    #: "auto" for sparse codecs (TopK, RandomK, Threshold), "on" for every compressing method
-    #: with error feedback, "off" never. AdamW always keeps its own moments.
+    #: SGD's momentum (AdamW's beta1) taken over by the hook (momentum correction,
+    #: ``register_hook(optimizer=)``): "auto" for sparse codecs (TopK, RandomK,
+    #: ``Threshold(mask=True)``), "on" for every compressing method with error feedback, "off" never.
     momentum_correction: str = "auto"
 
     def __post_init__(self) -> None:
@@ -209,9 +209,9 @@ def _codec_of(method):
 def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> bool:
     """Whether the hook takes over ``opt``'s momentum for ``method`` (``cfg.momentum_correction``)."""
     mode = "auto" if cfg is None else cfg.momentum_correction
-    if mode == "off" or not isinstance(opt, torch.optim.SGD) or method.method is None:
+    if mode == "off" or type(opt) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or method.method is None:
         return False
-    if not any(g.get("momentum", 0.0) for g in opt.param_groups):
+    if not any(g.get("momentum", 0.0) or g.get("betas", (0.0,))[0] for g in opt.param_groups):
         return False
     biased = bool(getattr(method.method, "biased", False))
     if not biased or method.error_feedback is False:

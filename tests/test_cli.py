@@ -291,21 +291,25 @@ def test_ratio_tick_labels():
                                                                                "0.5×"]
 
 
-def test_bench_corrects_momentum_for_sparse_codecs_under_sgd_only():
-    """The bench hands SGD to the hook (momentum correction) for TopK/RandomK by default;
-    AdamW, exact methods and rows without error feedback keep the optimizer's own momentum."""
+def test_bench_corrects_momentum_for_sparse_codecs():
+    """The bench hands SGD or AdamW to the hook (momentum correction) for sparse codecs
+    (TopK/RandomK, Threshold(mask=True)) by default; other optimizers, exact methods and rows
+    without error feedback keep the optimizer's own momentum."""
     from gradzip.bench import BenchConfig, Method, hook_options, parse_methods
 
     w = torch.nn.Parameter(torch.zeros(3))
     sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     plain_sgd = torch.optim.SGD([w], lr=0.1)
     adamw = torch.optim.AdamW([w], lr=0.1)
-    m = parse_methods("TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2)")
+    m = parse_methods("TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2), "
+                      "Threshold(policy='target', mask=True)")
     assert hook_options(m["TopK(0.01)"], sgd)["optimizer"] is sgd
+    assert hook_options(m["Threshold(policy='target', mask=True)"], sgd)["optimizer"] is sgd
     # Threshold sends +-tau, not whole coordinates: it keeps the optimizer's momentum
     for label in ("Identity", "Threshold(policy='adaptive')", "SignSGD", "PowerSGD(rank=2)"):
         assert "optimizer" not in hook_options(m[label], sgd), label
-    assert "optimizer" not in hook_options(m["TopK(0.01)"], adamw)
+    assert hook_options(m["TopK(0.01)"], adamw)["optimizer"] is adamw  # its beta1 is taken over
+    assert "optimizer" not in hook_options(m["TopK(0.01)"], torch.optim.RMSprop([w], momentum=0.9))
     assert "optimizer" not in hook_options(m["TopK(0.01)"], plain_sgd)
     assert "optimizer" not in hook_options(Method("no EF", m["TopK(0.01)"].method, error_feedback=False), sgd)
     on, off = BenchConfig(momentum_correction="on"), BenchConfig(momentum_correction="off")
