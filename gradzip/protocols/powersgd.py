@@ -68,8 +68,8 @@ travel in bfloat16 (half the bytes): round 1 is then two allreduces, the float32
 ``[uncompressed / W | Accordion norms]`` (when not empty) and the bfloat16 ``P^T``'s.
 Every rank receives the same rounded sums and computes ``M_hat`` and its residual
 ``M - M_hat`` from them, so error feedback keeps what the rounding drops.
-The products are computed as ``P^T = Q^T M^T`` and ``Q^T = P^T M``: on CPU (MKL) these run several times faster than ``M Q``
-and ``M^T P`` for ``k >= 2`` (about 60x for ``M^T P`` at 1024 x 1024).
+The products are computed as ``P^T = Q^T M^T`` and ``Q^T = P^T M``: on CPU (MKL) these
+run several times faster than ``M Q`` and ``M^T P`` for ``k >= 2`` (about 60x for ``M^T P`` at 1024 x 1024).
 
 Initial Q: ``randn(m, k)`` from a CPU generator seeded with
 ``tensor_seed(seed, step, name)``: the same on every rank and independent of how
