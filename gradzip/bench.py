@@ -59,6 +59,7 @@ from . import codecs, local_sgd, policy, protocols, schedules  # noqa: F401
 from .codecs.base import Codec
 from .hooks import register_hook
 from .machine import machine
+from .momentum import Momentum
 from .protocols.base import Protocol
 from .registry import Spec, parse_list, register_value
 
@@ -209,9 +210,7 @@ def _codec_of(method):
 def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> bool:
     """Whether the hook takes over ``opt``'s momentum for ``method`` (``cfg.momentum_correction``)."""
     mode = "auto" if cfg is None else cfg.momentum_correction
-    if mode == "off" or type(opt) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or method.method is None:
-        return False
-    if not any(g.get("momentum", 0.0) or g.get("betas", (0.0,))[0] for g in opt.param_groups):
+    if mode == "off" or method.method is None or not Momentum.adoptable(opt):
         return False
     biased = bool(getattr(method.method, "biased", False))
     if not biased or method.error_feedback is False:

@@ -56,6 +56,14 @@ class Momentum:
     def __init__(self, hyper: dict[str, tuple[float, bool, float]]) -> None:
         self.hyper = dict(hyper)
 
+    @staticmethod
+    def adoptable(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`adopt` takes ``optimizer`` over and it has a momentum to take: a
+        ``torch.optim.SGD`` with momentum, or an ``Adam``/``AdamW`` with ``beta1 > 0``."""
+        if type(optimizer) is torch.optim.SGD:
+            return any(g.get("momentum", 0.0) for g in optimizer.param_groups)
+        return type(optimizer) in _ADAMS and any(g["betas"][0] for g in optimizer.param_groups)
+
     @classmethod
     def adopt(cls, optimizer: torch.optim.Optimizer, named_params) -> tuple["Momentum", dict]:
         """Take over ``optimizer``'s momentum and weight decay for ``named_params``

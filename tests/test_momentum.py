@@ -42,6 +42,28 @@ def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     return [p.detach().clone() for p in model.parameters()], state.state_dict()
 
 
+def _call_ks(vs, ratio):
+    """Per tensor, how many of the ``ceil(ratio * n)`` largest magnitudes of all of ``vs``
+    together fall in it: a call-wide top-k written out."""
+    flat = torch.cat([v.reshape(-1).abs() for v in vs])
+    top = set(torch.topk(flat, math.ceil(ratio * flat.numel())).indices.tolist())
+    ks, start = [], 0
+    for v in vs:
+        ks.append(sum(start <= j < start + v.numel() for j in top))
+        start += v.numel()
+    return ks
+
+
+def _assert_matches(res, want, u):
+    """Every rank's parameters equal the reference's, and its momentum buffers the reference's."""
+    names = [n for n, _ in make_model().named_parameters()]
+    for rank, (got, sd) in enumerate(res):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        for i, n in enumerate(names):
+            assert torch.equal(sd["momentum"][f"{n}:momentum"], u[rank][i].view_as(sd["momentum"][f"{n}:momentum"]))
+
+
 def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     """DGC written out: per rank u = m u + g + wd p, v = r + (u, or g' + m u), send top-k(v),
     r = v - sent, u = 0 where sent; a plain SGD step on the average of what was sent. A
@@ -67,15 +89,7 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
                 u[rank][i] = g.clone() if u[rank][i] is None else torch.add(g, u[rank][i], alpha=m)
                 send = g + m * u[rank][i] if nesterov else u[rank][i]
                 vs[rank][i] = send.clone() if r[rank][i] is None else send + r[rank][i]
-        ks = [[None] * len(params) for _ in range(world)]
-        if codec.scope == "call":
-            for rank in range(world):
-                flat = torch.cat([v.reshape(-1).abs() for v in vs[rank]])
-                top = set(torch.topk(flat, math.ceil(codec.ratio * flat.numel())).indices.tolist())
-                start = 0
-                for i, v in enumerate(vs[rank]):
-                    ks[rank][i] = sum(start <= j < start + v.numel() for j in top)
-                    start += v.numel()
+        ks = [_call_ks(vs[rank], codec.ratio) if codec.scope == "call" else [None] * len(params) for rank in range(world)]
         for i, p in enumerate(params):
             acc = torch.zeros(p.numel())
             for rank in range(world):
@@ -97,13 +111,7 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
 ], ids=["momentum", "nesterov", "sign-call"])
 def test_momentum_correction_equals_dgc_written_out(nesterov, codec):
     res = run_ranks(_ddp, 2, 5, nesterov, 0.1, 0.9, 1e-3, codec)
-    want, u = reference(2, 5, nesterov, codec=codec)
-    names = [n for n, _ in make_model().named_parameters()]
-    for rank, (got, sd) in enumerate(res):
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        for i, n in enumerate(names):
-            assert torch.equal(sd["momentum"][f"{n}:momentum"], u[rank][i].view_as(sd["momentum"][f"{n}:momentum"]))
+    _assert_matches(res, *reference(2, 5, nesterov, codec=codec))
 
 
 def _adam(rank, world, steps, lr=0.01, b1=0.9, wd=0.01):
@@ -142,10 +150,7 @@ def adam_reference(world, steps, lr=0.01, b1=0.9, wd=0.01):
                 g = p.grad.clone()
                 u[rank][i] = torch.mul(g, 1 - b1) if u[rank][i] is None else torch.add(u[rank][i] * b1, g, alpha=1 - b1)
                 vs.append(u[rank][i].clone() if r[rank][i] is None else u[rank][i] + r[rank][i])
-            flat = torch.cat([v.reshape(-1).abs() for v in vs])
-            top = torch.topk(flat, math.ceil(0.1 * flat.numel())).indices
-            ends = torch.tensor([v.numel() for v in vs]).cumsum(0)
-            ks = torch.bincount(torch.bucketize(top, ends, right=True), minlength=len(vs)).tolist()
+            ks = _call_ks(vs, 0.1)
             for i, v in enumerate(vs):
                 pay = codec.compress(v, TensorContext(name=names[i], step=s, k=ks[i]))
                 codec.accumulate(pay, acc[i])
@@ -160,13 +165,7 @@ def adam_reference(world, steps, lr=0.01, b1=0.9, wd=0.01):
 
 def test_adam_momentum_correction_equals_its_reference():
     res = run_ranks(_adam, 2, 5)
-    want, u = adam_reference(2, 5)
-    names = [n for n, _ in make_model().named_parameters()]
-    for rank, (got, sd) in enumerate(res):
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        for i, n in enumerate(names):
-            assert torch.equal(sd["momentum"][f"{n}:momentum"], u[rank][i].view_as(sd["momentum"][f"{n}:momentum"]))
+    _assert_matches(res, *adam_reference(2, 5))
 
 
 def test_momentum_correction_refuses_what_it_cannot_take_over():

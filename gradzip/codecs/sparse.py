@@ -29,6 +29,11 @@ def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
+def _empty(x: torch.Tensor) -> Payload:
+    """A frame that sends nothing (all zeros) for a tensor like ``x``."""
+    return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+
+
 def call_counts(xs, ratio: float) -> list:
     """Per flat tensor of ``xs``, how many of its elements are among the
     ``ceil(ratio * total)`` largest magnitudes of all of them together (ties broken by
@@ -191,10 +196,10 @@ class TopK(Codec):
         v = x.reshape(-1)
         n = v.numel()
         if n == 0:
-            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+            return _empty(x)
         k = _k_of(warmup.at(self.ratio, ctx.step), n) if ctx.k is None else min(n, max(0, int(ctx.k)))
         if k == 0:
-            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+            return _empty(x)
         if self.values == "sign":
             return self._ternary(v, x, k, ctx)
         if self.values is not None:
@@ -232,7 +237,7 @@ class TopK(Codec):
         if not bool(nonzero.all()):  # fewer than k nonzero elements: a zero is not sent as +mu
             idx, vals = idx[nonzero], vals[nonzero]
         if not idx.numel():
-            return Payload(body=torch.empty(0, dtype=torch.uint8, device=x.device), shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+            return _empty(x)
         amax = float(vals.abs().max())
         if math.isfinite(amax) and amax > _F32_MAX:
             raise ValueError(
@@ -244,8 +249,7 @@ class TopK(Codec):
         if not mu > 0.0 or not math.isfinite(mu):
             # Not finite: the engine's non-finite check sees the input. Zero: float64 values below
             # float32's smallest; nothing is sent and error feedback keeps them.
-            body = torch.empty(0, dtype=torch.uint8, device=x.device)
-            return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY)
+            return _empty(x)
         neg = vals < 0
         bitmap = (n + 3) // 4
         if idx.numel() < bitmap:

@@ -142,7 +142,10 @@ class Threshold(Codec):
     # Not ``sparse`` in the momentum-masking sense unless ``mask=True``: a coordinate over tau
     # sends +-tau and keeps the rest in its residual. Masking cost digits 3 pp per tensor (the
     # MLP, 2 ranks); with one threshold over the bucket at momentum 0.9 it is what trains.
-    sparse = False
+    @property
+    def sparse(self) -> bool:  # type: ignore[override]
+        """Momentum correction zeroes the momentum where this codec sent only with ``mask=True``."""
+        return self.mask
 
     def __init__(
         self,
@@ -175,7 +178,6 @@ class Threshold(Codec):
         if not isinstance(mask, bool):
             raise ValueError(f"mask must be True or False, got {mask!r}")
         self.mask = mask
-        self.sparse = mask  # momentum correction zeroes the momentum where this codec sent
         if self.scope == "call" and self.policy != "target":
             raise ValueError(f'scope="call" needs policy="target" (one threshold from the whole call), got policy={policy!r}')
 
