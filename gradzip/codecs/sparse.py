@@ -128,7 +128,7 @@ class TopK(Codec):
     float32 per frame), so a position costs its gap and one sign bit
     (``FMT_SPARSE_SIGN``), or 2 bits per element where that is smaller
     (``FMT_SPARSE_SIGN2``); error feedback keeps each kept value's ``v - sign(v) * mu``.
-    At the same bytes it sends about 3-4 times the positions of float32 values.
+    On the bench's MNIST CNN at 4 ranks, 0.3% of positions cost 307x against 0.1% at 300x with float32 values.
 
     ``scope="call"`` chooses the ``ceil(ratio * n)`` largest magnitudes over all tensors of
     a call (a DDP bucket) together, ``n`` the call's elements: a layer with larger
