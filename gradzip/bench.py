@@ -145,6 +145,10 @@ class BenchConfig:
     #: ``register_hook(optimizer=)``): "auto" for sparse codecs (TopK, RandomK,
     #: ``Threshold(mask=True)``), "on" for every compressing method with error feedback, "off" never.
     momentum_correction: str = "auto"
+    #: Local gradient clipping in the hook (``register_hook(clip=)``: each tensor's norm on each
+    #: rank to ``clip / sqrt(workers)``, before momentum correction and compression), for every
+    #: DDP-hook row, Identity included, so that the baseline clips alike; None: off.
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         if self.dataset not in N_TRAIN:
@@ -159,6 +163,8 @@ class BenchConfig:
             raise ValueError(f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}")
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"clip must be a finite number > 0 (or None), got {self.clip}")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr is None:
@@ -223,10 +229,13 @@ def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConf
 def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> dict:
     """Keyword arguments of :func:`register_hook` besides the method: error feedback as the
     row asks, and ``optimizer=opt`` where the hook corrects SGD's momentum (DGC: momentum
-    accumulated per rank before compression and masked where a sparse codec sent)."""
+    accumulated per rank before compression and masked where a sparse codec sent), and
+    ``clip=cfg.clip`` where the bench clips."""
     kw = {"error_feedback": method.error_feedback}
     if corrects_momentum(method, opt, cfg):
         kw["optimizer"] = opt
+    if cfg is not None and cfg.clip is not None:
+        kw["clip"] = cfg.clip
     return kw
 
 
@@ -537,6 +546,15 @@ def aggregate(runs: list[dict], baseline: str = "Identity") -> list[dict]:
     return rows
 
 
+def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
+    """Options that some rows cannot honour, refused before any rank starts (ValueError)."""
+    if cfg.clip is not None:
+        hookless = [label for label, m in methods.items() if m.method is None or isinstance(m.method, Spec)]
+        if hookless:
+            raise ValueError(f"--clip clips in the DDP hook; {', '.join(hookless)} train without one: "
+                             "bench them without --clip")
+
+
 def run(methods=None, cfg: BenchConfig | None = None, progress=None, tick=None) -> list[dict]:
     """Train every method once per seed of ``cfg.seeds`` on ``cfg.workers`` ranks (spawned
     once); rows aggregated over seeds (:func:`aggregate`), in the order of ``methods``.
@@ -546,6 +564,7 @@ def run(methods=None, cfg: BenchConfig | None = None, progress=None, tick=None) 
     """
     methods = _as_methods(default_methods() if methods is None else methods)
     cfg = cfg or BenchConfig()
+    check_methods(methods, cfg)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

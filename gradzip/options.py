@@ -130,6 +130,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                         "auto (sparse codecs), on, off")
     b.add_argument("--warmup-epochs", type=_float_in("--warmup-epochs", 0.0), default=0.0,
                    help="linear learning-rate warm-up (default: 0)")
+    b.add_argument("--clip", type=_float_in("--clip", 0.0, lo_open=True), default=None,
+                   help="local gradient clipping in the hook, every DDP-hook row (Identity too): each tensor's norm "
+                        "on each rank to CLIP / sqrt(workers), before compression (default: off)")
     b.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=32, help="per rank (default: 32)")
     b.add_argument("--quick", action="store_true",
                    help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given")

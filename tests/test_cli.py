@@ -126,7 +126,7 @@ def test_bench_flags_parse_into_the_config():
     # refused while parsing (before torch loads or a rank starts): one error line naming the option
     for bad in (["--seeds", "a"], ["--seeds", "1,1"], ["--seeds", ","], ["--workers", "1"], ["--workers", "0"],
                 ["--momentum", "1"], ["--epochs", "0"], ["--epochs", "-1"], ["--batch-size", "0"], ["--lr", "0"],
-                ["--weight-decay", "-1"], ["--warmup-epochs", "nan"]):
+                ["--weight-decay", "-1"], ["--warmup-epochs", "nan"], ["--clip", "0"], ["--clip", "inf"]):
         with pytest.raises(SystemExit):
             _args(*bad)
     p = cli.argparse.ArgumentParser()
@@ -317,3 +317,24 @@ def test_bench_corrects_momentum_for_sparse_codecs():
     assert "optimizer" not in hook_options(m["TopK(0.01)"], sgd, off)
     with pytest.raises(ValueError, match="momentum_correction"):
         BenchConfig(momentum_correction="always")
+
+
+def test_bench_clip_reaches_every_hook_row_and_refuses_rows_without_a_hook():
+    """``--clip`` hands ``clip=`` to the hook of every DDP-hook row, Identity included (the
+    baseline clips alike); plain DDP and local SGD rows have no hook, and are refused up front."""
+    from gradzip.bench import BenchConfig, check_methods, hook_options, parse_methods
+
+    assert _args().clip is None and _args("--clip", "4").clip == 4.0
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    m = parse_methods("TopK(0.01), SignSGD")
+    cfg = BenchConfig(clip=4.0)
+    for label in ("Identity", "TopK(0.01)", "SignSGD"):
+        assert hook_options(m[label], sgd, cfg)["clip"] == 4.0, label
+    assert "clip" not in hook_options(m["TopK(0.01)"], sgd, BenchConfig())
+    check_methods(m, cfg)
+    for spec in ("DDP", "LocalSGD(period=4)"):
+        with pytest.raises(ValueError, match=r"--clip clips in the DDP hook"):
+            check_methods(parse_methods(spec), cfg)
+    check_methods(parse_methods("DDP, LocalSGD(period=4)"), BenchConfig())
+    with pytest.raises(ValueError, match="clip"):
+        BenchConfig(clip=-1.0)
