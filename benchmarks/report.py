@@ -70,7 +70,34 @@ def accuracy(doc: dict) -> str:
             f"| {r['method']} | {r['ratio']:.1f}× | {r['ratio_handed']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} "
             f"| {_pm(r, 'accuracy')} | {100 * r['accuracy_last3']:.2f} | {delta} | {1000 * r['seconds_per_step']:.1f} |"
         )
+    if n >= PER_SEED_FROM:
+        lines += ["", *_per_seed_deltas(doc)]
     return "\n".join(lines)
+
+
+#: From this many seeds on, an accuracy table is followed by each seed's Δ and their median.
+PER_SEED_FROM = 5
+
+
+def _per_seed_deltas(doc: dict) -> list[str]:
+    """Each method's Δ against Identity seed by seed, with the median and the count below
+    zero: one seed where the baseline itself lands low moves a mean of few seeds a lot."""
+    rows = doc["rows"]
+    base = next((r for r in rows if r["method"] == "Identity"), None)
+    if base is None:
+        return []
+    ref = {s["seed"]: s["accuracy"] for s in base["per_seed"]}
+    seeds = sorted(ref)
+    out = ["| method | " + " | ".join(f"Δ seed {s}" for s in seeds) + " | median Δ | seeds below Identity |",
+           "|---|" + "---:|" * (len(seeds) + 2)]
+    for r in rows:
+        if r is base:
+            continue
+        got = {s["seed"]: 100 * (s["accuracy"] - ref[s["seed"]]) for s in r["per_seed"] if s["seed"] in ref}
+        ds = [got[s] for s in seeds if s in got]
+        out.append(f"| {r['method']} | " + " | ".join(f"{got[s]:+.1f}" if s in got else "" for s in seeds)
+                   + f" | {statistics.median(ds):+.2f} | {sum(d < 0 for d in ds)} of {len(ds)} |")
+    return out
 
 
 def _accuracy_v1(doc: dict) -> str:

@@ -811,7 +811,8 @@ def pareto_figure(rows: list[dict], cfg: BenchConfig):
     ax.set_ylabel("final test accuracy (%)")
     ax.set_title(
         f"gradzip bench: {cfg.dataset}, {cfg.workers} ranks, {cfg.resolved_epochs()} epochs, "
-        f"{cfg.optimizer} (lr {cfg.lr:g}, momentum {cfg.momentum:g}, {cfg.lr_schedule})",
+        f"{cfg.optimizer} (lr {cfg.lr:g}, momentum {cfg.momentum:g}, {cfg.lr_schedule}"
+        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''})",
         fontsize=10,
     )
     ax.grid(True, which="major", alpha=0.3)

@@ -338,3 +338,26 @@ def test_bench_clip_reaches_every_hook_row_and_refuses_rows_without_a_hook():
     check_methods(parse_methods("DDP, LocalSGD(period=4)"), BenchConfig())
     with pytest.raises(ValueError, match="clip"):
         BenchConfig(clip=-1.0)
+
+
+def test_report_lists_each_seeds_delta_from_five_seeds_on():
+    """``benchmarks/report.py`` follows a table of 5 or more seeds with every seed's Δ against
+    Identity, their median and how many seeds fall below it; 3-seed tables stay as they were."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
+    spec = importlib.util.spec_from_file_location("gz_bench_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def row(method, accs):
+        return {"method": method, "per_seed": [{"seed": s, "accuracy": a} for s, a in enumerate(accs)]}
+
+    doc = {"rows": [row("Identity", [0.970, 0.960, 0.980, 0.950, 0.975]),
+                    row("TopK", [0.965, 0.962, 0.970, 0.950, 0.960])]}
+    lines = report._per_seed_deltas(doc)
+    assert lines[0].startswith("| method | Δ seed 0 |") and "median Δ" in lines[0]
+    assert lines[2] == "| TopK | -0.5 | +0.2 | -1.0 | +0.0 | -1.5 | -0.50 | 3 of 5 |"
+    assert report._per_seed_deltas({"rows": [row("TopK", [0.9] * 5)]}) == []  # no baseline: nothing
+    assert report.PER_SEED_FROM == 5
