@@ -361,3 +361,24 @@ def test_report_lists_each_seeds_delta_from_five_seeds_on():
     assert lines[2] == "| TopK | -0.5 | +0.2 | -1.0 | +0.0 | -1.5 | -0.50 | 3 of 5 |"
     assert report._per_seed_deltas({"rows": [row("TopK", [0.9] * 5)]}) == []  # no baseline: nothing
     assert report.PER_SEED_FROM == 5
+
+
+def test_adam_steps_reads_adamws_normalized_step():
+    """``benchmarks/adam_steps.py`` reads ``|m_hat| / (sqrt(v_hat) + eps)`` from AdamW's state:
+    after one step on a gradient g it is |g| / (|g| + eps), about 1 on every coordinate."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "adam_steps.py"
+    spec = importlib.util.spec_from_file_location("gz_bench_adam_steps", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([w], lr=0.1, betas=(0.9, 0.999), eps=1e-8)
+    w.grad = torch.tensor([1.0, -2.0, 1e-3, 0.5])
+    opt.step()
+    got = mod._normalized_steps(opt)
+    torch.testing.assert_close(got, w.grad.abs() / (w.grad.abs() + 1e-8))
+    w.grad = torch.zeros(4)
+    opt.step()  # m decays by beta1, v by beta2: the normalized step shrinks
+    assert (mod._normalized_steps(opt) < got).all()
