@@ -71,6 +71,9 @@ def _worker(rank: int, port: int, methods: dict, cfg: bench.BenchConfig, last: i
                     "fraction_above_0.1": float((steps > 0.1).float().mean()),
                     "fraction_above_0.5": float((steps > 0.5).float().mean()),
                 })
+    except BaseException as exc:  # noqa: BLE001 - tell the parent, which would otherwise wait
+        queue.put({"error": f"rank {rank}: {exc!r}"})
+        raise
     finally:
         bench.make_optimizer = make
         torch.distributed.destroy_process_group()
@@ -94,7 +97,12 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, port, methods, cfg, cfg.steps_per_epoch(), queue)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
-    rows = [queue.get(timeout=1800) for _ in methods]
+    rows = []
+    while len(rows) < len(methods):
+        got = queue.get(timeout=1800)
+        if "error" in got:
+            raise RuntimeError(got["error"])
+        rows.append(got)
     for proc in procs:
         proc.join(timeout=60)
     print(f"{'method':<45} {'ratio':>8} {'acc %':>7} {'mean |step|/lr':>15} {'median':>8} {'> 0.1':>7} {'> 0.5':>7}")

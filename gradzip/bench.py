@@ -551,7 +551,7 @@ def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
     if cfg.clip is not None:
         hookless = [label for label, m in methods.items() if m.method is None or isinstance(m.method, Spec)]
         if hookless:
-            raise ValueError(f"--clip clips in the DDP hook; {', '.join(hookless)} train without one: "
+            raise ValueError(f"--clip clips in the DDP hook, which these rows do not use: {', '.join(hookless)}; "
                              "bench them without --clip")
 
 
