@@ -46,22 +46,18 @@ def _normalized_steps(opt: torch.optim.Optimizer) -> torch.Tensor:
 def _worker(rank: int, port: int, methods: dict, cfg: bench.BenchConfig, last: int, queue) -> None:
     bench.init_worker(rank, WORLD, port)
     records: list = []
-    make = bench.make_optimizer
 
-    def instrumented(c, params):
-        opt = make(c, params)
-        if rank == 0:
-            def post(o, _args, _kwargs):
-                records.append(_normalized_steps(o))
-                del records[:-last]  # keep the last epoch
-            opt.register_step_post_hook(post)
-        return opt
+    def observe(opt):
+        def post(o, _args, _kwargs):
+            records.append(_normalized_steps(o))
+            del records[:-last]  # keep the last epoch
+        opt.register_step_post_hook(post)
 
-    bench.make_optimizer = instrumented
     try:
         for label, method in methods.items():
             records.clear()
-            res = bench.train_one(rank, WORLD, method, cfg, bench.load_dataset(cfg.dataset, cfg.seed))
+            res = bench.train_one(rank, WORLD, method, cfg, bench.load_dataset(cfg.dataset, cfg.seed),
+                                  on_optimizer=observe if rank == 0 else None)
             if rank == 0:
                 steps = torch.stack(records)
                 queue.put({
@@ -75,7 +71,6 @@ def _worker(rank: int, port: int, methods: dict, cfg: bench.BenchConfig, last: i
         queue.put({"error": f"rank {rank}: {exc!r}"})
         raise
     finally:
-        bench.make_optimizer = make
         torch.distributed.destroy_process_group()
 
 

@@ -350,11 +350,13 @@ def _averaged(model: torch.nn.Module, world: int) -> torch.nn.Module:
     return avg
 
 
-def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=None) -> dict:
+def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=None, on_optimizer=None) -> dict:
     """Train cfg's model on this rank's shard with ``method`` (a Method, a codec/protocol, or
     None) and seed ``cfg.seed``; test accuracy at the end of every epoch (``curve``, rank 0's
     model; for a front end such as local SGD, the ranks' average; the last entry after
-    ``synchronize()``). Collective: every rank calls it with the same arguments."""
+    ``synchronize()``). Collective: every rank calls it with the same arguments.
+    ``on_step(steps)`` after each step; ``on_optimizer(opt)`` once, with the optimizer that
+    steps the model (after the hook has taken its momentum over), to observe it."""
     if not isinstance(method, Method):
         method = Method("", method)
     device = torch.device(cfg.device if cfg.device == "cpu" else f"cuda:{rank}")
@@ -376,6 +378,8 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
         if method.method is not None:
             state = register_hook(net, method.method, **hook_options(method, opt, cfg))
         stats_of = state.stats if state is not None else None
+    if on_optimizer is not None:
+        on_optimizer(inner if local else opt)
     shard_x, shard_y = xtr[rank::world], ytr[rank::world]
     n = (len(xtr) // world) // cfg.batch_size * cfg.batch_size  # equal step counts on every rank
     epochs = cfg.resolved_epochs()

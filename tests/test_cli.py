@@ -360,7 +360,11 @@ def test_report_lists_each_seeds_delta_from_five_seeds_on():
     assert lines[0].startswith("| method | Δ seed 0 |") and "median Δ" in lines[0]
     assert lines[2] == "| TopK | -0.5 | +0.2 | -1.0 | +0.0 | -1.5 | -0.50 | 3 of 5 |"
     assert report._per_seed_deltas({"rows": [row("TopK", [0.9] * 5)]}) == []  # no baseline: nothing
-    assert report.PER_SEED_FROM == 5
+    results = path.parent / "results"
+    eight = report.accuracy(json.loads((results / "accuracy_mnist_4ranks_sgd_clip2_8seeds_cpu.json").read_text()))
+    assert "| Δ seed 7 | median Δ |" in eight and "local clipping 2" in eight
+    three = report.accuracy(json.loads((results / "accuracy_mnist_4ranks_sgd_stc_cpu.json").read_text()))
+    assert "median Δ" not in three and "local clipping" not in three
 
 
 def test_adam_steps_reads_adamws_normalized_step():
