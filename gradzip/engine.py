@@ -338,9 +338,10 @@ class Engine:
         return out, flagged is not None and bool(flagged.item()), local
 
     def adopt_momentum(self, buffers: dict) -> None:
-        """Start momentum correction from buffers an optimizer already held (``{name: tensor}``)."""
-        for name, buf in buffers.items():
-            self.moments.set(momentum_key(name), buf.detach().to(accum_dtype(buf.dtype), copy=True))
+        """Start momentum correction from buffers an optimizer already held (``{key: tensor}``,
+        keys as :meth:`gradzip.momentum.Momentum.adopt` returns them)."""
+        for key, buf in buffers.items():
+            self.moments.set(key, buf.detach().to(accum_dtype(buf.dtype), copy=True))
         if self.moments is not None:
             self.moments.release()
 

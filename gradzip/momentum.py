@@ -32,29 +32,76 @@ is added to the averaged gradient). With error feedback alone, Adam normalizes e
 sent, accumulated coordinate into a full-size step; moving the first moment before the
 compressor is DGC's idea applied to Adam's first moment. Other optimizers are refused: with
 them, leave momentum correction out and let error feedback work on the gradient.
+
+**Both of Adam's moments** (``precondition=True``): a codec that sends one magnitude per block
+(``SignSGD``, and ``TwoPhase`` re-signing the sum) hands Adam a gradient whose coordinates all
+have the size of the block's mean. Adam then divides each coordinate by the root of its own
+second moment, so a coordinate whose gradient was small moves by a large fraction of ``lr``
+every step (``benchmarks/adam_steps.py`` measures this). With ``precondition=True`` the hook
+also keeps Adam's second moment per rank, from the rank's own gradient, and compresses Adam's
+step rather than its first moment (worker-side Adam, as in QAdam, Chen et al. 2021)::
+
+    v = beta2 * v + (1 - beta2) * g * g
+    send C(u / (1 - beta1^t) / (sqrt(v / (1 - beta2^t)) + eps) + r)     (r: the residual)
+
+so every coordinate reaches the codec in units of its own scale. The optimizer then applies
+the average of what was sent as it is: ``p -= lr * step`` after AdamW's decoupled decay
+``p *= 1 - lr * weight_decay`` (Adam's L2 term is added to the gradient in the hook). The hook
+does this through the optimizer's step pre- and post-hooks, so the user's ``optimizer.step()``
+and LR schedulers work unchanged; the optimizer allocates no state of its own. What differs
+from AdamW: the second moment comes from each rank's gradient, not from the average, so it
+also holds the rank's sampling noise and steps are somewhat shorter where gradients are noisy.
+``amsgrad``, ``maximize`` and a closure are refused. The hook hands the optimizer steps, not
+gradients: scaling ``p.grad`` between backward and ``step()`` (``clip_grad_norm_``,
+``GradScaler.unscale_``) would scale the step, so use ``register_hook(clip=)`` and bf16.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 import gradzip.args as args
 
-__all__ = ["Momentum", "momentum_key"]
+__all__ = ["Momentum", "momentum_key", "variance_key", "count_key"]
 
 
 def momentum_key(name: str) -> str:
     return f"{name}:momentum"
 
 
+def variance_key(name: str) -> str:
+    """Adam's second moment, per rank (``precondition=True``)."""
+    return f"{name}:variance"
+
+
+def count_key(name: str) -> str:
+    """Adam's step count for bias correction (``precondition=True``): a float64 tensor of one element."""
+    return f"{name}:adam_step"
+
+
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
-class Momentum:
-    """Per tensor name: ``(momentum, nesterov, weight_decay, ema)``; ``ema``: Adam's first
-    moment ``u = m * u + (1 - m) * g`` rather than SGD's ``u = m * u + g``."""
+class Hyper(NamedTuple):
+    """One tensor's settings. ``ema``: Adam's first moment ``u = m * u + (1 - m) * g`` rather
+    than SGD's ``u = m * u + g``; ``beta2`` (None: off): Adam's second moment kept in the hook
+    and the step sent (``precondition=True``), with ``eps``."""
 
-    def __init__(self, hyper: dict[str, tuple[float, bool, float]]) -> None:
-        self.hyper = dict(hyper)
+    momentum: float
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    ema: bool = False
+    beta2: float | None = None
+    eps: float = 0.0
+
+
+class Momentum:
+    """Per tensor name, its :class:`Hyper`."""
+
+    def __init__(self, hyper: dict[str, Hyper | tuple]) -> None:
+        self.hyper = {k: Hyper(*v) for k, v in hyper.items()}
+        self.takeover: _StepTakeover | None = None  # precondition=True: the optimizer's step hooks
 
     @staticmethod
     def adoptable(optimizer: torch.optim.Optimizer) -> bool:
@@ -65,12 +112,20 @@ class Momentum:
         return type(optimizer) in _ADAMS and any(g["betas"][0] for g in optimizer.param_groups)
 
     @classmethod
-    def adopt(cls, optimizer: torch.optim.Optimizer, named_params) -> tuple["Momentum", dict]:
+    def adopt(cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False) -> tuple["Momentum", dict]:
         """Take over ``optimizer``'s momentum and weight decay for ``named_params``
-        (``[(name, parameter)]``): returns the :class:`Momentum` and the momentum buffers the
-        optimizer held (``{name: tensor}``), and leaves the optimizer a plain SGD."""
+        (``[(name, parameter)]``): returns the :class:`Momentum` and the buffers the optimizer
+        held (``{key: tensor}``, keys of :func:`momentum_key` and, with ``precondition``,
+        :func:`variance_key` and :func:`count_key`), and leaves the optimizer a plain SGD.
+        ``precondition``: an Adam's second moment too (see the module docstring)."""
+        args.flag("precondition", precondition)
+        if precondition and type(optimizer) not in _ADAMS:
+            raise ValueError(
+                f"precondition=True takes over the second moment of torch.optim.Adam or AdamW; "
+                f"{type(optimizer).__name__} has none"
+            )
         if type(optimizer) in _ADAMS:
-            return cls._adopt_adam(optimizer, named_params)
+            return cls._adopt_adam(optimizer, named_params, precondition)
         if type(optimizer) is not torch.optim.SGD:
             raise ValueError(
                 f"momentum correction takes over the momentum of torch.optim.SGD, Adam or AdamW; "
@@ -90,10 +145,10 @@ class Momentum:
             for p in group["params"]:
                 if id(p) not in names:
                     continue
-                hyper[names[id(p)]] = (m, nesterov, wd, False)
+                hyper[names[id(p)]] = Hyper(m, nesterov, wd, False)
                 buf = optimizer.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
-                    buffers[names[id(p)]] = buf.detach().clone()
+                    buffers[momentum_key(names[id(p)])] = buf.detach().clone()
                     optimizer.state[p].pop("momentum_buffer")
             group["momentum"], group["weight_decay"], group["nesterov"] = 0.0, 0.0, False
         missing = sorted(set(names.values()) - set(hyper))
@@ -102,41 +157,71 @@ class Momentum:
         return cls(hyper), buffers
 
     @classmethod
-    def _adopt_adam(cls, optimizer, named_params) -> tuple["Momentum", dict]:
-        """Adam/AdamW: take beta1 (and ``exp_avg``) over; the optimizer keeps beta2, eps and weight decay."""
+    def _adopt_adam(cls, optimizer, named_params, precondition: bool) -> tuple["Momentum", dict]:
+        """Adam/AdamW: take beta1 (and ``exp_avg``) over; the optimizer keeps beta2, eps and weight
+        decay. ``precondition``: take beta2, eps, ``exp_avg_sq`` and Adam's L2 weight decay over
+        too, and make the optimizer's step a plain one (:class:`_StepTakeover`). Every group is
+        checked before anything changes."""
         names = {id(p): n for n, p in named_params}
-        hyper, buffers = {}, {}
+        checked = []
         for group in optimizer.param_groups:
             if group.get("maximize", False):
                 raise ValueError("momentum correction does not support maximize=True")
+            if precondition and group.get("amsgrad", False):
+                raise ValueError("precondition=True does not support amsgrad=True")
             b1, b2 = group["betas"]
             if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
                 raise ValueError("momentum correction needs betas as numbers, not tensors")
             m = args.number("beta1", b1, 0.0, 1.0, hi_open=True)
+            if not precondition:
+                checked.append((group, Hyper(m, False, 0.0, True)))
+                continue
+            b2 = args.number("beta2", b2, 0.0, 1.0, hi_open=True)
+            eps = args.number("eps", group["eps"], 0.0)
+            wd = 0.0 if _decoupled(optimizer, group) else args.number("weight_decay", group.get("weight_decay", 0.0), 0.0)
+            checked.append((group, Hyper(m, False, wd, True, b2, eps)))
+        taken = [p for group, _ in checked for p in group["params"] if id(p) in names]
+        missing = sorted(set(names.values()) - {names[id(p)] for p in taken})
+        if missing:
+            raise ValueError(f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them")
+        hyper, buffers = {}, {}
+        for group, h in checked:
             for p in group["params"]:
                 if id(p) not in names:
                     continue
-                hyper[names[id(p)]] = (m, False, 0.0, True)
-                buf = optimizer.state.get(p, {}).get("exp_avg")
-                if buf is not None and m > 0:
-                    buffers[names[id(p)]] = buf.detach().clone()
-            group["betas"] = (0.0, b2)
-        missing = sorted(set(names.values()) - set(hyper))
-        if missing:
-            raise ValueError(f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them")
-        return cls(hyper), buffers
+                name = names[id(p)]
+                hyper[name] = h
+                state = optimizer.state.get(p, {})
+                if precondition:
+                    if "exp_avg_sq" in state:
+                        buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
+                        buffers[variance_key(name)] = state["exp_avg_sq"].detach().clone()
+                        buffers[count_key(name)] = torch.tensor([float(state["step"])], dtype=torch.float64,
+                                                                device=state["exp_avg_sq"].device)
+                    optimizer.state.pop(p, None)
+                elif state.get("exp_avg") is not None and h.momentum > 0:
+                    buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
+            group["betas"] = (0.0, group["betas"][1])
+            if precondition and h.weight_decay:
+                group["weight_decay"] = 0.0  # Adam's L2 term: added to the gradient in the hook
+        out = cls(hyper)
+        if precondition:
+            out.takeover = _StepTakeover(optimizer, taken)
+        return out, buffers
 
     def describe(self) -> str:
         """A summary the ranks compare in the configuration check."""
-        return repr(sorted({h for h in self.hyper.values()}))
+        return repr(sorted({repr(tuple(h)) for h in self.hyper.values()}))
 
     def apply(self, memory, names, grads, params=None) -> list:
         """The tensors to compress: per tensor ``u = m * u + g + wd * p`` (Adam:
         ``u = m * u + (1 - m) * g``; stored under ``momentum_key(name)`` in ``memory``), sent
-        as ``u`` or, Nesterov, ``g' + m * u``."""
+        as ``u`` or, Nesterov, ``g' + m * u``; with ``beta2`` (``precondition=True``), Adam's
+        bias-corrected step ``u_hat / (sqrt(v_hat) + eps)`` (``v`` under ``variance_key(name)``,
+        the step count under ``count_key(name)``)."""
         out = []
         for i, (name, g) in enumerate(zip(names, grads)):
-            m, nesterov, wd, ema = self.hyper.get(name, (0.0, False, 0.0, False))
+            m, nesterov, wd, ema, b2, eps = self.hyper.get(name, Hyper(0.0))
             if wd:
                 if params is None:
                     raise ValueError("weight decay in the hook needs the parameters")
@@ -154,5 +239,76 @@ class Momentum:
             else:
                 torch.add(g.to(u.dtype), old, alpha=m, out=u)
             memory.set(key, u)
-            out.append(g.to(u.dtype) + m * u if nesterov else u)
+            if b2 is not None:
+                out.append(self._adam_step(memory, name, g, u, m, b2, eps))
+            else:
+                out.append(g.to(u.dtype) + m * u if nesterov else u)
         return out
+
+    @staticmethod
+    def _adam_step(memory, name, g, u, b1, b2, eps) -> torch.Tensor:
+        """Update the second moment and the step count of ``name``; Adam's step from ``u``.
+        The count stays a tensor on the gradient's device: no host sync per tensor."""
+        vkey, tkey = variance_key(name), count_key(name)
+        old_v, old_t = memory.residual(vkey), memory.residual(tkey)
+        t = memory.buffer(tkey, torch.empty(1, dtype=torch.float64, device=u.device))
+        if old_t is None:
+            t.fill_(1.0)
+        else:
+            torch.add(old_t.to(t.device), 1.0, out=t)
+        memory.set(tkey, t)
+        g = g.to(u.dtype)
+        v = memory.buffer(vkey, u)
+        if old_v is None:
+            torch.mul(g * g, 1.0 - b2, out=v)
+        else:
+            torch.addcmul(old_v * b2, g, g, value=1.0 - b2, out=v)
+        memory.set(vkey, v)
+        bc1 = (1.0 - torch.pow(b1, t)).to(u.dtype)
+        bc2 = (1.0 - torch.pow(b2, t)).to(u.dtype)
+        return (u / bc1).div_((v / bc2).sqrt_().add_(eps))
+
+
+def _decoupled(optimizer, group) -> bool:
+    """Whether ``group``'s weight decay is AdamW's (``p *= 1 - lr * wd``) rather than Adam's L2 term."""
+    return type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+
+
+class _StepTakeover:
+    """The optimizer's step, made plain for the parameters whose Adam step the hook computes
+    (``precondition=True``): before ``step()`` their gradients (the averaged steps) are set
+    aside, so the optimizer skips them, and after it ``p *= 1 - lr * weight_decay`` (AdamW's
+    decoupled decay) and ``p -= lr * step``, with the group's ``lr`` at that moment; then the
+    gradients are put back. ``remove()`` detaches the hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params) -> None:
+        self.ids = {id(p) for p in params}
+        self._aside: list = []
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def _pre(self, optimizer, args_, kwargs) -> None:
+        # torch passes step's own arguments, ``self`` first
+        if any(a is not None for a in args_[1:]) or kwargs.get("closure") is not None:
+            raise ValueError("precondition=True does not support optimizer.step(closure)")
+        self._aside = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.ids and p.grad is not None:
+                    self._aside.append((group, p, p.grad))
+                    p.grad = None
+
+    @torch.no_grad()
+    def _post(self, optimizer, args_, kwargs) -> None:
+        aside, self._aside = self._aside, []
+        for group, p, step in aside:
+            lr = float(group["lr"])
+            wd = float(group.get("weight_decay", 0.0)) if _decoupled(optimizer, group) else 0.0
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(step.to(p.dtype), alpha=-lr)
+            p.grad = step
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -145,6 +145,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         momentum_correction: take over the wrapped ``torch.optim.SGD``'s momentum and weight
             decay (``Adam``/``AdamW``: its beta1) and apply them before compression
             (:mod:`gradzip.momentum`); other optimizers raise ``ValueError``.
+        precondition: with momentum correction of an ``Adam``/``AdamW``, take its second
+            moment over too, per rank, and compress Adam's step (:mod:`gradzip.momentum`).
         clip: local gradient clipping before compression (norm ``clip / sqrt(world_size)``
             per gradient).
         check_parameters: on the first step, before its first collective, check that every
@@ -175,6 +177,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         momentum_correction: bool = False,
         clip: float | None = None,
+        precondition: bool = False,
         check_parameters: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -225,7 +228,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         named = [(names_of[id(p)], p) for p in reversed(trainable)]
         args.flag("momentum_correction", momentum_correction)
-        momentum, buffers = Momentum.adopt(optimizer, named) if momentum_correction else (None, {})
+        if precondition and not momentum_correction:
+            raise ValueError("precondition=True is part of momentum correction: pass momentum_correction=True too")
+        momentum, buffers = Momentum.adopt(optimizer, named, precondition=precondition) if momentum_correction else (None, {})
         self.engine = Engine(
             compression,
             process_group=process_group,

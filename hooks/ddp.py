@@ -103,6 +103,7 @@ def register_hook(
     on_nonfinite: str = "skip",
     optimizer: torch.optim.Optimizer | None = None,
     clip: float | None = None,
+    precondition: bool = False,
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -124,6 +125,10 @@ def register_hook(
             optimizer is left a plain SGD. A ``torch.optim.Adam`` or ``AdamW``: its first
             moment (beta1) is taken over alike and the optimizer keeps the rest. Other
             optimizers raise ``ValueError``.
+        precondition: with an ``Adam``/``AdamW`` ``optimizer``, take its second moment over
+            too, per rank, and compress Adam's step instead of its first moment; the
+            optimizer then applies the averaged step as it is (:mod:`gradzip.momentum`). For
+            codecs that send one magnitude per block, such as ``SignSGD``.
         clip: local gradient clipping: each gradient's norm is limited to
             ``clip / sqrt(world_size)`` before compression (DGC's rule).
 
@@ -138,11 +143,13 @@ def register_hook(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if precondition and optimizer is None:
+        raise ValueError("precondition=True needs the Adam or AdamW optimizer= whose moments it takes over")
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
     check_real(trained)
-    momentum, buffers = Momentum.adopt(optimizer, trained) if optimizer is not None else (None, {})
+    momentum, buffers = Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
     engine = Engine(
         method,
         process_group=process_group,

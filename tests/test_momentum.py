@@ -317,3 +317,157 @@ def test_reshard_averages_the_momentum_buffers():
     bad[1]["momentum"] = {}
     with pytest.raises(ValueError, match="momentum buffers"):
         reshard(bad, 2)
+
+
+# -- Adam's two moments before compression (precondition=True) ----------------------------------
+
+def _precond(rank, world, steps, kind, lr=0.01, wd=0.01, codec="SignSGD", resume_at=None):
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+
+    def fresh():
+        model = make_model()
+        ddp = DDP(model)
+        opt = cls(ddp.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=wd)
+        state = register_hook(ddp, gz.parse(codec), optimizer=opt, precondition=True)
+        return model, ddp, opt, state
+
+    def run(ddp, opt, a, b):
+        for s in range(a, b):
+            x, y = batch(s, rank)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    model, ddp, opt, state = fresh()
+    run(ddp, opt, 0, steps if resume_at is None else resume_at)
+    assert not opt.state  # the optimizer keeps no moments of its own
+    if resume_at is not None:
+        buf = io.BytesIO()
+        torch.save({"m": model.state_dict(), "o": opt.state_dict(), "g": state.state_dict()}, buf)
+        model, ddp, opt, state = fresh()
+        ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        model.load_state_dict(ck["m"])
+        opt.load_state_dict(ck["o"])
+        state.load_state_dict(ck["g"])
+        run(ddp, opt, resume_at, steps)
+    return [p.detach().clone() for p in model.parameters()], state.state_dict()
+
+
+def precond_reference(world, steps, kind, lr=0.01, wd=0.01, b1=0.9, b2=0.99, eps=1e-8):
+    """Worker-side Adam written out: per rank g (+ wd p for Adam's L2 term), u = b1 u + (1 - b1) g,
+    v = b2 v + (1 - b2) g^2, x = u / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + r, sent = mean|x| sign(x)
+    (0 as +), r = x - sent; every rank applies the mean of what was sent: AdamW p *= 1 - lr wd, then
+    p -= lr mean."""
+    model = make_model()
+    params = list(model.parameters())
+    u = [[None] * len(params) for _ in range(world)]
+    v = [[None] * len(params) for _ in range(world)]
+    r = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    for s in range(steps):
+        t = s + 1
+        acc = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            model.zero_grad()
+            x, y = batch(s, rank)
+            F.cross_entropy(model(x), y).backward()
+            for i, p in enumerate(params):
+                g = p.grad.clone() if kind == "adamw" else p.grad + wd * p.detach()
+                u[rank][i] = g * (1 - b1) if u[rank][i] is None else u[rank][i] * b1 + g * (1 - b1)
+                v[rank][i] = g * g * (1 - b2) if v[rank][i] is None else v[rank][i] * b2 + g * g * (1 - b2)
+                step = (u[rank][i] / (1 - b1**t)) / ((v[rank][i] / (1 - b2**t)).sqrt() + eps)
+                xx = step + r[rank][i]
+                sent = xx.abs().mean() * torch.where(xx >= 0, 1.0, -1.0)
+                r[rank][i] = xx - sent
+                acc[i] += sent
+        with torch.no_grad():
+            for p, a in zip(params, acc):
+                if kind == "adamw":
+                    p.mul_(1 - lr * wd)
+                p.sub_(lr * a / world)
+    return [p.detach().clone() for p in params], u, v
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam"])
+def test_adam_precondition_equals_worker_side_adam_written_out(kind):
+    res = run_ranks(_precond, 2, 5, kind)
+    want, u, v = precond_reference(2, 5, kind)
+    names = [n for n, _ in make_model().named_parameters()]
+    for rank, (got, sd) in enumerate(res):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for i, n in enumerate(names):
+            torch.testing.assert_close(sd["momentum"][f"{n}:momentum"], u[rank][i])
+            torch.testing.assert_close(sd["momentum"][f"{n}:variance"], v[rank][i])
+            assert sd["momentum"][f"{n}:adam_step"].tolist() == [5.0]
+    assert not torch.equal(res[0][1]["momentum"][f"{names[0]}:variance"], res[1][1]["momentum"][f"{names[0]}:variance"])
+
+
+def test_adam_precondition_on_one_rank_is_adamw():
+    """One rank, no compression: the hook's Adam step applied plainly is torch's AdamW."""
+    got, _ = run_ranks(_precond, 1, 6, "adamw", 0.01, 0.01, "Identity")[0]
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    for s in range(6):
+        x, y = batch(s, 0)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    for a, b in zip(got, model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_adam_precondition_resumes_bit_identically():
+    unbroken = run_ranks(_precond, 2, 7, "adamw")
+    resumed = run_ranks(_precond, 2, 7, "adamw", 0.01, 0.01, "SignSGD", 3)
+    for (want, sd_want), (got, sd_got) in zip(unbroken, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert all(torch.equal(sd_want["momentum"][k], sd_got["momentum"][k]) for k in sd_want["momentum"])
+
+
+def test_adam_precondition_adopts_the_moments_and_refuses_what_it_cannot_mirror():
+    model = make_model()
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for s in range(3):
+        x, y = batch(s, 0)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    held = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    mom, buffers = gz.momentum.Momentum.adopt(opt, named, precondition=True)
+    for n, p in named:
+        assert torch.equal(buffers[f"{n}:variance"], held[p]["exp_avg_sq"])
+        assert torch.equal(buffers[f"{n}:momentum"], held[p]["exp_avg"])
+        assert buffers[f"{n}:adam_step"].tolist() == [3.0]
+    assert not opt.state and mom.takeover is not None
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    mom.takeover.remove()
+    for bad, match in ((torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "second moment"),
+                       (torch.optim.AdamW(model.parameters(), amsgrad=True), "amsgrad")):
+        with pytest.raises(ValueError, match=match):
+            gz.momentum.Momentum.adopt(bad, named, precondition=True)
+    with pytest.raises(ValueError, match="needs the Adam or AdamW"):
+        register_hook(DDP.__new__(DDP), gz.SignSGD(), precondition=True)
+
+
+def _precond_optimizer(rank, world, steps):
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    opt = gz.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=gz.SignSGD(),
+                                  momentum_correction=True, precondition=True)
+    for s in range(steps):
+        x, y = batch(s, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_distributed_optimizer_preconditions_alike():
+    want, _, _ = precond_reference(2, 4, "adamw")
+    for got in run_ranks(_precond_optimizer, 2, 4):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="momentum_correction=True"):
+        gz.DistributedOptimizer(torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(), precondition=True)
