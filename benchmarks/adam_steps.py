@@ -1,7 +1,7 @@
 """How large a step AdamW takes per coordinate under each method (issue 19's SignSGD diagnosis).
 
     python benchmarks/adam_steps.py [--methods "Identity, SignSGD, TopK(0.003, values='sign', scope='call')"]
-                                    [--seed 0] [--clip 2] [--epochs 16]
+                                    [--seed 0] [--clip 2] [--epochs 16] [--precondition]
 
 Trains the bench's MNIST CNN on 4 gloo ranks with AdamW (the bench's settings, momentum
 corrected for every compressing method as ``--momentum-correction on`` does) and, after each
@@ -9,7 +9,10 @@ optimizer step on rank 0, reads AdamW's state: the normalized step of each coord
 ``|m_hat| / (sqrt(v_hat) + eps)`` (the step is ``lr`` times it). Reports, over the last epoch's
 steps, its mean and median over all coordinates and the fraction of coordinates above 0.1 and 0.5: a
 method whose averaged update has the same magnitude on every coordinate (re-signed values)
-makes AdamW step about ``lr`` everywhere. Writes benchmarks/results/adam_steps_cpu.json.
+makes AdamW step about ``lr`` everywhere. With ``--precondition`` the momentum-corrected rows
+keep both of Adam's moments in the hook (``register_hook(precondition=True)``), and the
+normalized step of such a row is what the optimizer applies: the averaged step in ``p.grad``.
+Writes benchmarks/results/adam_steps_cpu.json (``--out``).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ def _normalized_steps(opt: torch.optim.Optimizer) -> torch.Tensor:
         for p in group["params"]:
             st = opt.state.get(p, {})
             if "exp_avg_sq" not in st:
+                if p.grad is not None:  # precondition=True: the hook's averaged Adam step, applied as it is
+                    out.append(p.grad.detach().abs().flatten())
                 continue
             t = float(st["step"])
             m = st["exp_avg"] / (1 - b1 ** t)
@@ -80,10 +85,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--precondition", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "adam_steps_cpu.json"))
     a = p.parse_args(argv)
     cfg = bench.BenchConfig(dataset="mnist", workers=WORLD, optimizer="adamw", momentum_correction="on",
-                            seed=a.seed, clip=a.clip, epochs=a.epochs)
+                            seed=a.seed, clip=a.clip, epochs=a.epochs,
+                            precondition=a.precondition)
     methods = bench.parse_methods(a.methods)
     bench.check_methods(methods, cfg)
     ctx = mp.get_context("spawn")
@@ -107,7 +114,8 @@ def main(argv=None) -> int:
               f"{100 * r['fraction_above_0.5']:>6.1f}%")
     doc = {"command": shlex.join(["python", "benchmarks/adam_steps.py", *(sys.argv[1:] if argv is None else argv)]),
            "machine": bench.machine(), "config": {"seed": a.seed, "clip": a.clip, "epochs": cfg.resolved_epochs(),
-                                                   "optimizer": "adamw", "momentum_correction": "on", "workers": WORLD},
+                                                   "optimizer": "adamw", "momentum_correction": "on", "workers": WORLD,
+                                                   "precondition": a.precondition},
            "rows": rows}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -52,7 +52,8 @@ def accuracy(doc: dict) -> str:
         f"epochs of {cfg['steps_per_epoch']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} "
         f"momentum {cfg['momentum']:g} weight decay {cfg['weight_decay']:g}, {cfg['lr_schedule']} schedule"
         f"{', warm-up ' + format(cfg['warmup_epochs'], 'g') + ' epochs' if cfg.get('warmup_epochs') else ''}"
-        f"{', local clipping ' + format(cfg['clip'], 'g') if cfg.get('clip') is not None else ''}; "
+        f"{', local clipping ' + format(cfg['clip'], 'g') if cfg.get('clip') is not None else ''}"
+        f"{', Adam moments per rank before compression (--precondition)' if cfg.get('precondition') else ''}; "
         f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
         "",
         f"Link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's (`stats()[\"ratio\"]`); "

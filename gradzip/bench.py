@@ -149,6 +149,9 @@ class BenchConfig:
     #: rank to ``clip / sqrt(workers)``, before momentum correction and compression), for every
     #: DDP-hook row, Identity included, so that the baseline clips alike; None: off.
     clip: float | None = None
+    #: With AdamW and momentum correction, the hook keeps Adam's second moment per rank too and
+    #: compresses Adam's step (``register_hook(precondition=True)``, :mod:`gradzip.momentum`).
+    precondition: bool = False
 
     def __post_init__(self) -> None:
         if self.dataset not in N_TRAIN:
@@ -165,6 +168,10 @@ class BenchConfig:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
             raise ValueError(f"clip must be a finite number > 0 (or None), got {self.clip}")
+        if self.precondition and self.optimizer != "adamw":
+            raise ValueError(f"precondition takes over AdamW's second moment; optimizer {self.optimizer!r} has none")
+        if self.precondition and self.momentum_correction == "off":
+            raise ValueError("precondition is part of momentum correction: not with momentum_correction='off'")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr is None:
@@ -234,6 +241,8 @@ def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | 
     kw = {"error_feedback": method.error_feedback}
     if corrects_momentum(method, opt, cfg):
         kw["optimizer"] = opt
+        if cfg is not None and cfg.precondition:
+            kw["precondition"] = True
     if cfg is not None and cfg.clip is not None:
         kw["clip"] = cfg.clip
     return kw
@@ -816,7 +825,8 @@ def pareto_figure(rows: list[dict], cfg: BenchConfig):
     ax.set_title(
         f"gradzip bench: {cfg.dataset}, {cfg.workers} ranks, {cfg.resolved_epochs()} epochs, "
         f"{cfg.optimizer} (lr {cfg.lr:g}, momentum {cfg.momentum:g}, {cfg.lr_schedule}"
-        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''})",
+        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''}"
+        f"{', Adam moments per rank' if cfg.precondition else ''})",
         fontsize=10,
     )
     ax.grid(True, which="major", alpha=0.3)

@@ -31,7 +31,7 @@ def config_from_args(args):
         dataset=args.dataset, workers=args.workers, epochs=epochs, batch_size=args.batch_size,
         optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs, momentum_correction=args.momentum_correction, seed=seeds[0], seeds=seeds,
-        device=args.device, clip=args.clip,
+        device=args.device, clip=args.clip, precondition=args.precondition,
     )
 
 
@@ -81,7 +81,8 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
         f"{cfg.resolved_epochs()} epochs, batch {cfg.batch_size}/rank, {cfg.optimizer} lr {cfg.lr:g} "
         f"momentum {cfg.momentum:g} weight decay {cfg.weight_decay:g}, {cfg.lr_schedule} schedule"
         f"{f' after {cfg.warmup_epochs:g} warm-up epochs' if cfg.warmup_epochs else ''}"
-        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''}, "
+        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''}"
+        f"{', Adam moments per rank before compression' if cfg.precondition else ''}, "
         f"seeds {','.join(map(str, cfg.seeds))}; {len(methods)} methods: {', '.join(methods)}",
         flush=True,
     )

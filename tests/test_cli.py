@@ -340,6 +340,25 @@ def test_bench_clip_reaches_every_hook_row_and_refuses_rows_without_a_hook():
         BenchConfig(clip=-1.0)
 
 
+def test_bench_precondition_reaches_the_corrected_adamw_rows_only():
+    """``--precondition`` hands ``precondition=True`` to the rows whose AdamW momentum the hook
+    corrects; Identity stays plain AdamW; SGD and momentum correction off are refused."""
+    from gradzip.bench import BenchConfig, hook_options, parse_methods
+
+    assert _args().precondition is False
+    assert _args("--optimizer", "adamw", "--momentum-correction", "on", "--precondition").precondition is True
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    m = parse_methods("SignSGD")
+    cfg = BenchConfig(optimizer="adamw", momentum_correction="on", precondition=True)
+    assert hook_options(m["SignSGD"], adamw, cfg)["precondition"] is True
+    assert "optimizer" not in hook_options(m["Identity"], adamw, cfg)
+    assert "precondition" not in hook_options(m["SignSGD"], adamw, BenchConfig(optimizer="adamw", momentum_correction="on"))
+    with pytest.raises(ValueError, match="second moment"):
+        BenchConfig(optimizer="sgd", precondition=True)
+    with pytest.raises(ValueError, match="part of momentum correction"):
+        BenchConfig(optimizer="adamw", momentum_correction="off", precondition=True)
+
+
 def test_report_lists_each_seeds_delta_from_five_seeds_on():
     """``benchmarks/report.py`` follows a table of 5 or more seeds with every seed's Δ against
     Identity, their median and how many seeds fall below it; 3-seed tables stay as they were."""
@@ -386,3 +405,12 @@ def test_adam_steps_reads_adamws_normalized_step():
     w.grad = torch.zeros(4)
     opt.step()  # m decays by beta1, v by beta2: the normalized step shrinks
     assert (mod._normalized_steps(opt) < got).all()
+    # precondition=True: the optimizer holds no moments; the averaged step in p.grad is what it applies
+    u = torch.nn.Parameter(torch.zeros(3))
+    taken = torch.optim.AdamW([u], lr=0.1)
+    from gradzip.momentum import Momentum
+
+    Momentum.adopt(taken, [("u", u)], precondition=True)
+    u.grad = torch.tensor([0.5, -0.25, 0.0])
+    taken.step()
+    torch.testing.assert_close(mod._normalized_steps(taken), torch.tensor([0.5, 0.25, 0.0]))
