@@ -302,6 +302,8 @@ class Engine:
                     where = f"in {local} on rank {self.comm.rank}" if local else "on another rank"
                     raise FloatingPointError(f"non-finite gradient {where} at step {step}")
                 out = torch.full_like(out, float("nan"))
+            if self.momentum is not None and self.momentum.takeover is not None:
+                self.momentum.takeover.record(out)  # what the optimizer must find in p.grad
             return out
         finally:
             with self._lock:

@@ -53,10 +53,14 @@ from AdamW: the second moment comes from each rank's gradient, not from the aver
 also holds the rank's sampling noise and steps are somewhat shorter where gradients are noisy.
 ``amsgrad``, ``maximize`` and a closure are refused. The hook hands the optimizer steps, not
 gradients: scaling ``p.grad`` between backward and ``step()`` (``clip_grad_norm_``,
-``GradScaler.unscale_``) would scale the step, so use ``register_hook(clip=)`` and bf16.
+``GradScaler.unscale_``) would scale the step, so use ``register_hook(clip=)`` and bf16;
+``step()`` checks on the first steps and now and then that ``p.grad`` is what the engine
+averaged, and raises ``ValueError`` if not (:class:`_StepTakeover`).
 """
 from __future__ import annotations
 
+import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -279,12 +283,35 @@ class _StepTakeover:
     (``precondition=True``): before ``step()`` their gradients (the averaged steps) are set
     aside, so the optimizer skips them, and after it ``p *= 1 - lr * weight_decay`` (AdamW's
     decoupled decay) and ``p -= lr * step``, with the group's ``lr`` at that moment; then the
-    gradients are put back. ``remove()`` detaches the hooks."""
+    gradients are put back. ``remove()`` detaches the hooks.
+
+    **Guard.** The steps must reach ``step()`` as the engine averaged them: ``GradScaler``'s
+    ``unscale_`` or ``clip_grad_norm_`` in between would scale the step silently. On the first
+    :data:`CHECKED_STEPS` steps and every :data:`CHECK_EVERY`-th after, the engine hands each
+    call's average to :meth:`record` (its L1 norm, kept on the device) and ``step()`` compares
+    it with ``p.grad``'s (one host sync), raising ``ValueError`` where they differ."""
+
+    CHECKED_STEPS = 8
+    CHECK_EVERY = 64
 
     def __init__(self, optimizer: torch.optim.Optimizer, params) -> None:
         self.ids = {id(p) for p in params}
         self._aside: list = []
+        self._steps = 0
+        self._expected: torch.Tensor | None = None
+        self._lock = threading.Lock()
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def _due(self) -> bool:
+        return self._steps < self.CHECKED_STEPS or self._steps % self.CHECK_EVERY == 0
+
+    def record(self, out: torch.Tensor) -> None:
+        """One call's averaged steps (the engine's output), on checked steps."""
+        if not self._due():
+            return
+        l1 = out.detach().abs().sum(dtype=torch.float64)
+        with self._lock:
+            self._expected = l1 if self._expected is None else self._expected + l1.to(self._expected.device)
 
     def _pre(self, optimizer, args_, kwargs) -> None:
         # torch passes step's own arguments, ``self`` first
@@ -295,7 +322,19 @@ class _StepTakeover:
             for p in group["params"]:
                 if id(p) in self.ids and p.grad is not None:
                     self._aside.append((group, p, p.grad))
-                    p.grad = None
+        with self._lock:
+            expected, self._expected = self._expected, None
+        due, self._steps = self._due(), self._steps + 1
+        if due and expected is not None and self._aside:
+            found = torch.stack([g.detach().abs().sum(dtype=torch.float64).to(expected.device) for _, _, g in self._aside]).sum()
+            exp, got = float(expected), float(found)
+            if math.isfinite(exp) and abs(got - exp) > 1e-4 * max(abs(exp), 1e-30):
+                raise ValueError(
+                    f"p.grad changed between the gradzip hook and optimizer.step() (L1 norm {exp:.6g} averaged, "
+                    f"{got:.6g} found): with precondition=True p.grad holds Adam's steps, which GradScaler.unscale_ "
+                    "or clip_grad_norm_ would rescale; clip with clip= in the hook and train in bfloat16 or float32")
+        for _, p, _ in self._aside:
+            p.grad = None
 
     @torch.no_grad()
     def _post(self, optimizer, args_, kwargs) -> None:

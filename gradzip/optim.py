@@ -230,6 +230,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         args.flag("momentum_correction", momentum_correction)
         if precondition and not momentum_correction:
             raise ValueError("precondition=True is part of momentum correction: pass momentum_correction=True too")
+        if precondition and (op != "average" or f != 1.0):
+            raise ValueError("precondition=True hands the optimizer Adam's averaged step, which op='sum' or a "
+                             "gradient_predivide_factor would rescale: use op='average' and factor 1")
         momentum, buffers = Momentum.adopt(optimizer, named, precondition=precondition) if momentum_correction else (None, {})
         self.engine = Engine(
             compression,

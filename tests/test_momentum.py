@@ -471,3 +471,33 @@ def test_distributed_optimizer_preconditions_alike():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="momentum_correction=True"):
         gz.DistributedOptimizer(torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(), precondition=True)
+
+
+def _rescaled_between(rank, world):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    register_hook(ddp, gz.SignSGD(), optimizer=opt, precondition=True)
+    x, y = batch(0, rank)
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step()  # untouched: fine
+    opt.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    for p in model.parameters():
+        p.grad.div_(1024.0)  # what GradScaler.unscale_ does
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except ValueError as exc:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert all(p.grad is not None for p in model.parameters())
+        return str(exc)
+    return None
+
+
+def test_adam_precondition_refuses_steps_rescaled_after_the_hook():
+    for msg in run_ranks(_rescaled_between, 2):
+        assert msg is not None and "p.grad changed between the gradzip hook and optimizer.step()" in msg
+    with pytest.raises(ValueError, match="op='sum'"):
+        gz.DistributedOptimizer(torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(),
+                                momentum_correction=True, precondition=True, op="sum")
