@@ -170,8 +170,10 @@ class BenchConfig:
             raise ValueError(f"clip must be a finite number > 0 (or None), got {self.clip}")
         if self.precondition and self.optimizer != "adamw":
             raise ValueError(f"precondition takes over AdamW's second moment; optimizer {self.optimizer!r} has none")
-        if self.precondition and self.momentum_correction == "off":
-            raise ValueError("precondition is part of momentum correction: not with momentum_correction='off'")
+        if self.precondition and self.momentum_correction != "on":
+            # "auto" corrects sparse codecs only: SignSGD, the codec precondition is for, would be left out
+            raise ValueError(f"precondition is part of momentum correction: it needs momentum_correction='on', "
+                             f"got {self.momentum_correction!r}")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr is None:

@@ -134,8 +134,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="local gradient clipping in the hook, every DDP-hook row (Identity too): each tensor's norm "
                         "on each rank to CLIP / sqrt(workers), before compression (default: off)")
     b.add_argument("--precondition", action="store_true",
-                   help="with --optimizer adamw: rows with momentum correction also keep AdamW's second moment per "
-                        "rank and compress Adam's step (register_hook(precondition=True)); Identity stays plain AdamW")
+                   help="with --optimizer adamw and --momentum-correction on: the corrected rows also keep AdamW's "
+                        "second moment per rank and compress Adam's step (register_hook(precondition=True)); "
+                        "Identity stays plain AdamW")
     b.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=32, help="per rank (default: 32)")
     b.add_argument("--quick", action="store_true",
                    help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given")

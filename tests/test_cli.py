@@ -355,8 +355,9 @@ def test_bench_precondition_reaches_the_corrected_adamw_rows_only():
     assert "precondition" not in hook_options(m["SignSGD"], adamw, BenchConfig(optimizer="adamw", momentum_correction="on"))
     with pytest.raises(ValueError, match="second moment"):
         BenchConfig(optimizer="sgd", precondition=True)
-    with pytest.raises(ValueError, match="part of momentum correction"):
-        BenchConfig(optimizer="adamw", momentum_correction="off", precondition=True)
+    for mode in ("off", "auto"):  # auto would leave SignSGD uncorrected, and so not preconditioned
+        with pytest.raises(ValueError, match="needs momentum_correction='on'"):
+            BenchConfig(optimizer="adamw", momentum_correction=mode, precondition=True)
 
 
 def test_report_lists_each_seeds_delta_from_five_seeds_on():
