@@ -28,17 +28,35 @@ def batch(step, rank):
     return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
+def train(model, opt, rank, first, end):
+    """Steps ``first`` to ``end - 1`` of this rank's batches: zero_grad, backward, step."""
+    for s in range(first, end):
+        x, y = batch(s, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def reload(fresh, model, opt, state):
+    """Save the model, the optimizer and the hook's state, build new ones with ``fresh()`` and
+    load the saved states into them, through ``torch.save``/``torch.load(weights_only=True)``."""
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict(), "g": state.state_dict()}, buf)
+    model, ddp, opt, state = fresh()
+    ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    model.load_state_dict(ck["m"])
+    opt.load_state_dict(ck["o"])
+    state.load_state_dict(ck["g"])
+    return model, ddp, opt, state
+
+
 def _ddp(rank, world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     model = make_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=m, nesterov=nesterov, weight_decay=wd)
     state = register_hook(ddp, codec if codec is not None else gz.TopK(0.1), optimizer=opt)
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in opt.param_groups)
-    for s in range(steps):
-        x, y = batch(s, rank)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    train(ddp, opt, rank, 0, steps)
     return [p.detach().clone() for p in model.parameters()], state.state_dict()
 
 
@@ -120,11 +138,7 @@ def _adam(rank, world, steps, lr=0.01, b1=0.9, wd=0.01):
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(b1, 0.999), weight_decay=wd)
     state = register_hook(ddp, gz.TopK(0.1, values="sign", scope="call"), optimizer=opt)
     assert all(g["betas"] == (0.0, 0.999) and g["weight_decay"] == wd for g in opt.param_groups)
-    for s in range(steps):
-        x, y = batch(s, rank)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    train(ddp, opt, rank, 0, steps)
     return [p.detach().clone() for p in model.parameters()], state.state_dict()
 
 
@@ -188,26 +202,13 @@ def _checkpoint(rank, world, steps, k):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         return model, ddp, opt, register_hook(ddp, gz.parse(method), optimizer=opt, clip=1.0)
 
-    def run(ddp, opt, a, b):
-        for s in range(a, b):
-            x, y = batch(s, rank)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
     model, ddp, opt, state = fresh()
-    run(ddp, opt, 0, steps)
+    train(ddp, opt, rank, 0, steps)
     unbroken = [p.detach().clone() for p in model.parameters()]
     model, ddp, opt, state = fresh()
-    run(ddp, opt, 0, k)
-    buf = io.BytesIO()
-    torch.save({"m": model.state_dict(), "o": opt.state_dict(), "g": state.state_dict()}, buf)
-    model, ddp, opt, state = fresh()
-    ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    model.load_state_dict(ck["m"])
-    opt.load_state_dict(ck["o"])
-    state.load_state_dict(ck["g"])
-    run(ddp, opt, k, steps)
+    train(ddp, opt, rank, 0, k)
+    model, ddp, opt, state = reload(fresh, model, opt, state)
+    train(ddp, opt, rank, k, steps)
     return unbroken, [p.detach().clone() for p in model.parameters()]
 
 
@@ -289,11 +290,7 @@ def _momentum_states(rank, world, steps, loaded):
     if loaded is not None:
         state.load_state_dict(loaded[rank])
         return state.state_dict()
-    for s in range(steps):
-        x, y = batch(s, rank)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    train(ddp, opt, rank, 0, steps)
     return state.state_dict()
 
 
@@ -331,25 +328,12 @@ def _precond(rank, world, steps, kind, lr=0.01, wd=0.01, codec="SignSGD", resume
         state = register_hook(ddp, gz.parse(codec), optimizer=opt, precondition=True)
         return model, ddp, opt, state
 
-    def run(ddp, opt, a, b):
-        for s in range(a, b):
-            x, y = batch(s, rank)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
     model, ddp, opt, state = fresh()
-    run(ddp, opt, 0, steps if resume_at is None else resume_at)
+    train(ddp, opt, rank, 0, steps if resume_at is None else resume_at)
     assert not opt.state  # the optimizer keeps no moments of its own
     if resume_at is not None:
-        buf = io.BytesIO()
-        torch.save({"m": model.state_dict(), "o": opt.state_dict(), "g": state.state_dict()}, buf)
-        model, ddp, opt, state = fresh()
-        ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-        model.load_state_dict(ck["m"])
-        opt.load_state_dict(ck["o"])
-        state.load_state_dict(ck["g"])
-        run(ddp, opt, resume_at, steps)
+        model, ddp, opt, state = reload(fresh, model, opt, state)
+        train(ddp, opt, rank, resume_at, steps)
     return [p.detach().clone() for p in model.parameters()], state.state_dict()
 
 
@@ -407,11 +391,7 @@ def test_adam_precondition_on_one_rank_is_adamw():
     got, _ = run_ranks(_precond, 1, 6, "adamw", 0.01, 0.01, "Identity")[0]
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
-    for s in range(6):
-        x, y = batch(s, 0)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(model, opt, 0, 0, 6)
     for a, b in zip(got, model.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
 
@@ -428,11 +408,7 @@ def test_adam_precondition_adopts_the_moments_and_refuses_what_it_cannot_mirror(
     model = make_model()
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for s in range(3):
-        x, y = batch(s, 0)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(model, opt, 0, 0, 3)
     held = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
     mom, buffers = gz.momentum.Momentum.adopt(opt, named, precondition=True)
     for n, p in named:
@@ -456,11 +432,7 @@ def _precond_optimizer(rank, world, steps):
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
     opt = gz.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=gz.SignSGD(),
                                   momentum_correction=True, precondition=True)
-    for s in range(steps):
-        x, y = batch(s, rank)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(model, opt, rank, 0, steps)
     return [p.detach().clone() for p in model.parameters()]
 
 
