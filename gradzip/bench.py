@@ -189,6 +189,11 @@ class BenchConfig:
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
         self.hidden = tuple(self.hidden)
 
+    def hook_extras(self) -> str:
+        """The hook options in force, for titles and console lines: "" or ", local clipping 2, ..."."""
+        return (f"{f', local clipping {self.clip:g}' if self.clip is not None else ''}"
+                f"{', Adam moments per rank before compression' if self.precondition else ''}")
+
     def resolved_epochs(self) -> int:
         return self.epochs if self.epochs is not None else DEFAULT_EPOCHS[self.dataset]
 
@@ -827,8 +832,7 @@ def pareto_figure(rows: list[dict], cfg: BenchConfig):
     ax.set_title(
         f"gradzip bench: {cfg.dataset}, {cfg.workers} ranks, {cfg.resolved_epochs()} epochs, "
         f"{cfg.optimizer} (lr {cfg.lr:g}, momentum {cfg.momentum:g}, {cfg.lr_schedule}"
-        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''}"
-        f"{', Adam moments per rank' if cfg.precondition else ''})",
+        f"{cfg.hook_extras()})",
         fontsize=10,
     )
     ax.grid(True, which="major", alpha=0.3)

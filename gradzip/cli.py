@@ -81,8 +81,7 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
         f"{cfg.resolved_epochs()} epochs, batch {cfg.batch_size}/rank, {cfg.optimizer} lr {cfg.lr:g} "
         f"momentum {cfg.momentum:g} weight decay {cfg.weight_decay:g}, {cfg.lr_schedule} schedule"
         f"{f' after {cfg.warmup_epochs:g} warm-up epochs' if cfg.warmup_epochs else ''}"
-        f"{f', local clipping {cfg.clip:g}' if cfg.clip is not None else ''}"
-        f"{', Adam moments per rank before compression' if cfg.precondition else ''}, "
+        f"{cfg.hook_extras()}, "
         f"seeds {','.join(map(str, cfg.seeds))}; {len(methods)} methods: {', '.join(methods)}",
         flush=True,
     )

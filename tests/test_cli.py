@@ -351,6 +351,7 @@ def test_bench_precondition_reaches_the_corrected_adamw_rows_only():
     m = parse_methods("SignSGD")
     cfg = BenchConfig(optimizer="adamw", momentum_correction="on", precondition=True)
     assert hook_options(m["SignSGD"], adamw, cfg)["precondition"] is True
+    assert cfg.hook_extras() == ", Adam moments per rank before compression" and BenchConfig().hook_extras() == ""
     assert "optimizer" not in hook_options(m["Identity"], adamw, cfg)
     assert "precondition" not in hook_options(m["SignSGD"], adamw, BenchConfig(optimizer="adamw", momentum_correction="on"))
     with pytest.raises(ValueError, match="second moment"):
