@@ -1,8 +1,10 @@
 """Run a function on N gloo ranks (127.0.0.1, a free port) and collect what each returns.
 
-Starting a rank (a fresh interpreter importing torch and gradzip) costs about 2 s of CPU,
-more than most multi-rank tests themselves on the CI's two cores. So the ranks of a world
-size are started once and kept (:class:`_Pool`): every call sends the function to the
+Starting a rank as a fresh interpreter importing torch and gradzip costs about 2 s of CPU,
+more than most multi-rank tests themselves on the CI's two cores. So ranks are forked from a
+forkserver that imported torch, torch.distributed (FSDP included) and gradzip once
+(:func:`_context`: about 10 ms a rank), and the ranks of a world size are started once and
+kept (:class:`_Pool`): every call sends the function to the
 same N processes, which join a *new* process group on a fresh port, run it, destroy the
 group and wait for the next. Between calls each rank resets torch's default generator to
 the seed a fresh process starts with, so a test sees what it would see in new processes.
@@ -11,6 +13,7 @@ blocked in a collective with the failed one); the next call starts a new one.
 ``run_ranks(..., fresh=True)`` runs in processes of its own, as before the pool, for a
 test whose function leaves state behind in a process (or must see a pristine one).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -23,6 +26,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradzip.bench import free_port, init_worker
+
+#: What the forkserver imports once, so that a rank forked from it starts in milliseconds.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "gradzip",
+    "gradzip.bench",
+    "gradzip.hooks",
+    "tests.mp_utils",
+]
+
+
+def _context():
+    """The multiprocessing context ranks start from: a forkserver with :data:`PRELOAD`
+    imported (its children inherit a clean, single-threaded interpreter, as spawn's do)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _run(fn, rank, world, port, args, q, timeout_s):
@@ -65,12 +89,14 @@ def _serve(rank, world, inbox, q):
 
 class _Pool:
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.results), daemon=True)
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 
@@ -125,7 +151,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, pg_timeout: float =
     """
     port = free_port()
     if fresh:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         q = ctx.Queue()
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q, pg_timeout)) for r in range(world)]
         for p in procs:
