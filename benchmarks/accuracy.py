@@ -7,6 +7,7 @@ benchmarks/results/<stem>.{json,csv,png} (the files ``gradzip bench --out`` writ
 ``accuracy_<dataset>_<N>ranks_<optimizer>_<device>`` unless ``--stem`` says otherwise. The JSON
 records the command, the machine, versions and date; ``benchmarks/report.py`` prints its table.
 """
+
 from __future__ import annotations
 
 import argparse

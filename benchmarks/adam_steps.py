@@ -14,6 +14,7 @@ keep both of Adam's moments in the hook (``register_hook(precondition=True)``), 
 normalized step of such a row is what the optimizer applies: the averaged step in ``p.grad``.
 Writes benchmarks/results/adam_steps_cpu.json (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,8 @@ def _normalized_steps(opt: torch.optim.Optimizer) -> torch.Tensor:
                     out.append(p.grad.detach().abs().flatten())
                 continue
             t = float(st["step"])
-            m = st["exp_avg"] / (1 - b1 ** t)
-            v = st["exp_avg_sq"] / (1 - b2 ** t)
+            m = st["exp_avg"] / (1 - b1**t)
+            v = st["exp_avg_sq"] / (1 - b2**t)
             out.append((m.abs() / (v.sqrt() + group["eps"])).flatten())
     return torch.cat(out)
 
@@ -56,22 +57,33 @@ def _worker(rank: int, port: int, methods: dict, cfg: bench.BenchConfig, last: i
         def post(o, _args, _kwargs):
             records.append(_normalized_steps(o))
             del records[:-last]  # keep the last epoch
+
         opt.register_step_post_hook(post)
 
     try:
         for label, method in methods.items():
             records.clear()
-            res = bench.train_one(rank, WORLD, method, cfg, bench.load_dataset(cfg.dataset, cfg.seed),
-                                  on_optimizer=observe if rank == 0 else None)
+            res = bench.train_one(
+                rank,
+                WORLD,
+                method,
+                cfg,
+                bench.load_dataset(cfg.dataset, cfg.seed),
+                on_optimizer=observe if rank == 0 else None,
+            )
             if rank == 0:
                 steps = torch.stack(records)
-                queue.put({
-                    "method": label, "accuracy": res["accuracy"], "ratio": res["ratio"],
-                    "mean_normalized_step": float(steps.mean()),
-                    "median_normalized_step": float(steps.median()),
-                    "fraction_above_0.1": float((steps > 0.1).float().mean()),
-                    "fraction_above_0.5": float((steps > 0.5).float().mean()),
-                })
+                queue.put(
+                    {
+                        "method": label,
+                        "accuracy": res["accuracy"],
+                        "ratio": res["ratio"],
+                        "mean_normalized_step": float(steps.mean()),
+                        "median_normalized_step": float(steps.median()),
+                        "fraction_above_0.1": float((steps > 0.1).float().mean()),
+                        "fraction_above_0.5": float((steps > 0.5).float().mean()),
+                    }
+                )
     except BaseException as exc:  # noqa: BLE001 - tell the parent, which would otherwise wait
         queue.put({"error": f"rank {rank}: {exc!r}"})
         raise
@@ -88,15 +100,24 @@ def main(argv=None) -> int:
     p.add_argument("--precondition", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "adam_steps_cpu.json"))
     a = p.parse_args(argv)
-    cfg = bench.BenchConfig(dataset="mnist", workers=WORLD, optimizer="adamw", momentum_correction="on",
-                            seed=a.seed, clip=a.clip, epochs=a.epochs,
-                            precondition=a.precondition)
+    cfg = bench.BenchConfig(
+        dataset="mnist",
+        workers=WORLD,
+        optimizer="adamw",
+        momentum_correction="on",
+        seed=a.seed,
+        clip=a.clip,
+        epochs=a.epochs,
+        precondition=a.precondition,
+    )
     methods = bench.parse_methods(a.methods)
     bench.check_methods(methods, cfg)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = bench.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, methods, cfg, cfg.steps_per_epoch(), queue)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, methods, cfg, cfg.steps_per_epoch(), queue)) for r in range(WORLD)
+    ]
     for proc in procs:
         proc.start()
     rows = []
@@ -109,14 +130,25 @@ def main(argv=None) -> int:
         proc.join(timeout=60)
     print(f"{'method':<45} {'ratio':>8} {'acc %':>7} {'mean |step|/lr':>15} {'median':>8} {'> 0.1':>7} {'> 0.5':>7}")
     for r in rows:
-        print(f"{r['method']:<45} {r['ratio']:>7.1f}x {100 * r['accuracy']:>7.2f} {r['mean_normalized_step']:>15.3f} "
-              f"{r['median_normalized_step']:>8.3f} {100 * r['fraction_above_0.1']:>6.1f}% "
-              f"{100 * r['fraction_above_0.5']:>6.1f}%")
-    doc = {"command": shlex.join(["python", "benchmarks/adam_steps.py", *(sys.argv[1:] if argv is None else argv)]),
-           "machine": bench.machine(), "config": {"seed": a.seed, "clip": a.clip, "epochs": cfg.resolved_epochs(),
-                                                   "optimizer": "adamw", "momentum_correction": "on", "workers": WORLD,
-                                                   "precondition": a.precondition},
-           "rows": rows}
+        print(
+            f"{r['method']:<45} {r['ratio']:>7.1f}x {100 * r['accuracy']:>7.2f} {r['mean_normalized_step']:>15.3f} "
+            f"{r['median_normalized_step']:>8.3f} {100 * r['fraction_above_0.1']:>6.1f}% "
+            f"{100 * r['fraction_above_0.5']:>6.1f}%"
+        )
+    doc = {
+        "command": shlex.join(["python", "benchmarks/adam_steps.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": bench.machine(),
+        "config": {
+            "seed": a.seed,
+            "clip": a.clip,
+            "epochs": cfg.resolved_epochs(),
+            "optimizer": "adamw",
+            "momentum_correction": "on",
+            "workers": WORLD,
+            "precondition": a.precondition,
+        },
+        "rows": rows,
+    }
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {a.out}")

@@ -15,6 +15,7 @@ feedback on), from the same initialization and data, and records:
 
     .venv/bin/python benchmarks/fsdp_acceptance.py      # writes benchmarks/results/fsdp_acceptance.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,11 @@ def _work(rank, world, layout, steps, lr):
     if layout == "fsdp":
         runs = {"plain": {}, "identity": dict(rs="Identity()"), "int8": dict(rs="Int8()")}
     else:  # gradzip's HSDP: FSDP on the shard sub-mesh, the replica average in the hook
-        runs = {"plain": dict(layout="hsdp"),
-                "identity": dict(layout="hsdp_shard", rs="Identity()", replicate="Identity()"),
-                "int8": dict(layout="hsdp_shard", rs="Int8()", replicate="Int8()")}
+        runs = {
+            "plain": dict(layout="hsdp"),
+            "identity": dict(layout="hsdp_shard", rs="Identity()", replicate="Identity()"),
+            "int8": dict(layout="hsdp_shard", rs="Int8()", replicate="Int8()"),
+        }
     for name, kw in runs.items():
         t0 = time.perf_counter()
         out[name] = train(rank, world, steps=steps, lr=lr, **kw)
@@ -72,7 +75,9 @@ def main() -> None:
 
         band = plain["losses"][-20:]
         row = {
-            "layout": "FSDP2" if layout == "fsdp" else "HSDP 2x2 (FSDP on mesh['shard'] + gradzip replica hook; plain: native HSDP)",
+            "layout": "FSDP2"
+            if layout == "fsdp"
+            else "HSDP 2x2 (FSDP on mesh['shard'] + gradzip replica hook; plain: native HSDP)",
             "world": world,
             "steps": a.steps,
             "identity_bit_identical": all(torch.equal(ident["params"][k], plain["params"][k]) for k in plain["params"]),
@@ -89,9 +94,15 @@ def main() -> None:
             "ranks_agree": all(
                 torch.equal(q[m]["params"][k], r[m]["params"][k]) for q in res[1:] for m in r for k in r[m]["params"]
             ),
-            "int8_stats": {k: int8["stats"][k] for k in ("steps", "bytes_raw", "bytes_sent", "bytes_link", "bytes_link_raw", "ratio")},
-            "int8_replicate_stats": {k: int8["replicate_stats"][k] for k in ("steps", "bytes_link", "bytes_link_raw", "ratio")}
-            if "replicate_stats" in int8 else None,
+            "int8_stats": {
+                k: int8["stats"][k]
+                for k in ("steps", "bytes_raw", "bytes_sent", "bytes_link", "bytes_link_raw", "ratio")
+            },
+            "int8_replicate_stats": {
+                k: int8["replicate_stats"][k] for k in ("steps", "bytes_link", "bytes_link_raw", "ratio")
+            }
+            if "replicate_stats" in int8
+            else None,
             "losses": {"plain": plain["losses"], "identity": ident["losses"], "int8": int8["losses"]},
             "seconds": {m: r[m]["seconds"] for m in r},
         }
@@ -100,10 +111,14 @@ def main() -> None:
     out = {
         "benchmark": "benchmarks/fsdp_acceptance.py",
         "command": " ".join(["python"] + sys.argv),
-        "machine": {"description": f"this {os.cpu_count()}-core VM (shared), CPU only, gloo on 127.0.0.1",
-                    "torch": torch.__version__, "python": platform.python_version(), "kernel": platform.release()},
+        "machine": {
+            "description": f"this {os.cpu_count()}-core VM (shared), CPU only, gloo on 127.0.0.1",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+        },
         "model": "Embedding(37, 22), 2 x [LayerNorm, Linear(22, 66), GELU, Linear(66, 22)], LayerNorm, Linear(22, 37); "
-                 "SGD lr %g momentum 0.9, batch 4 x 8 tokens per rank" % a.lr,
+        "SGD lr %g momentum 0.9, batch 4 x 8 tokens per rank" % a.lr,
         "rows": rows,
     }
     with open(a.out, "w") as f:

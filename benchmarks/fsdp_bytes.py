@@ -20,17 +20,18 @@ configuration check) fall before the first mark.
 
 Needs root (``ip netns``) and iproute2.
 """
+
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import multiprocessing as mp
 import os
 import platform
 import sys
 import time
 import traceback
-import multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns  # noqa: E402  (benchmarks/netns.py: the lo-only namespace)
@@ -40,12 +41,6 @@ _count = itertools.count()
 
 
 # -- namespace and counters (after /tmp/linkbytes/lobytes.py) ------------------------------
-
-
-
-
-
-
 
 
 class Ctx:
@@ -170,7 +165,9 @@ def work(ctx, cfg):
     rs = gz.parse(cfg["rs"]) if cfg.get("rs") else None
     rep = gz.parse(cfg["replicate"]) if cfg.get("replicate") else None
     if rs is not None or rep is not None:
-        state = gz.fsdp.compress(model, rs, replicate=rep, replicate_group=mesh["replicate"] if rep is not None else None)
+        state = gz.fsdp.compress(
+            model, rs, replicate=rep, replicate_group=mesh["replicate"] if rep is not None else None
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(ctx.rank)
     idx = torch.randint(0, vocab, (8, 32), generator=g)
@@ -201,8 +198,10 @@ def work(ctx, cfg):
         step(False)
     t_nosync = (time.perf_counter() - t0) / K
     ctx.mark("nosync:end")
-    counted = {k: {f: (after[k][f] - before[k][f]) / K for f in ("bytes_sent", "bytes_link", "bytes_link_raw", "bytes_raw")}
-               for k in after}
+    counted = {
+        k: {f: (after[k][f] - before[k][f]) / K for f in ("bytes_sent", "bytes_link", "bytes_link_raw", "bytes_raw")}
+        for k in after
+    }
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "grad_bytes": 4 * sum(p.numel() for p in model.parameters()),
@@ -270,41 +269,70 @@ def main() -> None:
             for world in (2, 4):
                 for rs in (None, "Identity()", "Int8()"):
                     plan.append((model, "fsdp", world, rs, None))
-        plan += [("small", "hsdp", 4, None, None), ("small", "hsdp_shard", 4, "Int8()", "Int8()"),
-                 ("small", "hsdp", 4, "Int8()", None)]
+        plan += [
+            ("small", "hsdp", 4, None, None),
+            ("small", "hsdp_shard", 4, "Int8()", "Int8()"),
+            ("small", "hsdp", 4, "Int8()", None),
+        ]
     for model, layout, world, rs, rep in plan:
         v, d = models[model]
         cfg = dict(model=model, vocab=v, dim=d, layout=layout, world=world, rs=rs, replicate=rep, steps=a.steps)
         t0 = time.time()
         row = run(cfg)
         runs.append(row)
-        print(f"{model:5s} {layout:10s} N={world} rs={rs!s:11s} rep={rep!s:7s} lo/rank/step: sync {row['lo_bytes_per_rank_step_sync']:10.0f} "
-              f"nosync {row['lo_bytes_per_rank_step_nosync']:10.0f} reduction {row['lo_bytes_per_rank_step_reduction']:10.0f} "
-              f"({time.time() - t0:.0f} s)", flush=True)
+        print(
+            f"{model:5s} {layout:10s} N={world} rs={rs!s:11s} rep={rep!s:7s} lo/rank/step: sync {row['lo_bytes_per_rank_step_sync']:10.0f} "
+            f"nosync {row['lo_bytes_per_rank_step_nosync']:10.0f} reduction {row['lo_bytes_per_rank_step_reduction']:10.0f} "
+            f"({time.time() - t0:.0f} s)",
+            flush=True,
+        )
     # ratios against plain FSDP2 of the same model, layout family and world size
     summary = []
     for row in runs:
-        base = next((r for r in runs if r["model"] == row["model"] and r["world"] == row["world"] and r["rs"] is None
-                     and r["replicate"] is None and (r["layout"] == "hsdp") == (row["layout"] != "fsdp")), None)
+        base = next(
+            (
+                r
+                for r in runs
+                if r["model"] == row["model"]
+                and r["world"] == row["world"]
+                and r["rs"] is None
+                and r["replicate"] is None
+                and (r["layout"] == "hsdp") == (row["layout"] != "fsdp")
+            ),
+            None,
+        )
         if base is None or base is row:
             continue
         ratio = row["lo_bytes_per_rank_step_reduction"] / base["lo_bytes_per_rank_step_reduction"]
         n, g = row["world"], row["grad_bytes"]
         row["ratio_vs_plain_fsdp2"] = ratio
-        summary.append({
-            "model": row["model"], "layout": row["layout"], "world": n, "rs": row["rs"], "replicate": row["replicate"],
-            "params": row["params"],
-            "plain_lo_bytes_per_rank_step": base["lo_bytes_per_rank_step_reduction"],
-            "gradzip_lo_bytes_per_rank_step": row["lo_bytes_per_rank_step_reduction"],
-            "ratio_vs_plain_fsdp2": ratio,
-            # gloo runs reduce_scatter as a full ring allreduce (2(N-1)/N of the input), twice a
-            # textbook reduce-scatter ((N-1)/N, what NCCL's ring sends): the ratio against that
-            "ratio_vs_textbook_reduce_scatter": row["lo_bytes_per_rank_step_reduction"] / ((n - 1) / n * g)
-            if row["layout"] == "fsdp" else None,
-        })
-    out = {"benchmark": "benchmarks/fsdp_bytes.py", "command": " ".join(["python"] + sys.argv), "machine": machine(),
-           "method": "lo TX bytes of a fresh network namespace per rank per step; reduction = synchronized steps minus "
-                     "set_requires_gradient_sync(False) steps (same all-gathers)", "summary": summary, "runs": runs}
+        summary.append(
+            {
+                "model": row["model"],
+                "layout": row["layout"],
+                "world": n,
+                "rs": row["rs"],
+                "replicate": row["replicate"],
+                "params": row["params"],
+                "plain_lo_bytes_per_rank_step": base["lo_bytes_per_rank_step_reduction"],
+                "gradzip_lo_bytes_per_rank_step": row["lo_bytes_per_rank_step_reduction"],
+                "ratio_vs_plain_fsdp2": ratio,
+                # gloo runs reduce_scatter as a full ring allreduce (2(N-1)/N of the input), twice a
+                # textbook reduce-scatter ((N-1)/N, what NCCL's ring sends): the ratio against that
+                "ratio_vs_textbook_reduce_scatter": row["lo_bytes_per_rank_step_reduction"] / ((n - 1) / n * g)
+                if row["layout"] == "fsdp"
+                else None,
+            }
+        )
+    out = {
+        "benchmark": "benchmarks/fsdp_bytes.py",
+        "command": " ".join(["python"] + sys.argv),
+        "machine": machine(),
+        "method": "lo TX bytes of a fresh network namespace per rank per step; reduction = synchronized steps minus "
+        "set_requires_gradient_sync(False) steps (same all-gathers)",
+        "summary": summary,
+        "runs": runs,
+    }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

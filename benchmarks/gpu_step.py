@@ -42,6 +42,7 @@ Models (written here; torchvision is not needed):
   context 1024; 124M parameters, tied embedding), batch 8 x 1024 tokens;
 * ``tiny``: small versions of both (for the CPU smoke run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,8 +111,12 @@ class ResNet(nn.Module):
 
     def __init__(self, blocks=(3, 4, 6, 3), base: int = 64, classes: int = 1000) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(base), nn.ReLU(),
-                                  nn.MaxPool2d(3, stride=2, padding=1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(base),
+            nn.ReLU(),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
         layers, cin = [], base
         for i, n in enumerate(blocks):
             width = base * 2**i
@@ -237,12 +242,17 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
     raw_bytes = sum(nbytes)
     ones = Link(1.0)  # wire time at 1 bit/s = the bits on the wire (latency 0)
     raw_bits = sum(
-        wire_time([c for c in dry_run(gz.Identity(), [grads[i] for i in b], world_size=world, decode=False).collectives],
-                  world, ones)
+        wire_time(
+            [c for c in dry_run(gz.Identity(), [grads[i] for i in b], world_size=world, decode=False).collectives],
+            world,
+            ones,
+        )
         for b in buckets
     )
-    log(f"{name}: {sum(t.numel() for t in grads) / 1e6:.1f}M parameters, {len(buckets)} buckets, "
-        f"compute {compute_s * 1e3:.2f} ms/step")
+    log(
+        f"{name}: {sum(t.numel() for t in grads) / 1e6:.1f}M parameters, {len(buckets)} buckets, "
+        f"compute {compute_s * 1e3:.2f} ms/step"
+    )
 
     rows = {}
     for spec in methods:
@@ -255,8 +265,14 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
 
                 def run():
                     for b in buckets:
-                        d = dry_run(method, [grads[i] for i in b], world_size=world, names=[names[i] for i in b],
-                                    stores=stores, step=s)
+                        d = dry_run(
+                            method,
+                            [grads[i] for i in b],
+                            world_size=world,
+                            names=[names[i] for i in b],
+                            stores=stores,
+                            step=s,
+                        )
                         colls.extend(d.collectives)
 
                 t = timed(run, device)
@@ -276,8 +292,10 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
             "wire_bits_per_step": bits,
             "wire_ratio_vs_allreduce": raw_bits / bits if bits else math.inf,
         }
-        log(f"  {spec:55s} codec {codec_s * 1e3:9.3f} ms/step ({codec_s / compute_s:7.1%} of compute), "
-            f"wire {raw_bits / bits if bits else math.inf:8.1f}x less than allreduce")
+        log(
+            f"  {spec:55s} codec {codec_s * 1e3:9.3f} ms/step ({codec_s / compute_s:7.1%} of compute), "
+            f"wire {raw_bits / bits if bits else math.inf:8.1f}x less than allreduce"
+        )
     base = rows.get("Identity()", {}).get("codec_ms_per_step", 0.0) / 1e3
     for spec, row in rows.items():
         if "error" in row:
@@ -367,11 +385,17 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": warmup,
         "cost_model": "ring formulas (gradzip.costmodel.wire_time), latency 0, one flat link, no overlap",
-        "kernels_chosen": {op: {dev: c["backend"] for dev, c in v["chosen"].items()} for op, v in report["ops"].items()
-                           if v["chosen"]},
+        "kernels_chosen": {
+            op: {dev: c["backend"] for dev, c in v["chosen"].items()} for op, v in report["ops"].items() if v["chosen"]
+        },
         "models": results,
     }
-    failed = [f"{m}: {spec}: {row['error']}" for m, r in results.items() for spec, row in r["methods"].items() if "error" in row]
+    failed = [
+        f"{m}: {spec}: {row['error']}"
+        for m, r in results.items()
+        for spec, row in r["methods"].items()
+        if "error" in row
+    ]
     doc["errors"] = failed
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu_step_{slug(name)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

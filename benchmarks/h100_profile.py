@@ -20,6 +20,7 @@ Reads two committed measurements and writes two small files inside the package:
   signed relative errors' median of absolute values and percentiles, which ``gradzip plan``
   prints under its table as the plan's measured error band.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,11 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _rows(results, kernel, route=None):
-    rows = [r for r in results if r["kernel"] == kernel and r["backend"] == "triton"
-            and (route is None or r.get("route") == route)]
+    rows = [
+        r
+        for r in results
+        if r["kernel"] == kernel and r["backend"] == "triton" and (route is None or r.get("route") == route)
+    ]
     if not rows:
         raise ValueError(f"{KERNELS} has no triton row for {kernel} {route or ''}")
     return rows
@@ -67,29 +71,60 @@ def h100_profile(k: dict) -> dict:
 
     def add(cls, ef, fit_what, when=None, note=""):
         fit, what = fit_what
-        classes.append({"class": cls, "error_feedback": ef, **({"when": when} if when else {}), **fit,
-                        "basis": f"kernel times of {what} from {src}{note}; excludes Python and launch overhead"})
+        classes.append(
+            {
+                "class": cls,
+                "error_feedback": ef,
+                **({"when": when} if when else {}),
+                **fit,
+                "basis": f"kernel times of {what} from {src}{note}; excludes Python and launch overhead",
+            }
+        )
 
     add("Threshold", True, _fit(res, "threshold_ef", "decode_add_bitmap2"))
     add("SignSGD", True, _fit(res, "sign_ef", "decode_add_sign1", route="two-pass"), when={"block": None})
     add("SignSGD", True, _fit(res, "sign_ef", "decode_add_sign1", route="one-pass"), when={"block": 1024})
     add("QSGD", False, _fit(res, "qsgd_encode", "decode_add_qsgd", route="one-pass"), when={"block": 64, "levels": 7})
-    add("TopK", True, _fit(res, "sampled_topk", "scatter_add_sparse"),
-        note=f", at density {k['density']} (the scatter part grows with the ratio)")
+    add(
+        "TopK",
+        True,
+        _fit(res, "sampled_topk", "scatter_add_sparse"),
+        note=f", at density {k['density']} (the scatter part grows with the ratio)",
+    )
     copy_bps = k["copy_bandwidth_gbps"] * 1e9
     for cls in ("FP16", "BF16"):
-        classes.append({"class": cls, "error_feedback": False, "encode_s": 0.0, "encode_s_per_elem": 12.0 / copy_bps,
-                        "peer_s": 0.0, "peer_s_per_elem": 0.0,
-                        "basis": f"copy bound: 12 bytes per element over the copy bandwidth "
-                                 f"{k['copy_bandwidth_gbps']:.0f} GB/s measured by {src}; no kernel of its own timed"})
+        classes.append(
+            {
+                "class": cls,
+                "error_feedback": False,
+                "encode_s": 0.0,
+                "encode_s_per_elem": 12.0 / copy_bps,
+                "peer_s": 0.0,
+                "peer_s_per_elem": 0.0,
+                "basis": f"copy bound: 12 bytes per element over the copy bandwidth "
+                f"{k['copy_bandwidth_gbps']:.0f} GB/s measured by {src}; no kernel of its own timed",
+            }
+        )
     return {
-        "kind": "gradzip-codec-profile", "version": 1,
-        "machine": {"device": k["device"], "cpu": f"{k['device']} (kernel timings)", "date": k["date"][:10],
-                    "torch": k["torch"], "source": KERNELS, "built_by": "benchmarks/h100_profile.py"},
-        "sizes": [sizes[0], sizes[-1]], "worlds": [1, 1 + max(r.get("peers", 1) for r in res)], "repeats": 0,
-        "statistic": k["timer"], "threads": 1, "dtype": "float32",
+        "kind": "gradzip-codec-profile",
+        "version": 1,
+        "machine": {
+            "device": k["device"],
+            "cpu": f"{k['device']} (kernel timings)",
+            "date": k["date"][:10],
+            "torch": k["torch"],
+            "source": KERNELS,
+            "built_by": "benchmarks/h100_profile.py",
+        },
+        "sizes": [sizes[0], sizes[-1]],
+        "worlds": [1, 1 + max(r.get("peers", 1) for r in res)],
+        "repeats": 0,
+        "statistic": k["timer"],
+        "threads": 1,
+        "dtype": "float32",
         "missing": "PowerSGD, Int8, TernGrad, RandomK, Identity: no figure in the kernel benchmark",
-        "entries": {}, "classes": classes,
+        "entries": {},
+        "classes": classes,
     }
 
 
@@ -97,10 +132,16 @@ def error_band(pc: dict) -> dict:
     errs = sorted(r["error"] for r in pc["rows"])
     q = statistics.quantiles(errs, n=10)
     return {
-        "source": PLAN_CHECK, "built_by": "benchmarks/h100_profile.py", "machine": pc["machine"],
-        "ranks": sorted({r["ranks"] for r in pc["rows"]}), "rows": len(errs),
+        "source": PLAN_CHECK,
+        "built_by": "benchmarks/h100_profile.py",
+        "machine": pc["machine"],
+        "ranks": sorted({r["ranks"] for r in pc["rows"]}),
+        "rows": len(errs),
         "median_abs_error": statistics.median(abs(e) for e in errs),
-        "p10": q[0], "p90": q[-1], "min": errs[0], "max": errs[-1],
+        "p10": q[0],
+        "p90": q[-1],
+        "min": errs[0],
+        "max": errs[-1],
         "error": "(predicted - measured) / measured step time",
     }
 

@@ -18,6 +18,7 @@ just before each timed step; the slowest rank's), ``codec`` gradzip's own second
 one-element allreduce measured between the nodes and inside a node. Writes
 benchmarks/results/hierarchy.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,13 @@ def worker(a) -> None:
     from gradzip.hooks import register_hook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}:{a.port}",
+        rank=a.rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300),
+    )
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     node = nodes[a.rank // LOCAL]
     model = build_model(a.width, a.depth)
@@ -112,9 +118,16 @@ def worker(a) -> None:
     times, shadow_times = times[a.warmup :], shadow_times[a.warmup :]
     slowest = torch.tensor(shadow_times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    out = {"method": a.method, "step_s": statistics.median(times), "step_all_s": times,
-           "compute_s": statistics.median(slowest.tolist()), "latency_world_s": lat_world, "latency_node_s": lat_node,
-           "intra_bps": intra_bps, "params": sum(p.numel() for p in model.parameters())}
+    out = {
+        "method": a.method,
+        "step_s": statistics.median(times),
+        "step_all_s": times,
+        "compute_s": statistics.median(slowest.tolist()),
+        "latency_world_s": lat_world,
+        "latency_node_s": lat_node,
+        "intra_bps": intra_bps,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if state is not None:
         end = state.stats()
         k = end["steps"] - snap["steps"]
@@ -190,9 +203,29 @@ def main() -> int:
             port = 29000 + int(time.time() * 1000) % 20000
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 result = f.name
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--master",
-                    netns.address(0), "--port", str(port), "--result", result, "--width", str(a.width), "--depth",
-                    str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            argv = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--method",
+                method,
+                "--master",
+                netns.address(0),
+                "--port",
+                str(port),
+                "--result",
+                result,
+                "--width",
+                str(a.width),
+                "--depth",
+                str(a.depth),
+                "--batch",
+                str(a.batch),
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+            ]
             launch(_Nodes(), WORLD, argv, 1800, method)
             with open(result) as f:
                 r = json.load(f)
@@ -200,15 +233,28 @@ def main() -> int:
             r["model"] = predicted(r, a)
             r["model_error"] = r["model"]["total"] / r["step_s"] - 1
             rows.append(r)
-            print(f"{method:45s} step {r['step_s']:.3f} s  model {r['model']['total']:.3f} s ({100 * r['model_error']:+.1f}%)"
-                  f"  compute {r['compute_s']:.3f}  codec {r['model']['codec']:.3f}  wire {r['model']['wire']:.3f}", flush=True)
+            print(
+                f"{method:45s} step {r['step_s']:.3f} s  model {r['model']['total']:.3f} s ({100 * r['model_error']:+.1f}%)"
+                f"  compute {r['compute_s']:.3f}  codec {r['model']['codec']:.3f}  wire {r['model']['wire']:.3f}",
+                flush=True,
+            )
     finally:
         netns.down()
     from gradzip.machine import machine
 
-    doc = {"command": "sudo python benchmarks/hierarchy.py " + " ".join(sys.argv[1:]), "machine": machine(),
-           "rate": a.rate, "world": WORLD, "local_size": LOCAL, "width": a.width, "depth": a.depth, "batch": a.batch,
-           "steps": a.steps, "warmup": a.warmup, "rows": rows}
+    doc = {
+        "command": "sudo python benchmarks/hierarchy.py " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "rate": a.rate,
+        "world": WORLD,
+        "local_size": LOCAL,
+        "width": a.width,
+        "depth": a.depth,
+        "batch": a.batch,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=2)

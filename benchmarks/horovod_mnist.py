@@ -10,6 +10,7 @@ parameter hash and gradzip's byte stats, each method's mean accuracy minus Horov
 percentage points), whether Identity's parameters equal Horovod's bit for bit, the command
 and the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,7 +91,9 @@ def write(a, argv, runs) -> None:
             "link_ratio": sum(s["ratio"] for s in st) / len(st),
         }
     tr = [r for r in runs if r["launcher"] == "torchrun"]
-    summary["torchrun_identity_params_equal_horovod"] = [r["params_sha256"] == ref[r["seed"]]["params_sha256"] for r in tr]
+    summary["torchrun_identity_params_equal_horovod"] = [
+        r["params_sha256"] == ref[r["seed"]]["params_sha256"] for r in tr
+    ]
     doc = {
         "command": shlex.join(["python", "benchmarks/horovod_mnist.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(),

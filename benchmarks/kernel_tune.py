@@ -13,6 +13,7 @@ Times (``triton.testing.do_bench``, median, ms) and checks, on random data:
 
 GB/s counts the minimal bytes, as ``benchmarks/kernels.py`` does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,10 @@ def main(argv=None) -> int:
         row = dict(name=name, ms=ms, gbps=nbytes / ms / 1e6, fraction_of_copy=nbytes / ms / 1e6 / copy_gbps, **kw)
         rows.append(row)
         extra = "  ".join(f"{k}={v}" for k, v in kw.items())
-        print(f"{name:18s} {ms:8.4f} ms  {row['gbps']:7.1f} GB/s  {100 * row['fraction_of_copy']:5.1f}%  {extra}", flush=True)
+        print(
+            f"{name:18s} {ms:8.4f} ms  {row['gbps']:7.1f} GB/s  {100 * row['fraction_of_copy']:5.1f}%  {extra}",
+            flush=True,
+        )
 
     saved = Q.NUM_WARPS
     for warps in (4, 8):
@@ -75,12 +79,23 @@ def main(argv=None) -> int:
                 two = Q.qsgd_encode_triton(x, levels, 5, block=block, tile=tile, route="two")
                 ok = torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
                 nb = (n + block - 1) // block
-                record("qsgd_onepass", bench(fn), 4 * n + n * bits // 8 + 4 * nb, warps=warps, tile=tile, block=block, bits=bits, ok=ok)
+                record(
+                    "qsgd_onepass",
+                    bench(fn),
+                    4 * n + n * bits // 8 + 4 * nb,
+                    warps=warps,
+                    tile=tile,
+                    block=block,
+                    bits=bits,
+                    ok=ok,
+                )
             fn = lambda: Q.terngrad_encode_triton(x, 6, block=1024, tile=tile, route="one")  # noqa: E731
             one = fn()
             two = Q.terngrad_encode_triton(x, 6, block=1024, tile=tile, route="two")
             ok = torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-            record("tern_onepass", bench(fn), 4 * n + n // 4 + 4 * (n // 1024), warps=warps, tile=tile, block=1024, ok=ok)
+            record(
+                "tern_onepass", bench(fn), 4 * n + n // 4 + 4 * (n // 1024), warps=warps, tile=tile, block=1024, ok=ok
+            )
     Q.NUM_WARPS = saved
     del x
 
@@ -98,17 +113,36 @@ def main(argv=None) -> int:
         for block in (2048, 4096, 8192, 16384, 32768):
             idx = T.abs_select_triton(v, thr, expected, block=block)
             want = idx if want is None else want
-            record("abs_select", bench(lambda: T.abs_select_triton(v, thr, expected, block=block)), 4 * m + 8 * idx.numel(),
-                   warps=warps, block=block, count=idx.numel(), ok=torch.equal(idx, want))
+            record(
+                "abs_select",
+                bench(lambda: T.abs_select_triton(v, thr, expected, block=block)),
+                4 * m + 8 * idx.numel(),
+                warps=warps,
+                block=block,
+                count=idx.numel(),
+                ok=torch.equal(idx, want),
+            )
     T.NUM_WARPS = saved
     record("topk_threshold", bench(lambda: R.sampled_topk_threshold(v, k, probe)), 0)
     idx = T.abs_select_triton(v, thr, expected)
-    record("topk_trim", bench(lambda: idx[torch.topk(v[idx].abs(), k, sorted=False).indices].sort().values), 0, survivors=idx.numel())
+    record(
+        "topk_trim",
+        bench(lambda: idx[torch.topk(v[idx].abs(), k, sorted=False).indices].sort().values),
+        0,
+        survivors=idx.numel(),
+    )
     record("sampled_topk", bench(lambda: K.sampled_topk(v, k, probe)), 4 * m)
     record("torch_topk", bench(lambda: torch.topk(v.abs(), k, sorted=False)), 4 * m)
 
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "copy_gbps": copy_gbps, "n": n, "topk_n": m, "rows": rows}
+    doc = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gbps": copy_gbps,
+        "n": n,
+        "topk_n": m,
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if all(r.get("ok", True) for r in rows) else 1

@@ -41,6 +41,7 @@ Minimal bytes per op, for n float32 elements, P peers, k selected per peer:
 * decode_add_quant (P peers' QSGD 4-bit frames, or sign frames): read and write out, read
   P bodies: 8 n + P (n / 2 + 4 n / 64), or 8 n + P (n / 8 + 4 n / 1024)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,7 +90,9 @@ def copy_bandwidth(bench, device, elems: int) -> tuple:
     bytes read plus bytes written; ``bench(fn)`` returns fn's time in ms."""
     import torch
 
-    src = torch.empty(elems, dtype=torch.float32, device=device).uniform_(generator=torch.Generator(device=device).manual_seed(0))
+    src = torch.empty(elems, dtype=torch.float32, device=device).uniform_(
+        generator=torch.Generator(device=device).manual_seed(0)
+    )
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     nbytes = 2 * src.numel() * 4
@@ -146,7 +149,11 @@ def main(argv=None) -> int:
     def bench(fn) -> float:
         """Median milliseconds of fn()."""
         if use_cuda:
-            return float(triton.testing.do_bench(fn, warmup=25 if not args.smoke else 1, rep=100 if not args.smoke else 5, return_mode="median"))
+            return float(
+                triton.testing.do_bench(
+                    fn, warmup=25 if not args.smoke else 1, rep=100 if not args.smoke else 5, return_mode="median"
+                )
+            )
         fn()
         times = []
         for _ in range(3):
@@ -159,7 +166,9 @@ def main(argv=None) -> int:
     copy_elems = max(sizes) if use_cuda else 4 << 20
     copy_elems = max(copy_elems, 1 << 20)
     copy_gbps, copy_bytes, copy_ms = copy_bandwidth(bench, device, copy_elems)
-    print(f"device: {dev_name}   copy bandwidth: {copy_gbps:.1f} GB/s ({copy_bytes / 1e9:.2f} GB moved in {copy_ms:.3f} ms)")
+    print(
+        f"device: {dev_name}   copy bandwidth: {copy_gbps:.1f} GB/s ({copy_bytes / 1e9:.2f} GB moved in {copy_ms:.3f} ms)"
+    )
 
     results = []
 
@@ -203,16 +212,32 @@ def main(argv=None) -> int:
         nbytes = 12 * n + (n + 3) // 4
         record("threshold_ef", n, "triton", bench(lambda: threshold_ef_triton(x, tau_dense, r)), ref_ms, nbytes)
         if have_cupy:
-            record("threshold_ef", n, "cupy", bench(lambda: cupy_ops.threshold_ef_cupy(x, tau_dense, r)), ref_ms, nbytes)
+            record(
+                "threshold_ef", n, "cupy", bench(lambda: cupy_ops.threshold_ef_cupy(x, tau_dense, r)), ref_ms, nbytes
+            )
 
         # threshold index list, compressor path (the count is read on the host: that sync is timed)
         count = RT.threshold_ef_reference(x, tau_sparse).count
         ref_ms = bench(lambda: RT.threshold_ef_reference(x, tau_sparse).indices())
         nbytes = 4 * n + 4 * count
-        record("threshold_index", n, "triton", bench(lambda: threshold_ef_triton(x, tau_sparse).indices()), ref_ms, nbytes, count=count)
+        record(
+            "threshold_index",
+            n,
+            "triton",
+            bench(lambda: threshold_ef_triton(x, tau_sparse).indices()),
+            ref_ms,
+            nbytes,
+            count=count,
+        )
         if have_cupy:
             record(
-                "threshold_index", n, "cupy", bench(lambda: cupy_ops.threshold_ef_cupy(x, tau_sparse).indices()), ref_ms, nbytes, count=count
+                "threshold_index",
+                n,
+                "cupy",
+                bench(lambda: cupy_ops.threshold_ef_cupy(x, tau_sparse).indices()),
+                ref_ms,
+                nbytes,
+                count=count,
             )
         del r
 
@@ -252,8 +277,16 @@ def main(argv=None) -> int:
         ker_ms = bench(lambda: RT.sampled_topk_reference(x, k, probe, select=abs_select_triton))
         topk_ms = bench(lambda: torch.topk(x.abs(), k, sorted=False))
         record(
-            "sampled_topk", n, "triton", ker_ms, ref_ms, 4 * n, k=k, count_over_k=got.numel() / k,
-            torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms,
+            "sampled_topk",
+            n,
+            "triton",
+            ker_ms,
+            ref_ms,
+            4 * n,
+            k=k,
+            count_over_k=got.numel() / k,
+            torch_topk_ms=topk_ms,
+            speedup_vs_torch_topk=topk_ms / ker_ms,
         )
         # the approximate mode (TopK(mode="approx")): no exact trim, count within 10% of k
         routes = []
@@ -261,13 +294,30 @@ def main(argv=None) -> int:
         ref_ms = bench(lambda: RT.sampled_topk_approx_reference(x, k, probe))
         ker_ms = bench(lambda: RT.sampled_topk_approx_reference(x, k, probe, select=abs_select_triton))
         record(
-            "sampled_topk_approx", n, "triton", ker_ms, ref_ms, 4 * n, k=k, count_over_k=got.numel() / k,
-            route=routes[0], torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms,
+            "sampled_topk_approx",
+            n,
+            "triton",
+            ker_ms,
+            ref_ms,
+            4 * n,
+            k=k,
+            count_over_k=got.numel() / k,
+            route=routes[0],
+            torch_topk_ms=topk_ms,
+            speedup_vs_torch_topk=topk_ms / ker_ms,
         )
         if have_cupy:
             ker_ms = bench(lambda: RT.sampled_topk_reference(x, k, probe, select=cupy_ops.abs_select_cupy))
             record(
-                "sampled_topk", n, "cupy", ker_ms, ref_ms, 4 * n, k=k, torch_topk_ms=topk_ms, speedup_vs_torch_topk=topk_ms / ker_ms
+                "sampled_topk",
+                n,
+                "cupy",
+                ker_ms,
+                ref_ms,
+                4 * n,
+                k=k,
+                torch_topk_ms=topk_ms,
+                speedup_vs_torch_topk=topk_ms / ker_ms,
             )
         del probe
 
@@ -279,16 +329,28 @@ def main(argv=None) -> int:
         encoders = (  # (row, one-pass block, kernel, reference, minimal bytes but the scales, the 2nd pass's extra bytes)
             ("sign_ef", sblk, partial(sign_ef_triton, x, r), partial(R.sign_ef_reference, x, r), 12 * n + words, 8 * n),
             (
-                "sign_ef_nores", sblk, partial(sign_ef_triton, x, None, new_residual=False),
-                partial(R.sign_ef_reference, x, None, new_residual=False), 4 * n + words, 4 * n,
+                "sign_ef_nores",
+                sblk,
+                partial(sign_ef_triton, x, None, new_residual=False),
+                partial(R.sign_ef_reference, x, None, new_residual=False),
+                4 * n + words,
+                4 * n,
             ),
             (
-                "qsgd_encode", qblk, partial(qsgd_encode_triton, x, 7, seed), partial(R.qsgd_encode_reference, x, 7, seed),
-                4 * n + triton.cdiv(n, 2), 4 * n,
+                "qsgd_encode",
+                qblk,
+                partial(qsgd_encode_triton, x, 7, seed),
+                partial(R.qsgd_encode_reference, x, 7, seed),
+                4 * n + triton.cdiv(n, 2),
+                4 * n,
             ),
             (
-                "terngrad_encode", tblk, partial(terngrad_encode_triton, x, seed), partial(R.terngrad_encode_reference, x, seed),
-                4 * n + triton.cdiv(n, 4), 4 * n,
+                "terngrad_encode",
+                tblk,
+                partial(terngrad_encode_triton, x, seed),
+                partial(R.terngrad_encode_reference, x, seed),
+                4 * n + triton.cdiv(n, 4),
+                4 * n,
             ),
         )
         for name, blk, ker, ref, fixed, second in encoders:
@@ -315,7 +377,15 @@ def main(argv=None) -> int:
             kw = {"block": blk, "levels": lv, "bits": bits}
             ref_ms = bench(lambda: R.decode_add_quant_reference(out, bodies, kind, **kw))
             ker_ms = bench(lambda: decode_add_quant_triton(out, bodies, kind, **kw))
-            record(f"decode_add_{kind}", n, "triton", ker_ms, ref_ms, 8 * n + args.peers * (code_bytes + 4 * nbq), peers=args.peers)
+            record(
+                f"decode_add_{kind}",
+                n,
+                "triton",
+                ker_ms,
+                ref_ms,
+                8 * n + args.peers * (code_bytes + 4 * nbq),
+                peers=args.peers,
+            )
             del gathered, bodies
         del x, out
         sync()
@@ -351,7 +421,12 @@ def main(argv=None) -> int:
         "argv": list(argv) if argv is not None else sys.argv[1:],
         "smoke": bool(args.smoke),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"node": platform.node(), "platform": platform.platform(), "cpu": platform.processor(), "python": platform.python_version()},
+        "machine": {
+            "node": platform.node(),
+            "platform": platform.platform(),
+            "cpu": platform.processor(),
+            "python": platform.python_version(),
+        },
         "device": dev_name,
         "torch": _t.__version__,
         "triton": triton.__version__,

@@ -29,6 +29,7 @@ Plain DDP has no gradzip counter; its row gives the ring formula ``2(N-1)/N * 4 
 Needs root (ip netns) and iproute2. Writes benchmarks/results/linkbytes.json (``--out``);
 ``benchmarks/linkbytes_report.py`` prints the README table from it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,14 @@ CODECS = [
     "TernGrad",
     "Int8",
 ]
-METHODS = [DDP, "Identity", "FP16"] + [f"{p}({c})" for c in CODECS for p in ("AllGather", "TwoPhase")] + [
-    "PowerSGD(rank=4)",
-    "Int8(allreduce=True)",
-]
+METHODS = (
+    [DDP, "Identity", "FP16"]
+    + [f"{p}({c})" for c in CODECS for p in ("AllGather", "TwoPhase")]
+    + [
+        "PowerSGD(rank=4)",
+        "Int8(allreduce=True)",
+    ]
+)
 QUICK_METHODS = [DDP, "TwoPhase(TopK(0.01))"]
 
 
@@ -77,14 +82,6 @@ def check() -> str | None:
         return f"'ip netns add' failed: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
-
-
-
-
-
-
-
-
 
 
 def read_tcp() -> dict:
@@ -166,12 +163,27 @@ def _run_method(marks: Marks, spec: str, cfg: dict) -> dict:
     dt = time.perf_counter() - t0
     s1 = state.stats() if state else None
     marks.mark(f"{spec}:end")
-    row = {"method": spec, "step_s": dt / cfg["steps"], "loss": loss,
-           "params": sum(p.numel() for p in model.parameters())}
+    row = {
+        "method": spec,
+        "step_s": dt / cfg["steps"],
+        "loss": loss,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if state is not None:
         row["protocol"] = type(state.engine.protocol).__name__
-        row["stats"] = {k: s1[k] - s0[k] for k in ("bytes_link", "bytes_link_raw", "bytes_sent", "bytes_control",
-                                                   "bytes_payload", "bytes_raw", "collectives", "steps")}
+        row["stats"] = {
+            k: s1[k] - s0[k]
+            for k in (
+                "bytes_link",
+                "bytes_link_raw",
+                "bytes_sent",
+                "bytes_control",
+                "bytes_payload",
+                "bytes_raw",
+                "collectives",
+                "steps",
+            )
+        }
     return row
 
 
@@ -212,8 +224,10 @@ def run_world(world: int, methods: list, cfg: dict, timeout: float) -> dict:
     try:
         barrier, q = sctx.Barrier(world), sctx.Queue()
         port = 29500  # the namespace is fresh: nothing else listens in it
-        procs = [sctx.Process(target=_rank, args=(ns, r, world, port, methods, cfg, barrier, q), daemon=True)
-                 for r in range(world)]
+        procs = [
+            sctx.Process(target=_rank, args=(ns, r, world, port, methods, cfg, barrier, q), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         got: dict = {}
@@ -235,16 +249,25 @@ def run_world(world: int, methods: list, cfg: dict, timeout: float) -> dict:
                 p.join()
         netns.lo_down(ns)
     wall = time.time() - t0
-    return {"world": world, "wall_s": wall, "rows": _rows(world, methods, cfg, got, snaps), "machine": snaps["machine"],
-            "empty_region_lo_bytes": _region(snaps, "empty")["lo_bytes"]}
+    return {
+        "world": world,
+        "wall_s": wall,
+        "rows": _rows(world, methods, cfg, got, snaps),
+        "machine": snaps["machine"],
+        "empty_region_lo_bytes": _region(snaps, "empty")["lo_bytes"],
+    }
 
 
 def _region(snaps: dict, label: str) -> dict:
     a, b = snaps[f"{label}:begin"], snaps[f"{label}:end"]
     sent, retr = _tcp_delta(a["tcp"], b["tcp"])
-    return {"lo_bytes": b["lo"]["tx_bytes"] - a["lo"]["tx_bytes"],
-            "lo_packets": b["lo"]["tx_packets"] - a["lo"]["tx_packets"],
-            "tcp_payload": sent, "tcp_retrans": retr, "tcp_seen": bool(a["tcp"])}
+    return {
+        "lo_bytes": b["lo"]["tx_bytes"] - a["lo"]["tx_bytes"],
+        "lo_packets": b["lo"]["tx_packets"] - a["lo"]["tx_packets"],
+        "tcp_payload": sent,
+        "tcp_retrans": retr,
+        "tcp_seen": bool(a["tcp"]),
+    }
 
 
 def _rows(world: int, methods: list, cfg: dict, got: dict, snaps: dict) -> list:
@@ -313,7 +336,8 @@ def targets(rows: list) -> dict:
             growth = lo[(8, m)] / lo[(2, m)]
             # a ring allreduce itself grows by 2(N-1)/N: 1.75x from 2 to 8 ranks
             out[f"{m}: lo bytes at 8 / at 2 ranks <= 1.3"] = {
-                "value": growth, "holds": growth <= 1.3,
+                "value": growth,
+                "holds": growth <= 1.3,
                 "gradzip_bytes_link_8_over_2": gz[(8, m)] / gz[(2, m)],
                 "ring_allreduce_8_over_2": (2 * 7 / 8) / (2 * 1 / 2),
                 "per_ring_factor": growth / 1.75,
@@ -330,11 +354,14 @@ def _write(out: str, command: str, a, cfg: dict, runs: list, rows: list, wall: f
         "machine": machine,  # gradzip.machine.machine(), read by rank 0
         "command": command,
         "wall_s": wall,
-        "config": {**cfg, "params": rows[0]["params"] if rows else None,
-                   "model": f"MLP 1024 -> {a.width} x{a.depth + 1} -> 1024 (step_time.build_model)",
-                   "ddp": "DistributedDataParallel defaults (bucket_cap_mb 25, first bucket 1 MB)",
-                   "backend": "gloo on 127.0.0.1, one fresh network namespace per world size",
-                   "units": "bytes per rank per step; lo = /proc/net/dev TX of the namespace's lo / N / steps"},
+        "config": {
+            **cfg,
+            "params": rows[0]["params"] if rows else None,
+            "model": f"MLP 1024 -> {a.width} x{a.depth + 1} -> 1024 (step_time.build_model)",
+            "ddp": "DistributedDataParallel defaults (bucket_cap_mb 25, first bucket 1 MB)",
+            "backend": "gloo on 127.0.0.1, one fresh network namespace per world size",
+            "units": "bytes per rank per step; lo = /proc/net/dev TX of the namespace's lo / N / steps",
+        },
         "runs": runs,
         "rows": rows,
         "targets": targets(rows),
@@ -357,9 +384,14 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--settle", type=float, default=0.3, help="seconds rank 0 waits at a mark before reading")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per world size (a hang guard)")
-    p.add_argument("--quick", action="store_true", help="2 ranks, plain DDP and TwoPhase(TopK(0.01)), 1 step, --depth 0 (2.1M parameters)")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/linkbytes.json "
-                                               "(linkbytes_quick.json with --quick)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 ranks, plain DDP and TwoPhase(TopK(0.01)), 1 step, --depth 0 (2.1M parameters)",
+    )
+    p.add_argument(
+        "--out", default=None, help="default: benchmarks/results/linkbytes.json (linkbytes_quick.json with --quick)"
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.ranks, a.warmup, a.steps, a.settle, a.depth = "2", 2, 1, 0.2, 0
@@ -373,25 +405,38 @@ def main(argv=None) -> int:
         return 2
     if DDP in methods:  # first, as the baseline
         methods = [DDP] + [m for m in methods if m != DDP]
-    cfg = {"width": a.width, "depth": a.depth, "batch": a.batch, "lr": a.lr, "warmup": a.warmup,
-           "steps": a.steps, "settle": a.settle}
+    cfg = {
+        "width": a.width,
+        "depth": a.depth,
+        "batch": a.batch,
+        "lr": a.lr,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "settle": a.settle,
+    }
     t0 = time.time()
     runs, rows = [], []
-    command = " ".join(["python", os.path.relpath(os.path.abspath(__file__))]
-                       + [shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        ["python", os.path.relpath(os.path.abspath(__file__))]
+        + [shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])]
+    )
     for world in [int(n) for n in a.ranks.split(",")]:
         run = run_world(world, methods, cfg, a.timeout)
         rows += run.pop("rows")
         machine = run.pop("machine")
         runs.append(run)
-        for r in rows[-len(methods):]:
+        for r in rows[-len(methods) :]:
             gzb = r["gradzip_bytes_link"]
-            print(f"N={world} {r['method']:<58} {r['protocol']:<14} lo {r['lo_bytes']:12.0f} B/rank/step  "
-                  f"gradzip {gzb if gzb is not None else r['ring_formula']:12.0f}{'' if gzb is not None else '*'}  "
-                  f"lo/gz {r['lo_over_gradzip']:.3f}  of DDP {r.get('lo_fraction_of_ddp', float('nan')):.4f}",
-                  flush=True)
+            print(
+                f"N={world} {r['method']:<58} {r['protocol']:<14} lo {r['lo_bytes']:12.0f} B/rank/step  "
+                f"gradzip {gzb if gzb is not None else r['ring_formula']:12.0f}{'' if gzb is not None else '*'}  "
+                f"lo/gz {r['lo_over_gradzip']:.3f}  of DDP {r.get('lo_fraction_of_ddp', float('nan')):.4f}",
+                flush=True,
+            )
         print(f"N={world}: {run['wall_s']:.0f} s (empty region {run['empty_region_lo_bytes']} B)", flush=True)
-        doc = _write(out, command, a, cfg, runs, rows, time.time() - t0, machine)  # after each N: a partial run keeps its rows
+        doc = _write(
+            out, command, a, cfg, runs, rows, time.time() - t0, machine
+        )  # after each N: a partial run keeps its rows
     for k, v in doc["targets"].items():
         print(f"target {k}: {v['value']:.3f} -> {'holds' if v['holds'] else 'FAILS'}")
     print(f"wrote {out} in {doc['wall_s']:.0f} s")

@@ -7,6 +7,7 @@ namespace's ``lo`` (benchmarks/linkbytes.py), gradzip's own ``bytes_link``, thei
 and the measured bytes as a fraction of plain DDP's at the same N; then the issue's targets.
 Second table: method x N, and each method's growth from the smallest to the largest N.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,10 @@ def table(doc: dict) -> str:
         for k, v in t.items():
             extra = ""
             if "gradzip_bytes_link_8_over_2" in v:
-                extra = (f" (gradzip's count: {v['gradzip_bytes_link_8_over_2']:.3f}×; a ring allreduce grows "
-                         f"{v['ring_allreduce_8_over_2']:.2f}×, so {v['per_ring_factor']:.3f}× of the ring's growth)")
+                extra = (
+                    f" (gradzip's count: {v['gradzip_bytes_link_8_over_2']:.3f}×; a ring allreduce grows "
+                    f"{v['ring_allreduce_8_over_2']:.2f}×, so {v['per_ring_factor']:.3f}× of the ring's growth)"
+                )
                 val = f"{v['value']:.3f}×"
             else:
                 val = f"{100 * v['value']:.2f}%"
@@ -90,7 +93,9 @@ def scaling(doc: dict) -> str:
         for n in worlds:
             r = by.get((m, n))
             frac = r.get("lo_fraction_of_ddp") if r else None
-            cells.append("—" if r is None else f"{_mb(r['lo_bytes'])} ({'—' if frac is None else f'{100 * frac:.2f}%'})")
+            cells.append(
+                "—" if r is None else f"{_mb(r['lo_bytes'])} ({'—' if frac is None else f'{100 * frac:.2f}%'})"
+            )
         a, b = by.get((m, lo)), by.get((m, hi))
         g = b["lo_bytes"] / a["lo_bytes"] if a and b and len(worlds) > 1 else None
         lines.append(f"| {m} | " + " | ".join(cells) + (f" | {g:.3f}× | {g / ring:.3f}× |" if g else " | — | — |"))

@@ -9,6 +9,7 @@ the same rate: a full-duplex NIC of that rate behind a non-blocking switch.
 (The approach follows the workplace's shared netsim.sh; names differ so both
 can coexist.)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -52,8 +53,25 @@ def namespaces() -> list[str]:
 def _shape(ns: str, dev: str, rate: str | None, burst: str, latency: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
     if rate:
-        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-             "latency", latency)
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            burst,
+            "latency",
+            latency,
+        )
 
 
 def set_rate(n: int, rate: str | None, burst: str = "256kb", latency: str = "50ms") -> None:

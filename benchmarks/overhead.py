@@ -20,6 +20,7 @@ allreduce): the price of running any Python hook per bucket, which gradzip's hoo
 
 Writes ``--out`` (default ``benchmarks/results/overhead_<ranks>ranks.json``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ def worker(a) -> None:
     from gradzip.hooks import register_hook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=a.pg_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}:{a.port}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=a.pg_timeout),
+    )
     bps = a.bps or st.calibrate_bps(a.world)
     comps = st.methods(bps, a.world)
     names = a.method_list.split("|")
@@ -59,8 +65,9 @@ def worker(a) -> None:
     x, y = torch.randn(a.batch, 1024, generator=g), torch.randn(a.batch, 1024, generator=g)
     runs = {}
     for m in names:
-        ddp = torch.nn.parallel.DistributedDataParallel(st.build_model(a.width, a.depth),
-                                                        gradient_as_bucket_view=a.bucket_view)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            st.build_model(a.width, a.depth), gradient_as_bucket_view=a.bucket_view
+        )
         if m == TORCH_HOOK:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -110,8 +117,16 @@ def summarize(times: dict) -> list:
             continue
         ratios = [t / b for t, b in zip(ts, base)]
         lo, hi = median_interval(ratios)
-        rows.append({"method": m, "step_s_median": statistics.median(ts), "median_ratio": statistics.median(ratios),
-                     "ci95": [lo, hi], "ratios": ratios, "step_s": ts})
+        rows.append(
+            {
+                "method": m,
+                "step_s_median": statistics.median(ts),
+                "median_ratio": statistics.median(ratios),
+                "ci95": [lo, hi],
+                "ratios": ratios,
+                "step_s": ts,
+            }
+        )
     return rows
 
 
@@ -142,11 +157,37 @@ def main(argv=None) -> int:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     port = 29000 + int(time.time() * 1000) % 20000
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(a.ranks), "--master", net.address(0),
-            "--port", str(port), "--result", result, "--method-list", "|".join(names), "--width", str(a.width),
-            "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--pg-timeout", str(a.pg_timeout), "--seed", str(a.seed), "--bps", str(st.RATES[a.rate] or 0)] \
-        + ([] if a.bucket_view else ["--no-bucket-view"])
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--world",
+        str(a.ranks),
+        "--master",
+        net.address(0),
+        "--port",
+        str(port),
+        "--result",
+        result,
+        "--method-list",
+        "|".join(names),
+        "--width",
+        str(a.width),
+        "--depth",
+        str(a.depth),
+        "--batch",
+        str(a.batch),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--pg-timeout",
+        str(a.pg_timeout),
+        "--seed",
+        str(a.seed),
+        "--bps",
+        str(st.RATES[a.rate] or 0),
+    ] + ([] if a.bucket_view else ["--no-bucket-view"])
     net.up(a.ranks)
     try:
         net.set_rate(a.ranks, None if a.rate == "none" else a.rate)
@@ -165,14 +206,28 @@ def main(argv=None) -> int:
     print(f"plain DDP: median step {statistics.median(res['times']['allreduce']):.3f}s over {a.steps} cycles")
     for r in rows:
         lo, hi = r["ci95"]
-        print(f"{r['method']:<18} vs DDP: median {100 * (r['median_ratio'] - 1):+5.1f}%  "
-              f"95% interval {100 * (lo - 1):+5.1f}% .. {100 * (hi - 1):+5.1f}%  (step {r['step_s_median']:.3f}s)")
-    doc = {"machine": machine(), "ranks": a.ranks, "rate": a.rate, "bps": res["bps"], "cycles": a.steps, "seed": a.seed,
-           "warmup": a.warmup, "width": a.width, "depth": a.depth, "batch": a.batch,
-           "gradient_as_bucket_view": a.bucket_view, "allreduce_step_s": res["times"]["allreduce"],
-           "note": "ratio = a method's step time over plain DDP's in the same cycle (slowest rank); "
-                   f"{AA} is a second plain DDP model (the A/A check); {TORCH_HOOK} is torch's Python hook "
-                   "doing DDP's allreduce", "rows": rows}
+        print(
+            f"{r['method']:<18} vs DDP: median {100 * (r['median_ratio'] - 1):+5.1f}%  "
+            f"95% interval {100 * (lo - 1):+5.1f}% .. {100 * (hi - 1):+5.1f}%  (step {r['step_s_median']:.3f}s)"
+        )
+    doc = {
+        "machine": machine(),
+        "ranks": a.ranks,
+        "rate": a.rate,
+        "bps": res["bps"],
+        "cycles": a.steps,
+        "seed": a.seed,
+        "warmup": a.warmup,
+        "width": a.width,
+        "depth": a.depth,
+        "batch": a.batch,
+        "gradient_as_bucket_view": a.bucket_view,
+        "allreduce_step_s": res["times"]["allreduce"],
+        "note": "ratio = a method's step time over plain DDP's in the same cycle (slowest rank); "
+        f"{AA} is a second plain DDP model (the A/A check); {TORCH_HOOK} is torch's Python hook "
+        "doing DDP's allreduce",
+        "rows": rows,
+    }
     out = a.out or os.path.join(HERE, "results", f"overhead_{a.ranks}ranks.json")
     with open(out, "w") as f:
         json.dump(doc, f, indent=2)

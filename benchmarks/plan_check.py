@@ -17,6 +17,7 @@ plan knows nothing of that. ``--cpu-share auto`` (the default) scales the profil
 codec seconds by ``max(1, N / cores)`` and reports it; ``--cpu-share 1`` reports the
 plain plan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,10 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
+    from step_time import LATENCY_S, build_model, methods
 
     from gradzip.bench import machine
     from gradzip.costmodel import CodecProfile, Link, step_cost
-    from step_time import LATENCY_S, build_model, methods
 
     torch.set_num_threads(1)
     profile = CodecProfile(repeats=a.repeats, threads=1)
@@ -62,25 +63,54 @@ def main() -> int:
             # the compute the step waited for (the slowest rank's; rank 0's in rows that predate it)
             sc = step_cost(comp, layers, world, link, r.get("compute_slowest_s", r["compute_s"]), profile)
             pred = sc.compute_s + share * sc.codec_s + sc.wire_s
-            row = {"ranks": world, "rate": r["rate"], "method": r["method"], "measured_s": r["step_s"],
-                   "compute_s": sc.compute_s, "codec_s": sc.codec_s, "cpu_share": share, "wire_s": sc.wire_s,
-                   "predicted_s": pred, "error": pred / r["step_s"] - 1}
+            row = {
+                "ranks": world,
+                "rate": r["rate"],
+                "method": r["method"],
+                "measured_s": r["step_s"],
+                "compute_s": sc.compute_s,
+                "codec_s": sc.codec_s,
+                "cpu_share": share,
+                "wire_s": sc.wire_s,
+                "predicted_s": pred,
+                "error": pred / r["step_s"] - 1,
+            }
             out_rows.append(row)
-            print(f"N={world} {r['rate']:>8} {r['method']:<13} measured {r['step_s']:7.3f}s  plan {pred:7.3f}s "
-                  f"(compute {sc.compute_s:.3f} + {share:g} x codec {sc.codec_s:.3f} + wire {sc.wire_s:.3f})  "
-                  f"err {100 * row['error']:+6.1f}%", flush=True)
+            print(
+                f"N={world} {r['rate']:>8} {r['method']:<13} measured {r['step_s']:7.3f}s  plan {pred:7.3f}s "
+                f"(compute {sc.compute_s:.3f} + {share:g} x codec {sc.codec_s:.3f} + wire {sc.wire_s:.3f})  "
+                f"err {100 * row['error']:+6.1f}%",
+                flush=True,
+            )
     summary = {}
     for world in sorted({r["ranks"] for r in out_rows}):
         errs = [abs(r["error"]) for r in out_rows if r["ranks"] == world]
-        summary[str(world)] = {"rows": len(errs), "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
-                               "within_15pct": sum(e <= 0.15 for e in errs)}
+        summary[str(world)] = {
+            "rows": len(errs),
+            "median_abs_error": statistics.median(errs),
+            "max_abs_error": max(errs),
+            "within_15pct": sum(e <= 0.15 for e in errs),
+        }
         s = summary[str(world)]
-        print(f"N={world}: median |error| {100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%, "
-              f"{s['within_15pct']}/{s['rows']} rows within 15%")
+        print(
+            f"N={world}: median |error| {100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%, "
+            f"{s['within_15pct']}/{s['rows']} rows within 15%"
+        )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"machine": machine(), "sources": a.results, "cores": a.cores, "cpu_share": a.cpu_share,
-                   "profile": profile.to_dict(), "summary": summary, "rows": out_rows}, f, indent=2)
+        json.dump(
+            {
+                "machine": machine(),
+                "sources": a.results,
+                "cores": a.cores,
+                "cpu_share": a.cpu_share,
+                "profile": profile.to_dict(),
+                "summary": summary,
+                "rows": out_rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {a.out}")
     return 0
 

@@ -22,6 +22,7 @@ including its 4-byte non-finite flag); torch's from its own element counts
 
 Writes ``benchmarks/results/powersgd_<device>_<backend>.json`` with the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tph
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.bench import free_port
-from gradzip.compressors.powersgd import PowerSGD
 from gradzip.bench import machine as bench_machine
+from gradzip.compressors.powersgd import PowerSGD
 from gradzip.hooks import register_hook
 
 METHODS = ("ddp", "torch_powersgd", "gradzip_powersgd")
@@ -80,8 +81,13 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         else:
             dev = torch.device("cpu")
             backend = "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=_dt.timedelta(seconds=600))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=_dt.timedelta(seconds=600),
+        )
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         rows = []
         for width in args.widths:
@@ -92,19 +98,27 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb, **kw)
                 if method == "torch_powersgd":
                     torch_state = tph.PowerSGDState(
-                        process_group=None, matrix_approximation_rank=args.rank,
-                        start_powerSGD_iter=args.start_iter, min_compression_rate=2,
-                        use_error_feedback=True, warm_start=True, random_seed=args.seed,
+                        process_group=None,
+                        matrix_approximation_rank=args.rank,
+                        start_powerSGD_iter=args.start_iter,
+                        min_compression_rate=2,
+                        use_error_feedback=True,
+                        warm_start=True,
+                        random_seed=args.seed,
                     )
                     ddp.register_comm_hook(torch_state, tph.powerSGD_hook)
                 elif method == "gradzip_powersgd":
-                    ours_state = register_hook(ddp, PowerSGD(rank=args.rank, seed=args.seed), start_iter=args.start_iter)
+                    ours_state = register_hook(
+                        ddp, PowerSGD(rank=args.rank, seed=args.seed), start_iter=args.start_iter
+                    )
                 opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
                 replicas[method] = (ddp, opt)
             g = torch.Generator().manual_seed(1000 + rank)
             batches = [
-                (torch.randn(args.batch, args.inputs, generator=g).to(dev),
-                 torch.randint(0, args.classes, (args.batch,), generator=g).to(dev))
+                (
+                    torch.randn(args.batch, args.inputs, generator=g).to(dev),
+                    torch.randint(0, args.classes, (args.batch,), generator=g).to(dev),
+                )
                 for _ in range(8)
             ]
             counter = {m: 0 for m in METHODS}
@@ -216,17 +230,24 @@ def main(argv=None) -> int:
     if kind != "ok":
         print(rows, file=sys.stderr)
         return 1
-    print(f"{world} {backend} ranks, PowerSGD rank {args.rank}, depth {args.depth}, batch {args.batch}/rank, "
-          f"{args.rounds} rounds x {args.steps} steps per method ({time.time() - t0:.0f} s)")
+    print(
+        f"{world} {backend} ranks, PowerSGD rank {args.rank}, depth {args.depth}, batch {args.batch}/rank, "
+        f"{args.rounds} rounds x {args.steps} steps per method ({time.time() - t0:.0f} s)"
+    )
     print("median step time (wall) and, in brackets, median CPU time of rank 0's process per step")
-    print(f"{'width':>6}{'params':>11}{'ddp ms':>16}{'torch ms':>16}{'gradzip ms':>16}{'ratio':>14}{'torch B':>9}{'gradzip B':>11}")
+    print(
+        f"{'width':>6}{'params':>11}{'ddp ms':>16}{'torch ms':>16}{'gradzip ms':>16}{'ratio':>14}{'torch B':>9}{'gradzip B':>11}"
+    )
     for r in rows:
         cells = [f"{r[m]['median_ms']:.2f} ({r[m]['cpu_median_ms']:.2f})" for m in METHODS]
         ratio = f"{r['ratio_gradzip_over_torch']:.3f} ({r['cpu_ratio_gradzip_over_torch']:.3f})"
-        print(f"{r['width']:>6}{r['params']:>11,}{cells[0]:>16}{cells[1]:>16}{cells[2]:>16}{ratio:>14}"
-              f"{r['torch_bytes_per_step']:>9,.0f}{r['gradzip_bytes_per_step']:>11,.0f}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"powersgd_{args.device}_{backend}.json")
+        print(
+            f"{r['width']:>6}{r['params']:>11,}{cells[0]:>16}{cells[1]:>16}{cells[2]:>16}{ratio:>14}"
+            f"{r['torch_bytes_per_step']:>9,.0f}{r['gradzip_bytes_per_step']:>11,.0f}"
+        )
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"powersgd_{args.device}_{backend}.json"
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
     cfg.update(world=world, backend=backend)

@@ -10,6 +10,7 @@ collectives cost almost nothing, so what is left is the host work of the step an
 codec. Prints the mean wall time per step, then the functions with the most time spent
 in them.
 """
+
 from __future__ import annotations
 
 import argparse

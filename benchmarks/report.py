@@ -7,6 +7,7 @@ step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json,
 overhead_2ranks.json, overhead_4ranks.json and kernels_nvidia-h100-80gb-hbm3.json,
 whichever exist; every number in the README's results section comes from here.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,7 @@ def accuracy(doc: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
-        delta = _pm({**r, "delta": r["delta_accuracy"]}, "delta", signed=True) \
-            if "delta_accuracy" in r else ""
+        delta = _pm({**r, "delta": r["delta_accuracy"]}, "delta", signed=True) if "delta_accuracy" in r else ""
         lines.append(
             f"| {r['method']} | {r['ratio']:.1f}× | {r['ratio_handed']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} "
             f"| {_pm(r, 'accuracy')} | {100 * r['accuracy_last3']:.2f} | {delta} | {1000 * r['seconds_per_step']:.1f} |"
@@ -89,15 +89,20 @@ def _per_seed_deltas(doc: dict) -> list[str]:
         return []
     ref = {s["seed"]: s["accuracy"] for s in base["per_seed"]}
     seeds = sorted(ref)
-    out = ["| method | " + " | ".join(f"Δ seed {s}" for s in seeds) + " | median Δ | seeds below Identity |",
-           "|---|" + "---:|" * (len(seeds) + 2)]
+    out = [
+        "| method | " + " | ".join(f"Δ seed {s}" for s in seeds) + " | median Δ | seeds below Identity |",
+        "|---|" + "---:|" * (len(seeds) + 2),
+    ]
     for r in rows:
         if r is base:
             continue
         got = {s["seed"]: 100 * (s["accuracy"] - ref[s["seed"]]) for s in r["per_seed"] if s["seed"] in ref}
         ds = [got[s] for s in seeds if s in got]
-        out.append(f"| {r['method']} | " + " | ".join(f"{got[s]:+.1f}" if s in got else "" for s in seeds)
-                   + f" | {statistics.median(ds):+.2f} | {sum(d < 0 for d in ds)} of {len(ds)} |")
+        out.append(
+            f"| {r['method']} | "
+            + " | ".join(f"{got[s]:+.1f}" if s in got else "" for s in seeds)
+            + f" | {statistics.median(ds):+.2f} | {sum(d < 0 for d in ds)} of {len(ds)} |"
+        )
     return out
 
 
@@ -133,8 +138,11 @@ def step_time(doc: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
-        cpu = (f"{r['step_cpu_s']:.3f} / {r['compute_cpu_s']:.3f} / {r['codec_cpu_seconds_per_step']:.3f}"
-               if "step_cpu_s" in r else "")
+        cpu = (
+            f"{r['step_cpu_s']:.3f} / {r['compute_cpu_s']:.3f} / {r['codec_cpu_seconds_per_step']:.3f}"
+            if "step_cpu_s" in r
+            else ""
+        )
         lines.append(
             f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} | {100 * r['model_error']:+.1f}% "
             f"| {r['bytes_sent_per_step'] / 1e6:.3f} | {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {cpu} |"
@@ -218,7 +226,11 @@ def kernels(doc: dict) -> str:
             f"| {r['kernel']} | {r['backend']} | {r.get('route', '')} | {r['kernel_ms']:.3f} | {r['gbps']:.0f} "
             f"| {100 * r['fraction_of_copy']:.1f}% | {r['speedup_vs_reference']:.1f} |"
         )
-    lines += ["", "Goals (issue 5): " + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in doc["goals"].items() if v is not None)]
+    lines += [
+        "",
+        "Goals (issue 5): "
+        + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in doc["goals"].items() if v is not None),
+    ]
     return "\n".join(lines)
 
 
@@ -234,14 +246,19 @@ def hierarchy(doc: dict) -> str:
     ]
     for r in doc["rows"]:
         m = r["model"]
-        lines.append(f"| {r['method']} | {r['step_s']:.3f} | {m['total']:.3f} | {100 * r['model_error']:+.1f}% "
-                     f"| {r['compute_s']:.3f} | {m['codec']:.3f} | {m['wire']:.3f} |")
+        lines.append(
+            f"| {r['method']} | {r['step_s']:.3f} | {m['total']:.3f} | {100 * r['model_error']:+.1f}% "
+            f"| {r['compute_s']:.3f} | {m['codec']:.3f} | {m['wire']:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    accuracy_files = sorted(f for f in os.listdir(HERE) if f.startswith(("accuracy_", "diloco_")) and f.endswith(".json")) \
-        if os.path.isdir(HERE) else []
+    accuracy_files = (
+        sorted(f for f in os.listdir(HERE) if f.startswith(("accuracy_", "diloco_")) and f.endswith(".json"))
+        if os.path.isdir(HERE)
+        else []
+    )
     for name, fn in (
         *((f, accuracy) for f in accuracy_files),
         ("hierarchy.json", hierarchy),

@@ -29,6 +29,7 @@ each timed step and of its compute step, and the codec blocks' thread CPU time. 
 more ranks than cores the ranks share the cores, and these show where the wall time went.
 Writes benchmarks/results/step_time.json and step_time.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +118,13 @@ def worker(a) -> None:
     from gradzip.hooks import register_hook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=a.pg_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}:{a.port}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=a.pg_timeout),
+    )
     comp = methods(a.bps, a.world)[a.method]
     ddp_kw = {"gradient_as_bucket_view": a.bucket_view}
     model = build_model(a.width, a.depth)
@@ -178,12 +184,23 @@ def worker(a) -> None:
     # compute: the model's compute is the median over steps of the slowest rank's compute step.
     slowest = torch.tensor(shadow_times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    out = {"method": a.method, "rank": a.rank, "params": nparams, "compute_s": compute,
-           "compute_slowest_s": statistics.median(slowest.tolist()), "compute_slowest_all_s": slowest.tolist(),
-           "step_s": statistics.median(times),
-           "step_cpu_s": statistics.median(cpus), "compute_cpu_s": statistics.median(shadow_cpus),
-           "step_all_s": times, "compute_all_s": shadow_times, "step_cpu_all_s": cpus, "compute_cpu_all_s": shadow_cpus,
-           "calibrated_bps": bw, "collective_latency_s": latency}
+    out = {
+        "method": a.method,
+        "rank": a.rank,
+        "params": nparams,
+        "compute_s": compute,
+        "compute_slowest_s": statistics.median(slowest.tolist()),
+        "compute_slowest_all_s": slowest.tolist(),
+        "step_s": statistics.median(times),
+        "step_cpu_s": statistics.median(cpus),
+        "compute_cpu_s": statistics.median(shadow_cpus),
+        "step_all_s": times,
+        "compute_all_s": shadow_times,
+        "step_cpu_all_s": cpus,
+        "compute_cpu_all_s": shadow_cpus,
+        "calibrated_bps": bw,
+        "collective_latency_s": latency,
+    }
     if state is not None:
         end = state.stats()
         k = end["steps"] - snap["steps"]
@@ -193,8 +210,13 @@ def worker(a) -> None:
         from gradzip.costmodel import ddp_buckets
 
         buckets = ddp_buckets([p.numel() * 4 for p in model.parameters()])
-        out.update(bytes_sent_per_step=nparams * 4, bytes_allgather_per_step=0, codec_seconds_per_step=0.0,
-                   codec_cpu_seconds_per_step=0.0, collectives_per_step=len(buckets))
+        out.update(
+            bytes_sent_per_step=nparams * 4,
+            bytes_allgather_per_step=0,
+            codec_seconds_per_step=0.0,
+            codec_cpu_seconds_per_step=0.0,
+            collectives_per_step=len(buckets),
+        )
     if a.rank == 0:
         with open(a.result, "w") as f:
             json.dump(out, f)
@@ -215,16 +237,26 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
     latency = r.get("collectives_per_step", 0) * r.get("collective_latency_s", 0.0)
     compute = r.get("compute_slowest_s", r["compute_s"])  # rows before 2026-11-23's last runs: rank 0's
     rest = r["codec_seconds_per_step"] + wire + latency
-    return {"compute": compute, "codec": r["codec_seconds_per_step"], "wire": wire, "latency": latency,
-            "total": compute + rest, "total_rank0_compute": r["compute_s"] + rest}
+    return {
+        "compute": compute,
+        "codec": r["codec_seconds_per_step"],
+        "wire": wire,
+        "latency": latency,
+        "total": compute + rest,
+        "total_rank0_compute": r["compute_s"] + rest,
+    }
 
 
 def launch(net, world: int, argv: list, timeout: float, what: str) -> None:
     """Run ``argv`` as ranks 0..world-1 (``--rank i`` appended), each in its namespace; raise
     RuntimeError naming ``what`` if one fails or they are not all done within ``timeout`` s."""
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(net.command(i, argv + ["--rank", str(i)], env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(world)]
+    procs = [
+        subprocess.Popen(
+            net.command(i, argv + ["--rank", str(i)], env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for i in range(world)
+    ]
     deadline = time.time() + timeout
     logs = []
     for p in procs:
@@ -242,11 +274,39 @@ def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
     port = 29000 + int(time.time() * 1000) % 20000
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--world", str(world),
-            "--master", net.address(0), "--port", str(port), "--result", result, "--width", str(a.width),
-            "--depth", str(a.depth), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--pg-timeout", str(a.pg_timeout), "--bps", str(bps or 0)] + (["--calibrate"] if calibrate else []) \
+    argv = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--method",
+            method,
+            "--world",
+            str(world),
+            "--master",
+            net.address(0),
+            "--port",
+            str(port),
+            "--result",
+            result,
+            "--width",
+            str(a.width),
+            "--depth",
+            str(a.depth),
+            "--batch",
+            str(a.batch),
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+            "--pg-timeout",
+            str(a.pg_timeout),
+            "--bps",
+            str(bps or 0),
+        ]
+        + (["--calibrate"] if calibrate else [])
         + ([] if a.bucket_view else ["--no-bucket-view"])
+    )
     launch(net, world, argv, a.method_timeout, f"{method} at {rate_name}")
     with open(result) as f:
         out = json.load(f)
@@ -273,8 +333,12 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
-                   help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)")
+    p.add_argument(
+        "--no-bucket-view",
+        dest="bucket_view",
+        action="store_false",
+        help="DDP's default gradient copies (default: gradient_as_bucket_view=True for every method)",
+    )
     p.add_argument("--pg-timeout", type=float, default=300.0)
     p.add_argument("--method-timeout", type=float, default=900.0)
 
@@ -302,9 +366,16 @@ def main() -> int:
     p.add_argument("--methods", default="", help="comma-separated subset")
     add_run_args(p, steps=5)
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
-    p.add_argument("--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest")
-    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                   help="measure nothing: write the rows of these step_time.py results (a later file's row wins) to --out")
+    p.add_argument(
+        "--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest"
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="measure nothing: write the rows of these step_time.py results (a later file's row wins) to --out",
+    )
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -342,18 +413,26 @@ def main() -> int:
                 if bps is None:
                     bps = r["calibrated_bps"]
                 pred = model_time(r, a.ranks, bps)
-                row = {"rate": rate, "bps": bps, "steps": a.steps, **r, "model": pred,
-                       "model_error": pred["total"] / r["step_s"] - 1,
-                       "model_error_rank0_compute": pred["total_rank0_compute"] / r["step_s"] - 1}
+                row = {
+                    "rate": rate,
+                    "bps": bps,
+                    "steps": a.steps,
+                    **r,
+                    "model": pred,
+                    "model_error": pred["total"] / r["step_s"] - 1,
+                    "model_error_rank0_compute": pred["total_rank0_compute"] / r["step_s"] - 1,
+                }
                 rows.append(row)
-                print(f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
-                      f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
-                      f"latency {pred['latency']:.3f})  "
-                      f"err {100 * row['model_error']:+6.1f}% (rank 0's compute: "
-                      f"{100 * row['model_error_rank0_compute']:+6.1f}%)  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB  "
-                      f"cpu: step {r['step_cpu_s']:.3f} compute {r['compute_cpu_s']:.3f} "
-                      f"codec {r['codec_cpu_seconds_per_step']:.3f}",
-                      flush=True)
+                print(
+                    f"{rate:>8} {m:<12} step {r['step_s']:8.3f}s  model {pred['total']:8.3f}s "
+                    f"(compute {pred['compute']:.3f} codec {pred['codec']:.3f} wire {pred['wire']:.3f} "
+                    f"latency {pred['latency']:.3f})  "
+                    f"err {100 * row['model_error']:+6.1f}% (rank 0's compute: "
+                    f"{100 * row['model_error_rank0_compute']:+6.1f}%)  sent {r['bytes_sent_per_step'] / 1e6:9.3f} MB  "
+                    f"cpu: step {r['step_cpu_s']:.3f} compute {r['compute_cpu_s']:.3f} "
+                    f"codec {r['codec_cpu_seconds_per_step']:.3f}",
+                    flush=True,
+                )
     finally:
         net.down()
     return write(a, rows, rates)
@@ -377,8 +456,17 @@ def write(a, rows: list, rates: list) -> int:
             if r["rate"] == rate and base:
                 r["speedup_vs_allreduce"] = base / r["step_s"]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    doc = {"machine": machine(), "ranks": a.ranks, "width": a.width, "depth": a.depth, "batch": a.batch,
-           "steps": sorted({r.get("steps", a.steps) for r in rows}), "warmup": a.warmup, "gradient_as_bucket_view": a.bucket_view, "rows": rows}
+    doc = {
+        "machine": machine(),
+        "ranks": a.ranks,
+        "width": a.width,
+        "depth": a.depth,
+        "batch": a.batch,
+        "steps": sorted({r.get("steps", a.steps) for r in rows}),
+        "warmup": a.warmup,
+        "gradient_as_bucket_view": a.bucket_view,
+        "rows": rows,
+    }
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=2)
     plot(doc, a.out.replace(".json", ".png"))

@@ -34,6 +34,7 @@ DiLoCo's, and its step time within 15% of the compute step.
 Writes benchmarks/results/streaming.json (``--out``); benchmarks/streaming_report.py prints
 the tables. Needs root (ip netns, tc) and iproute2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -131,15 +132,20 @@ def timed_diloco():
             super()._collect()
             t2 = time.perf_counter()
             done = max(inf["arrived"]) if len(inf["arrived"]) == len(self._groups[inf["frag"]]) else t1
-            self.syncs.append({
-                "fragment": inf["frag"], "step_push": inf["step_push"], "step_sync": self.local_step,
-                "step_issued": inf.get("step_issued", inf["step_push"]),
-                "push_s": inf["t_pushed"] - inf["t_push"],
-                "issued_after_push_s": inf["t_issued"] - inf["t_push"],
-                "transfer_s": done - inf["t_issued"],  # payload round issued -> average arrived
-                "arrived_before_sync_s": t0 - done,  # > 0: it was there before the sync step asked
-                "wait_s": t1 - t0, "outer_s": t2 - t1,
-            })
+            self.syncs.append(
+                {
+                    "fragment": inf["frag"],
+                    "step_push": inf["step_push"],
+                    "step_sync": self.local_step,
+                    "step_issued": inf.get("step_issued", inf["step_push"]),
+                    "push_s": inf["t_pushed"] - inf["t_push"],
+                    "issued_after_push_s": inf["t_issued"] - inf["t_push"],
+                    "transfer_s": done - inf["t_issued"],  # payload round issued -> average arrived
+                    "arrived_before_sync_s": t0 - done,  # > 0: it was there before the sync step asked
+                    "wait_s": t1 - t0,
+                    "outer_s": t2 - t1,
+                }
+            )
 
     return Timed, torch
 
@@ -153,8 +159,13 @@ def worker(a) -> None:
 
     Timed, _ = timed_diloco()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=a.pg_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}:{a.port}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=a.pg_timeout),
+    )
     g = torch.Generator().manual_seed(1000 + a.rank)
     data = [(torch.randn(a.batch, 1024, generator=g), torch.randn(a.batch, 1024, generator=g)) for _ in range(4)]
     compression = gz.parse(a.compression)
@@ -167,8 +178,15 @@ def worker(a) -> None:
         elif m == "diloco":
             opt = Timed(inner, model, period=a.period, compression=compression)
         else:
-            opt = Timed(inner, model, period=a.period, compression=compression, fragments=a.fragments,
-                        delay=a.delay, alpha=a.alpha)
+            opt = Timed(
+                inner,
+                model,
+                period=a.period,
+                compression=compression,
+                fragments=a.fragments,
+                delay=a.delay,
+                alpha=a.alpha,
+            )
         runs[m] = {"model": model, "opt": opt, "wall": [], "cpu": [], "main_cpu": [], "bytes": [], "blocks": []}
     nparams = sum(p.numel() for p in runs["compute"]["model"].parameters())
 
@@ -205,15 +223,23 @@ def worker(a) -> None:
             r["cpu"] += cpus
             r["main_cpu"] += mains
             r["bytes"] += nbytes
-            r["blocks"].append({
-                "round": rnd, "wall_s": t1 - t0, "cpu_s": cpu1 - cpu0,
-                "machine_busy": (busy1 - busy0) / max(1, tot1 - tot0), "loadavg": os.getloadavg()[0],
-                "syncs": list(opt.syncs) if isinstance(opt, Timed) else [],
-                # gradzip's own work (encode, decode, checks): wall and CPU time of its threads
-                **{k: st1[k] - st0[k] for k in ("codec_seconds", "codec_cpu_seconds", "comm_seconds") if k in st0},
-            })
-    out = {"rank": a.rank, "params": nparams,
-           "methods": {m: {k: v for k, v in runs[m].items() if k not in ("model", "opt")} for m in METHODS}}
+            r["blocks"].append(
+                {
+                    "round": rnd,
+                    "wall_s": t1 - t0,
+                    "cpu_s": cpu1 - cpu0,
+                    "machine_busy": (busy1 - busy0) / max(1, tot1 - tot0),
+                    "loadavg": os.getloadavg()[0],
+                    "syncs": list(opt.syncs) if isinstance(opt, Timed) else [],
+                    # gradzip's own work (encode, decode, checks): wall and CPU time of its threads
+                    **{k: st1[k] - st0[k] for k in ("codec_seconds", "codec_cpu_seconds", "comm_seconds") if k in st0},
+                }
+            )
+    out = {
+        "rank": a.rank,
+        "params": nparams,
+        "methods": {m: {k: v for k, v in runs[m].items() if k not in ("model", "opt")} for m in METHODS},
+    }
     for m in ("diloco", "streaming"):
         opt = runs[m]["opt"]
         out["methods"][m]["repr"] = repr(opt)
@@ -244,10 +270,14 @@ def summarize(ranks: list, a) -> dict:
         block_wall = sum(b["wall_s"] for b in r0["blocks"])
         row = {
             "steps": steps,
-            "step_median_s": statistics.median(walls), "step_mean_s": block_wall / steps,
-            "step_p90_s": pct(walls, 0.9), "step_p99_s": pct(walls, 0.99), "step_max_s": max(walls),
+            "step_median_s": statistics.median(walls),
+            "step_mean_s": block_wall / steps,
+            "step_p90_s": pct(walls, 0.9),
+            "step_p99_s": pct(walls, 0.99),
+            "step_max_s": max(walls),
             "step_mean_s_per_rank": [sum(b["wall_s"] for b in rk["methods"][m]["blocks"]) / steps for rk in ranks],
-            "cpu_median_s": statistics.median(cpus), "cpu_mean_s": sum(cpus) / steps,
+            "cpu_median_s": statistics.median(cpus),
+            "cpu_mean_s": sum(cpus) / steps,
             "main_thread_cpu_mean_s": sum(r0["main_cpu"]) / steps,  # the training loop's thread alone
             "cpu_mean_s_per_rank": [sum(rk["methods"][m]["cpu"]) / steps for rk in ranks],
             "machine_busy": statistics.mean(b["machine_busy"] for b in r0["blocks"]),
@@ -267,8 +297,14 @@ def summarize(ranks: list, a) -> dict:
             syncs = [s for b in r0["blocks"] for s in b["syncs"]]
             row["syncs"] = len(syncs)
             if syncs:
-                for key in ("transfer_s", "wait_s", "outer_s", "push_s", "arrived_before_sync_s",
-                            "issued_after_push_s"):
+                for key in (
+                    "transfer_s",
+                    "wait_s",
+                    "outer_s",
+                    "push_s",
+                    "arrived_before_sync_s",
+                    "issued_after_push_s",
+                ):
                     vals = [s[key] for s in syncs]
                     row[key] = {"median": statistics.median(vals), "max": max(vals), "min": min(vals)}
                 row["issued_steps_after_push"] = sorted({s["step_issued"] - s["step_push"] for s in syncs})
@@ -282,8 +318,11 @@ def summarize(ranks: list, a) -> dict:
         rows[m]["cpu_vs_compute_mean"] = rows[m]["cpu_mean_s"] / comp["cpu_mean_s"]
     peak_ratio = rows["streaming"]["bytes_per_step_peak"] / rows["diloco"]["bytes_per_step_peak"]
     targets = {
-        "peak_ratio": peak_ratio, "peak_ratio_target": 1 / a.fragments, "peak_ok": peak_ratio <= 1 / a.fragments,
-        "peak_excess_bytes": rows["streaming"]["bytes_per_step_peak"] - rows["diloco"]["bytes_per_step_peak"] / a.fragments,
+        "peak_ratio": peak_ratio,
+        "peak_ratio_target": 1 / a.fragments,
+        "peak_ok": peak_ratio <= 1 / a.fragments,
+        "peak_excess_bytes": rows["streaming"]["bytes_per_step_peak"]
+        - rows["diloco"]["bytes_per_step_peak"] / a.fragments,
         "step_vs_compute_mean": rows["streaming"]["vs_compute_mean"],
         "step_vs_compute_median": rows["streaming"]["vs_compute_median"],
         "step_ok_mean": rows["streaming"]["vs_compute_mean"] <= 1.15,
@@ -300,8 +339,12 @@ def main() -> int:
     p.add_argument("--master", default="", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=2,
-                   help="ranks (default 2: one per core of the 2-core machine; 4 would share each core between two)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="ranks (default 2: one per core of the 2-core machine; 4 would share each core between two)",
+    )
     p.add_argument("--rate", default="100mbit", help="tc tbf rate of every link, both ways ('none': unshaped)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=1, help="hidden width x width layers (default: 8.4M parameters)")
@@ -339,11 +382,41 @@ def main() -> int:
     port = 29000 + int(time.time() * 1000) % 20000
     fd, result = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(a.ranks), "--master",
-            net.address(0), "--port", str(port), "--result", result, "--width", str(a.width), "--depth",
-            str(a.depth), "--batch", str(a.batch), "--compression", a.compression, "--period", str(a.period),
-            "--fragments", str(a.fragments), "--delay", str(a.delay), "--alpha", str(a.alpha), "--block",
-            str(a.block), "--rounds", str(a.rounds), "--pg-timeout", str(a.pg_timeout)]
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--world",
+        str(a.ranks),
+        "--master",
+        net.address(0),
+        "--port",
+        str(port),
+        "--result",
+        result,
+        "--width",
+        str(a.width),
+        "--depth",
+        str(a.depth),
+        "--batch",
+        str(a.batch),
+        "--compression",
+        a.compression,
+        "--period",
+        str(a.period),
+        "--fragments",
+        str(a.fragments),
+        "--delay",
+        str(a.delay),
+        "--alpha",
+        str(a.alpha),
+        "--block",
+        str(a.block),
+        "--rounds",
+        str(a.rounds),
+        "--pg-timeout",
+        str(a.pg_timeout),
+    ]
     net.up(a.ranks)
     try:
         net.set_rate(a.ranks, None if a.rate == "none" else a.rate)
@@ -356,14 +429,34 @@ def main() -> int:
         ranks = json.load(f)
     os.unlink(result)
     summary = summarize(ranks, a)
-    cfg = {k: getattr(a, k) for k in ("ranks", "rate", "width", "depth", "batch", "compression", "period",
-                                      "fragments", "delay", "alpha", "block", "rounds")}
+    cfg = {
+        k: getattr(a, k)
+        for k in (
+            "ranks",
+            "rate",
+            "width",
+            "depth",
+            "batch",
+            "compression",
+            "period",
+            "fragments",
+            "delay",
+            "alpha",
+            "block",
+            "rounds",
+        )
+    }
     doc = {
         "machine": {**machine(), "name": "the 2-core development VM"},
         "command": "sudo .venv/bin/python benchmarks/streaming.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-        "config": cfg, "params": ranks[0]["params"], "elapsed_s": elapsed, **summary,
-        "raw": [{m: {k: r["methods"][m][k] for k in ("wall", "cpu", "main_cpu", "bytes", "blocks")} for m in METHODS}
-                for r in ranks],
+        "config": cfg,
+        "params": ranks[0]["params"],
+        "elapsed_s": elapsed,
+        **summary,
+        "raw": [
+            {m: {k: r["methods"][m][k] for k in ("wall", "cpu", "main_cpu", "bytes", "blocks")} for m in METHODS}
+            for r in ranks
+        ],
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

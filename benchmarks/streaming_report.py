@@ -1,7 +1,8 @@
 """Print the markdown tables of a benchmarks/streaming.py result.
 
-    python benchmarks/streaming_report.py [benchmarks/results/streaming.json]
+python benchmarks/streaming_report.py [benchmarks/results/streaming.json]
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def report(doc: dict) -> str:
         "compute": "compute (inner AdamW alone, no communication)",
         "diloco": f"DiLoCo(period={c['period']}, compression={c['compression']})",
         "streaming": f"DiLoCo(period={c['period']}, compression={c['compression']}, fragments={c['fragments']}, "
-                     f"delay={c['delay']}, alpha={c['alpha']})",
+        f"delay={c['delay']}, alpha={c['alpha']})",
     }
     for name, r in rows.items():
         label = labels[name]
@@ -63,25 +64,33 @@ def report(doc: dict) -> str:
             "| streaming syncs | median | min | max |",
             "|---|---:|---:|---:|",
         ]
-        for key, what in (("transfer_s", "payload issued -> average arrived (ms)"),
-                          ("arrived_before_sync_s", "arrived before the sync step asked (ms)"),
-                          ("wait_s", "sync step waited for it (ms)"),
-                          ("outer_s", "outer step (ms)"),
-                          ("push_s", "push: delta, encode, first round (ms)")):
+        for key, what in (
+            ("transfer_s", "payload issued -> average arrived (ms)"),
+            ("arrived_before_sync_s", "arrived before the sync step asked (ms)"),
+            ("wait_s", "sync step waited for it (ms)"),
+            ("outer_s", "outer step (ms)"),
+            ("push_s", "push: delta, encode, first round (ms)"),
+        ):
             v = s[key]
             lines.append(f"| {what} | {_ms(v['median'])} | {_ms(v['min'])} | {_ms(v['max'])} |")
         lines.append(
             f"\n{s['syncs']} fragment syncs; payload issued {s['issued_steps_after_push']} step(s) after the push, "
             f"synced {s['sync_steps_after_push']} steps after it. CPU busy on the whole machine during the blocks: "
             + ", ".join(f"{n} {100 * r['machine_busy']:.0f}%" for n, r in rows.items())
-            + "; load average " + ", ".join(f"{n} {r['loadavg']:.1f}" for n, r in rows.items()) + "."
+            + "; load average "
+            + ", ".join(f"{n} {r['loadavg']:.1f}" for n, r in rows.items())
+            + "."
         )
     comp = rows["compute"]
-    lines += ["", "Where the CPU went, ms per step (rank 0; process CPU time covers every thread: the training "
-              "loop's and gloo's, where the payloads are sent, received and decoded):", "",
-              "| method | CPU/step | over compute | the loop's thread over compute | other threads over compute "
-              "| gradzip codec CPU (any thread) | outer step (wall) |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Where the CPU went, ms per step (rank 0; process CPU time covers every thread: the training "
+        "loop's and gloo's, where the payloads are sent, received and decoded):",
+        "",
+        "| method | CPU/step | over compute | the loop's thread over compute | other threads over compute "
+        "| gradzip codec CPU (any thread) | outer step (wall) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         if name == "compute":
             lines.append(f"| compute | {_ms(r['cpu_mean_s'])} | | | | | |")
@@ -91,9 +100,11 @@ def report(doc: dict) -> str:
         if "main_thread_cpu_mean_s" in r:  # results before the loop's thread was timed on its own lack it
             d_main = r["main_thread_cpu_mean_s"] - comp["main_thread_cpu_mean_s"]
             main, others = _ms(d_main), _ms(extra - d_main)
-        lines.append(f"| {name} | {_ms(r['cpu_mean_s'])} | {_ms(extra)} ({100 * extra / comp['cpu_mean_s']:+.0f}%) "
-                     f"| {main} | {others} | {_ms(r.get('codec_cpu_s_per_step', 0.0))} "
-                     f"| {_ms(r.get('outer_s_per_step', 0.0))} |")
+        lines.append(
+            f"| {name} | {_ms(r['cpu_mean_s'])} | {_ms(extra)} ({100 * extra / comp['cpu_mean_s']:+.0f}%) "
+            f"| {main} | {others} | {_ms(r.get('codec_cpu_s_per_step', 0.0))} "
+            f"| {_ms(r.get('outer_s_per_step', 0.0))} |"
+        )
     return "\n".join(lines)
 
 

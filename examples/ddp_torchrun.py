@@ -9,6 +9,7 @@ replaced by ``--method`` (any spec of the method grammar: ``gz.parse``). Every
 times (``gz.log_every``); at the end each tensor's route (``state.routes()``). CPU and
 gloo, or one GPU per rank with NCCL when CUDA is available.
 """
+
 from __future__ import annotations
 
 import argparse

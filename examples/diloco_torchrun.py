@@ -19,6 +19,7 @@ CPU (gloo) or one GPU per rank (NCCL) when CUDA is available. The task is a synt
 classification problem (a random teacher network labels Gaussian inputs), so nothing
 is downloaded.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@
 On CUDA (NCCL) each rank takes GPU ``LOCAL_RANK``; otherwise CPU and gloo. The GPU path
 has not been run in gradzip's tests (no GPU there): it uses only device-agnostic calls.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -70,7 +75,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = Net().to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if a.bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if a.bf16
+        else MixedPrecisionPolicy()
+    )
     if a.hsdp:
         # gradzip compresses the replica average in FSDP's all-reduce hook: FSDP shards over the
         # shard sub-mesh only, and gradzip gets the replicate sub-mesh.
@@ -111,14 +120,20 @@ def main() -> None:
 
     s = state.stats()
     if rank == 0:
-        print(f"reduce-scatter: {s['bytes_link'] / s['steps'] / 1e3:.1f} kB/step on the link per rank, "
-              f"{s['ratio']:.2f}x less than FSDP2's own reduce-scatter")
+        print(
+            f"reduce-scatter: {s['bytes_link'] / s['steps'] / 1e3:.1f} kB/step on the link per rank, "
+            f"{s['ratio']:.2f}x less than FSDP2's own reduce-scatter"
+        )
         if a.hsdp:
             r = state.stats("replicate")
-            print(f"replica all-reduce: {r['bytes_link'] / r['steps'] / 1e3:.1f} kB/step per rank, {r['ratio']:.2f}x less")
+            print(
+                f"replica all-reduce: {r['bytes_link'] / r['steps'] / 1e3:.1f} kB/step per rank, {r['ratio']:.2f}x less"
+            )
     if a.checkpoint:
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "gradzip": state},
-                 checkpoint_id=a.checkpoint)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "gradzip": state},
+            checkpoint_id=a.checkpoint,
+        )
         if rank == 0:
             print(f"saved {a.checkpoint}")
     dist.destroy_process_group()

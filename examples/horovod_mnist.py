@@ -14,6 +14,7 @@ gradzip``, any gradzip method (``'TopK(0.01)'``, ``'PowerSGD(rank=2)'``). ``--ou
 the test accuracy, a hash of the final parameters, the bytes counted (gradzip) and the run's
 settings as JSON (rank 0); ``--save-params FILE`` saves the final parameters (rank 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,20 +50,34 @@ class Net(nn.Module):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="PyTorch MNIST Example (Horovod's, on gradzip.horovod or horovod.torch)")
-    p.add_argument("--hvd", choices=["horovod", "gradzip"], default="horovod",
-                   help="import horovod.torch or gradzip.horovod as hvd")
+    p.add_argument(
+        "--hvd",
+        choices=["horovod", "gradzip"],
+        default="horovod",
+        help="import horovod.torch or gradzip.horovod as hvd",
+    )
     p.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size for training")
     p.add_argument("--test-batch-size", type=int, default=1000, metavar="N", help="input batch size for testing")
     p.add_argument("--epochs", type=int, default=10, metavar="N", help="number of epochs to train")
     p.add_argument("--lr", type=float, default=0.01, metavar="LR", help="learning rate")
     p.add_argument("--momentum", type=float, default=0.5, metavar="M", help="SGD momentum")
     p.add_argument("--seed", type=int, default=42, metavar="S", help="random seed")
-    p.add_argument("--log-interval", type=int, default=0, metavar="N",
-                   help="batches between logging training status (0: per epoch only)")
-    p.add_argument("--compression", default="none",
-                   help="none, fp16 (hvd.Compression), or a gradzip method with --hvd gradzip")
-    p.add_argument("--gradient-predivide-factor", type=float, default=1.0,
-                   help="apply gradient predivide factor in optimizer (default: 1.0)")
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="batches between logging training status (0: per epoch only)",
+    )
+    p.add_argument(
+        "--compression", default="none", help="none, fp16 (hvd.Compression), or a gradzip method with --hvd gradzip"
+    )
+    p.add_argument(
+        "--gradient-predivide-factor",
+        type=float,
+        default=1.0,
+        help="apply gradient predivide factor in optimizer (default: 1.0)",
+    )
     p.add_argument("--train-size", type=int, default=0, help="use the first N training digits (0: all 4,000)")
     p.add_argument("--out", default="", help="write the results as JSON here (rank 0)")
     p.add_argument("--save-params", default="", help="torch.save the final parameters here (rank 0)")
@@ -99,10 +114,12 @@ def main(argv=None) -> dict:
     test_dataset = torch.utils.data.TensorDataset(xte, yte)
     # Horovod: use DistributedSampler to partition the training data.
     train_sampler = torch.utils.data.distributed.DistributedSampler(
-        train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+        train_dataset, num_replicas=hvd.size(), rank=hvd.rank()
+    )
     train_loader = torch.utils.data.DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler)
     test_sampler = torch.utils.data.distributed.DistributedSampler(
-        test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+        test_dataset, num_replicas=hvd.size(), rank=hvd.rank()
+    )
     test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
 
     model = Net()
@@ -122,9 +139,13 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--compression {args.compression!r} needs --hvd gradzip")
 
     # Horovod: wrap optimizer with DistributedOptimizer.
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Average,
-                                         gradient_predivide_factor=args.gradient_predivide_factor)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Average,
+        gradient_predivide_factor=args.gradient_predivide_factor,
+    )
 
     def train(epoch):
         model.train()
@@ -170,8 +191,14 @@ def main(argv=None) -> dict:
         train(epoch)
         loss, acc = test()
     result = {
-        "hvd": args.hvd, "compression": args.compression, "seed": args.seed, "epochs": args.epochs,
-        "size": hvd.size(), "test_loss": loss, "test_accuracy": float(acc), "params_sha256": params_hash(model),
+        "hvd": args.hvd,
+        "compression": args.compression,
+        "seed": args.seed,
+        "epochs": args.epochs,
+        "size": hvd.size(),
+        "test_loss": loss,
+        "test_accuracy": float(acc),
+        "params_sha256": params_hash(model),
         "seconds": time.perf_counter() - t0,
     }
     if args.hvd == "gradzip":

@@ -5,6 +5,7 @@ deltas are averaged every ``--period`` steps through ``--method``, with error fe
 
 (DiLoCo and streaming DiLoCo: ``examples/diloco_torchrun.py``.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,9 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_torchrun import make_data, setup
 
 import gradzip as gz
-from ddp_torchrun import make_data, setup
 
 
 def main(argv=None) -> dict:
@@ -30,9 +31,13 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     gz.broadcast_parameters(model)  # the same start everywhere (LocalSGD checks it on its first step)
-    opt = gz.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.05), model,
-                      period=gz.schedules.PostLocal(warmup_steps=a.period, period=a.period),
-                      compression=gz.parse(a.method), overlap=True)
+    opt = gz.LocalSGD(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model,
+        period=gz.schedules.PostLocal(warmup_steps=a.period, period=a.period),
+        compression=gz.parse(a.method),
+        overlap=True,
+    )
     x, y = make_data(8192)
     x, y = x[rank::world].to(device), y[rank::world].to(device)
     g = torch.Generator().manual_seed(rank)
@@ -45,8 +50,10 @@ def main(argv=None) -> dict:
     opt.synchronize()  # every rank now holds the same model
     s = opt.stats()
     if rank == 0:
-        print(f"{opt!r}: final local loss {loss.item():.4f}, {s['syncs']} syncs in {s['steps']} steps, "
-              f"link ratio {s['ratio']:.1f}x per sync")
+        print(
+            f"{opt!r}: final local loss {loss.item():.4f}, {s['syncs']} syncs in {s['steps']} steps, "
+            f"link ratio {s['ratio']:.1f}x per sync"
+        )
     return {"loss": loss.item(), "stats": s}
 
 

@@ -7,6 +7,7 @@ rank 0's weights (the optimizer checks on its first step that the ranks agree, a
 raises naming the first parameter that differs). Gradients are averaged with
 ``--method``; buckets start communicating during backward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,9 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_torchrun import make_data, setup
 
 import gradzip as gz
-from ddp_torchrun import make_data, setup
 
 
 def main(argv=None) -> dict:
@@ -31,8 +32,11 @@ def main(argv=None) -> dict:
     torch.manual_seed(rank)  # different on every rank on purpose: the broadcast fixes it
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     gz.broadcast_parameters(model, root=0)
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                  named_parameters=model.named_parameters(), compression=gz.parse(a.method))
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=gz.parse(a.method),
+    )
     x, y = make_data(8192)
     x, y = x[rank::world].to(device), y[rank::world].to(device)
     g = torch.Generator().manual_seed(rank)

@@ -10,6 +10,7 @@ loads another rank's state gets a ``ValueError`` naming both. The script trains
 On another number of ranks, turn the files into new ones first:
 ``gradzip.checkpoint.write_states(gz.reshard(read_states(old), M), new)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_torchrun import make_data, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
-from ddp_torchrun import make_data, setup
 from gradzip.hooks import register_hook
 
 
@@ -74,7 +75,9 @@ def main(argv=None) -> dict:
     train(ddp2, opt2, data, a.steps - a.save_at, a.save_at)
     diff = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), ddp2.parameters()))
     if rank == 0:
-        print(f"{a.method}: {a.steps} steps unbroken and resumed at step {a.save_at}: max |param difference| {diff:.3g}")
+        print(
+            f"{a.method}: {a.steps} steps unbroken and resumed at step {a.save_at}: max |param difference| {diff:.3g}"
+        )
     return {"diff": diff, "step": state2.step, "files": sorted(os.listdir(a.checkpoint))}
 
 

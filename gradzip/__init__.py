@@ -11,6 +11,7 @@ transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
 """
+
 import os as _os
 
 if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
@@ -30,17 +31,53 @@ __version__ = "0.2.0"
 # not import torch, so ``gradzip --help`` answers before torch loads. The first ``gz.<name>``
 # imports every module below, as the eager imports did, which also registers every method
 # of the grammar (``gz.parse``). Keep this list and the TYPE_CHECKING imports in step.
-_EAGER = ("checkpoint", "momentum", "schedules", "warmup", "codecs", "costmodel", "engine", "local_sgd", "optim", "policy",
-          "protocols", "registry", "stats", "sync", "wire")
+_EAGER = (
+    "checkpoint",
+    "momentum",
+    "schedules",
+    "warmup",
+    "codecs",
+    "costmodel",
+    "engine",
+    "local_sgd",
+    "optim",
+    "policy",
+    "protocols",
+    "registry",
+    "stats",
+    "sync",
+    "wire",
+)
 _EXPORTS = {
-    "codecs": ("BF16", "FP16", "QSGD", "Codec", "Identity", "Int8", "RandomK", "SignSGD", "TensorContext", "TernGrad",
-               "Threshold", "TopK"),
+    "codecs": (
+        "BF16",
+        "FP16",
+        "QSGD",
+        "Codec",
+        "Identity",
+        "Int8",
+        "RandomK",
+        "SignSGD",
+        "TensorContext",
+        "TernGrad",
+        "Threshold",
+        "TopK",
+    ),
     "costmodel": ("Link",),
     "engine": ("Engine",),
     "local_sgd": ("DiLoCo", "LocalSGD"),
     "optim": ("DistributedOptimizer",),
     "policy": ("Policy",),
-    "protocols": ("AllGather", "Allreduce", "Filter", "Hierarchical", "Int8Allreduce", "PowerSGD", "Protocol", "TwoPhase"),
+    "protocols": (
+        "AllGather",
+        "Allreduce",
+        "Filter",
+        "Hierarchical",
+        "Int8Allreduce",
+        "PowerSGD",
+        "Protocol",
+        "TwoPhase",
+    ),
     "registry": ("parse",),
     "checkpoint": ("reshard",),
     "stats": ("Stats", "log_every"),
@@ -52,7 +89,20 @@ _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 if TYPE_CHECKING:  # what static tools see; at run time, __getattr__ below
     from . import checkpoint, momentum, schedules, warmup
     from .checkpoint import reshard
-    from .codecs import BF16, FP16, QSGD, Codec, Identity, Int8, RandomK, SignSGD, TensorContext, TernGrad, Threshold, TopK
+    from .codecs import (
+        BF16,
+        FP16,
+        QSGD,
+        Codec,
+        Identity,
+        Int8,
+        RandomK,
+        SignSGD,
+        TensorContext,
+        TernGrad,
+        Threshold,
+        TopK,
+    )
     from .costmodel import Link
     from .engine import Engine
     from .local_sgd import DiLoCo, LocalSGD

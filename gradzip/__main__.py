@@ -1,4 +1,5 @@
 """``python -m gradzip``: the ``gradzip`` command (``gradzip bench``, ``gradzip plan``, ``--version``)."""
+
 import sys
 
 from .cli import main

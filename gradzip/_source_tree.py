@@ -7,6 +7,7 @@ repository root with a wheel installed: the current directory comes first on
 ``sys.path``) would not find them; this finder, appended to ``sys.meta_path`` and used
 only then, maps them as pyproject does.
 """
+
 from __future__ import annotations
 
 import importlib.abc

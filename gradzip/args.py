@@ -10,6 +10,7 @@ Also the unit parsers of link speeds and durations (:func:`bandwidth`,
 options with it before torch is loaded): a torch tensor can only be a value once torch
 is in ``sys.modules``.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,18 @@ import numbers
 import re
 import sys
 
-__all__ = ["number", "integer", "ratio", "choice", "flag", "optional", "bandwidth", "duration",
-           "BANDWIDTH_FORMS", "DURATION_FORMS"]
+__all__ = [
+    "number",
+    "integer",
+    "ratio",
+    "choice",
+    "flag",
+    "optional",
+    "bandwidth",
+    "duration",
+    "BANDWIDTH_FORMS",
+    "DURATION_FORMS",
+]
 
 
 def _plain(value):
@@ -90,7 +101,9 @@ def optional(check, name: str, value, *a, **kw):
     try:
         return check(name, value, *a, **kw)
     except ValueError as e:
-        raise ValueError(f"{e.args[0].split(', got')[0].replace(' must be ', ' must be None or ', 1)}, got {value!r}") from None
+        raise ValueError(
+            f"{e.args[0].split(', got')[0].replace(' must be ', ' must be None or ', 1)}, got {value!r}"
+        ) from None
 
 
 # -- units ------------------------------------------------------------------------------------
@@ -147,7 +160,9 @@ def duration(name: str, value, *, unit: bool = False) -> float:
             raise ValueError(f"{name} must look like {DURATION_FORMS}, got {value!r}")
         s = float(m.group(1)) / _TIME_DIVISORS[m.group(2) or ""]
         if unit and not m.group(2) and s != 0:
-            raise ValueError(f"{name} needs a unit: {value!r} could be seconds or milliseconds; write e.g. {DURATION_FORMS}")
+            raise ValueError(
+                f"{name} needs a unit: {value!r} could be seconds or milliseconds; write e.g. {DURATION_FORMS}"
+            )
     else:
         raise ValueError(f"{name} must be a number of seconds or a string like '50us', got {value!r}")
     if not (math.isfinite(s) and s >= 0):

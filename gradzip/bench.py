@@ -29,6 +29,7 @@ Datasets (nothing is downloaded):
   standardised with the train set's mean and std; a small CNN.
 * ``digits``: sklearn's 8x8 digits (1,437 train / 360 test, split by the seed); an MLP.
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,6 @@ from .codecs.base import Codec
 from .hooks import register_hook
 from .machine import machine
 from .momentum import Momentum
-from .protocols.base import Protocol
-from .registry import Spec, parse_list, register_value
 
 # The defaults and choices of ``gradzip bench`` live in gradzip.options (no torch there: the
 # command parses its options before importing this module); the names stay importable here.
@@ -78,6 +77,8 @@ from .options import (
     QUICK_EPOCHS,  # noqa: F401 (re-exported)
     parse_seeds,  # noqa: F401 (re-exported)
 )
+from .protocols.base import Protocol
+from .registry import Spec, parse_list, register_value
 
 register_value("DDP", None)  # plain DDP: no hook
 
@@ -99,8 +100,6 @@ class Method:
             return "plain DDP"
         ef = "" if self.error_feedback is None else f" (error_feedback={self.error_feedback})"
         return repr(self.method) + ef
-
-
 
 
 def parse_methods(spec: str) -> dict[str, Method]:
@@ -163,7 +162,9 @@ class BenchConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.momentum_correction not in MOMENTUM_CORRECTION:
-            raise ValueError(f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}")
+            raise ValueError(
+                f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}"
+            )
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
@@ -172,8 +173,10 @@ class BenchConfig:
             raise ValueError(f"precondition takes over AdamW's second moment; optimizer {self.optimizer!r} has none")
         if self.precondition and self.momentum_correction != "on":
             # "auto" corrects sparse codecs only: SignSGD, the codec precondition is for, would be left out
-            raise ValueError(f"precondition is part of momentum correction: it needs momentum_correction='on', "
-                             f"got {self.momentum_correction!r}")
+            raise ValueError(
+                f"precondition is part of momentum correction: it needs momentum_correction='on', "
+                f"got {self.momentum_correction!r}"
+            )
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.lr is None:
@@ -183,7 +186,8 @@ class BenchConfig:
         if self.steps_per_epoch() < 1:
             raise ValueError(
                 f"{self.workers} ranks of batch {self.batch_size} get no full batch from the {self.dataset} training set "
-                f"({N_TRAIN[self.dataset]} samples): use fewer --workers or a smaller --batch-size")
+                f"({N_TRAIN[self.dataset]} samples): use fewer --workers or a smaller --batch-size"
+            )
         self.seeds = (self.seed,) if self.seeds is None else tuple(int(s) for s in self.seeds)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
@@ -191,8 +195,10 @@ class BenchConfig:
 
     def hook_extras(self) -> str:
         """The hook options in force, for titles and console lines: "" or ", local clipping 2, ..."."""
-        return (f"{f', local clipping {self.clip:g}' if self.clip is not None else ''}"
-                f"{', Adam moments per rank before compression' if self.precondition else ''}")
+        return (
+            f"{f', local clipping {self.clip:g}' if self.clip is not None else ''}"
+            f"{', Adam moments per rank before compression' if self.precondition else ''}"
+        )
 
     def resolved_epochs(self) -> int:
         return self.epochs if self.epochs is not None else DEFAULT_EPOCHS[self.dataset]
@@ -557,10 +563,18 @@ def aggregate(runs: list[dict], baseline: str = "Identity") -> list[dict]:
         }
         if base is not None:
             d = spread(seeds[s]["accuracy"] - base[s]["accuracy"] for s in order)
-            d3 = spread(seeds[s].get("accuracy_last3", seeds[s]["accuracy"])
-                        - base[s].get("accuracy_last3", base[s]["accuracy"]) for s in order)
-            row.update(delta_accuracy=d["mean"], delta_std=d["std"], delta_min=d["min"], delta_max=d["max"],
-                       delta_last3=d3["mean"])
+            d3 = spread(
+                seeds[s].get("accuracy_last3", seeds[s]["accuracy"])
+                - base[s].get("accuracy_last3", base[s]["accuracy"])
+                for s in order
+            )
+            row.update(
+                delta_accuracy=d["mean"],
+                delta_std=d["std"],
+                delta_min=d["min"],
+                delta_max=d["max"],
+                delta_last3=d3["mean"],
+            )
         row["per_seed"] = [{k: v for k, v in r.items() if k not in ("method", "config")} for r in rs]
         rows.append(row)
     return rows
@@ -571,8 +585,10 @@ def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
     if cfg.clip is not None:
         hookless = [label for label, m in methods.items() if m.method is None or isinstance(m.method, Spec)]
         if hookless:
-            raise ValueError(f"--clip clips in the DDP hook, which these rows do not use: {', '.join(hookless)}; "
-                             "bench them without --clip")
+            raise ValueError(
+                f"--clip clips in the DDP hook, which these rows do not use: {', '.join(hookless)}; "
+                "bench them without --clip"
+            )
 
 
 def run(methods=None, cfg: BenchConfig | None = None, progress=None, tick=None) -> list[dict]:
@@ -627,8 +643,10 @@ def format_table(rows: list[dict]) -> str:
     w = max(12, *(len(r["method"]) + 2 for r in rows))
     n = max(r.get("n_seeds", 1) for r in rows)
     acc_h, d_h = f"test acc % ({n} seed{'s' if n > 1 else ''})", "Δ acc pp"
-    head = (f"{'method':<{w}}{'link ratio':>11}{'handed':>9}{'link MB/step':>14}{acc_h:>29}{'last-3 ep':>11}"
-            f"{d_h:>27}{'ms/step':>9}")
+    head = (
+        f"{'method':<{w}}{'link ratio':>11}{'handed':>9}{'link MB/step':>14}{acc_h:>29}{'last-3 ep':>11}"
+        f"{d_h:>27}{'ms/step':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         acc, delta = f"{100 * r['accuracy']:.2f}", ""
@@ -671,15 +689,15 @@ CSV_FIELDS = [
 #: What each row's fields mean (written into results.json).
 FIELDS_DOC = {
     "ratio": "link-byte ratio: plain DDP's ring-allreduce bytes on a rank's link over the same steps / bytes sent "
-             "on the link (stats()['bytes_link']), over all seeds",
+    "on the link (stats()['bytes_link']), over all seeds",
     "ratio_handed": "plain DDP's bytes handed to allreduce / bytes handed to torch.distributed (stats()['bytes_sent'])",
     "bytes_link_per_step": "bytes one rank sends on its link per step (mean over seeds)",
     "accuracy": "final test accuracy (fraction), mean over seeds; _std sample std (null for 1 seed), _min/_max",
     "accuracy_last3": "test accuracy at the end of each of the last 3 epochs, averaged, then mean over seeds",
     "delta_accuracy": "mean over seeds of (accuracy - the baseline's accuracy on the same seed); delta_std/min/max "
-                      "its spread; delta_last3 the same on accuracy_last3",
+    "its spread; delta_last3 the same on accuracy_last3",
     "per_seed": "each seed's run: accuracy, curve (test accuracy after each epoch), bytes, ratio, stats_ratio "
-                "(the engine's own stats()['ratio'])",
+    "(the engine's own stats()['ratio'])",
 }
 
 
@@ -748,8 +766,14 @@ def place_labels(ax, xs, ys, labels, fontsize=8, obstacles=(), renderer=None, pa
     crowd = [sum(1.0 / (1.0 + math.dist(p, q)) for q in disp) for p in disp]
     cands = _candidates()
     for i in sorted(range(len(labels)), key=lambda i: -crowd[i]):
-        ann = ax.annotate(labels[i], (xs[i], ys[i]), xytext=(0, 0), textcoords="offset points", fontsize=fontsize,
-                          annotation_clip=False)
+        ann = ax.annotate(
+            labels[i],
+            (xs[i], ys[i]),
+            xytext=(0, 0),
+            textcoords="offset points",
+            fontsize=fontsize,
+            annotation_clip=False,
+        )
         best, best_cost = None, math.inf
         for dx, dy in cands:
             ha = "left" if dx > 1e-6 else "right" if dx < -1e-6 else "center"
@@ -773,9 +797,14 @@ def place_labels(ax, xs, ys, labels, fontsize=8, obstacles=(), renderer=None, pa
         placed.append(box)
         if math.hypot(dx, dy) > 20:  # a leader line from the marker to the label's middle
             cx, cy = (box.x0 + box.x1) / 2 - disp[i][0], (box.y0 + box.y1) / 2 - disp[i][1]
-            ax.annotate("", (xs[i], ys[i]), xytext=(cx * 72 / fig.dpi, cy * 72 / fig.dpi), textcoords="offset points",
-                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5", "shrinkA": 6, "shrinkB": 4},
-                        zorder=1)
+            ax.annotate(
+                "",
+                (xs[i], ys[i]),
+                xytext=(cx * 72 / fig.dpi, cy * 72 / fig.dpi),
+                textcoords="offset points",
+                arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5", "shrinkA": 6, "shrinkB": 4},
+                zorder=1,
+            )
         anns[i] = ann
     return anns
 
@@ -807,9 +836,18 @@ def pareto_figure(rows: list[dict], cfg: BenchConfig):
     on_front = set(front)
     ax.step(xs[front], ys[front], where="pre", color="tab:red", lw=1.2, alpha=0.8, label="Pareto frontier", zorder=2)
     for i in range(len(rows)):
-        ax.errorbar(xs[i], ys[i], yerr=[[ys[i] - lo[i]], [hi[i] - ys[i]]], fmt="o", ms=5, capsize=3, lw=1,
-                    color="tab:red" if i in on_front else "tab:blue", zorder=3,
-                    label=f"mean, bars min..max over {n} seed{'s' if n > 1 else ''}" if i == 0 else None)
+        ax.errorbar(
+            xs[i],
+            ys[i],
+            yerr=[[ys[i] - lo[i]], [hi[i] - ys[i]]],
+            fmt="o",
+            ms=5,
+            capsize=3,
+            lw=1,
+            color="tab:red" if i in on_front else "tab:blue",
+            zorder=3,
+            label=f"mean, bars min..max over {n} seed{'s' if n > 1 else ''}" if i == 0 else None,
+        )
     # Limits first (labels are placed in display space).
     x0, x1 = xs.min(), xs.max()
     span = max(math.log10(x1 / x0), 1.0)
@@ -862,12 +900,20 @@ def write_outputs(rows: list[dict], cfg: BenchConfig, out: str, command: str | N
     """results.json, results.csv and pareto.png in ``out``; returns their paths. ``command``:
     the command line to record (default: this process's)."""
     os.makedirs(out, exist_ok=True)
-    paths = {k: os.path.join(out, f) for k, f in (("json", "results.json"), ("csv", "results.csv"), ("plot", "pareto.png"))}
+    paths = {
+        k: os.path.join(out, f) for k, f in (("json", "results.json"), ("csv", "results.csv"), ("plot", "pareto.png"))
+    }
     config = {**asdict(cfg), "epochs": cfg.resolved_epochs(), "steps_per_epoch": cfg.steps_per_epoch()}
     if command is None:
         command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
-    doc = {"schema": SCHEMA, "command": command, "machine": machine(), "config": config, "fields": FIELDS_DOC,
-           "rows": rows}
+    doc = {
+        "schema": SCHEMA,
+        "command": command,
+        "machine": machine(),
+        "config": config,
+        "fields": FIELDS_DOC,
+        "rows": rows,
+    }
     with open(paths["json"], "w") as f:
         json.dump(doc, f, indent=2, default=str)
     with open(paths["csv"], "w", newline="") as f:

@@ -36,6 +36,7 @@ rank (``gradzip_rank{r}_of_{N}.pt``, what every front end's ``save(dir)`` and
 directory's states, e.g. through :func:`reshard`. :class:`PerRank` makes a front end's
 state ``Stateful`` for ``torch.distributed.checkpoint`` (DCP), one entry per rank.
 """
+
 from __future__ import annotations
 
 import io
@@ -78,7 +79,9 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
     for r, s in enumerate(states[1:], 1):
         for key in ("version", "method", "error_feedback", "step"):
             if s.get(key) != first.get(key):
-                raise ValueError(f"state of rank {r} differs from rank 0 in {key!r}: {s.get(key)!r} vs {first.get(key)!r}")
+                raise ValueError(
+                    f"state of rank {r} differs from rank 0 in {key!r}: {s.get(key)!r} vs {first.get(key)!r}"
+                )
         if set(_tensors(s["residuals"])) != set(_tensors(first["residuals"])):
             raise ValueError(f"rank {r} holds residuals for other tensors than rank 0")
     owners = _owner_residuals(states)
@@ -215,8 +218,11 @@ def load(obj, directory) -> None:
     if not path.exists():
         found = _worlds(directory)
         held = ", ".join(f"{len(r)} of {w} ranks" for w, r in sorted(found.items())) or "no gradzip states"
-        hint = (f"; turn them into {world} with gradzip.checkpoint.write_states(gz.reshard(read_states(dir), {world}), dir)"
-                if found and world not in found else "")
+        hint = (
+            f"; turn them into {world} with gradzip.checkpoint.write_states(gz.reshard(read_states(dir), {world}), dir)"
+            if found and world not in found
+            else ""
+        )
         raise FileNotFoundError(f"{path} does not exist: {directory} holds {held}{hint}")
     obj.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
 
@@ -226,7 +232,7 @@ def read_states(directory) -> list[dict]:
     found = _worlds(directory)
     if len(found) != 1:
         raise ValueError(f"{directory} holds gradzip states of world sizes {sorted(found)}; expected exactly one")
-    (world, ranks), = found.items()
+    ((world, ranks),) = found.items()
     missing = sorted(set(range(world)) - ranks)
     if missing:
         raise ValueError(f"{directory} lacks the states of ranks {missing} of {world}")

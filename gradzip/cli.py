@@ -1,4 +1,5 @@
 """The ``gradzip`` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,22 @@ def config_from_args(args):
     if args.quick and epochs is None:
         epochs = bench.QUICK_EPOCHS[args.dataset]
     return bench.BenchConfig(
-        dataset=args.dataset, workers=args.workers, epochs=epochs, batch_size=args.batch_size,
-        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs, momentum_correction=args.momentum_correction, seed=seeds[0], seeds=seeds,
-        device=args.device, clip=args.clip, precondition=args.precondition,
+        dataset=args.dataset,
+        workers=args.workers,
+        epochs=epochs,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        lr_schedule=args.lr_schedule,
+        warmup_epochs=args.warmup_epochs,
+        momentum_correction=args.momentum_correction,
+        seed=seeds[0],
+        seeds=seeds,
+        device=args.device,
+        clip=args.clip,
+        precondition=args.precondition,
     )
 
 
@@ -54,8 +67,10 @@ def check_device(cfg) -> None:
     if not torch.cuda.is_available():
         raise ValueError(f"--device cuda: CUDA is not available to this torch ({torch.__version__}); use --device cpu")
     if torch.cuda.device_count() < cfg.workers:
-        raise ValueError(f"--device cuda runs one rank per GPU: --workers {cfg.workers} needs {cfg.workers} GPUs, "
-                         f"this machine has {torch.cuda.device_count()}")
+        raise ValueError(
+            f"--device cuda runs one rank per GPU: --workers {cfg.workers} needs {cfg.workers} GPUs, "
+            f"this machine has {torch.cuda.device_count()}"
+        )
 
 
 def run_bench(args, no_progress: bool = False, plot: bool = False):
@@ -99,8 +114,10 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
             bar.update(1)
 
     def progress(r):
-        msg = (f"  {r['method']:<16} seed {r['seed']:<3} acc {100 * r['accuracy']:.2f}%  "
-               f"last-3 {100 * r['accuracy_last3']:.2f}%  link ratio {r['ratio']:.1f}x")
+        msg = (
+            f"  {r['method']:<16} seed {r['seed']:<3} acc {100 * r['accuracy']:.2f}%  "
+            f"last-3 {100 * r['accuracy_last3']:.2f}%  link ratio {r['ratio']:.1f}x"
+        )
         (bar.write if bar is not None else print)(msg)
 
     rows = bench.run(methods, cfg, progress=progress, tick=tick)

@@ -33,17 +33,18 @@ result records an event on the callback's stream, and ``wait()`` or ``then()`` o
 makes the caller's current stream wait for that event (DDP's reducer, the
 DistributedOptimizer and LocalSGD read the result on their own streams).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .stats import Stats
-
 
 #: The engine's per-call non-finite flag: one int32, allreduce MAX.
 FLAG_DTYPE = torch.int32
@@ -110,14 +111,17 @@ class Communicator:
         self.stats = stats if stats is not None else Stats()
         self._pending: list[_Pending] = []
 
-    def split(self, local_size: int) -> tuple["Communicator", "Communicator"]:
+    def split(self, local_size: int) -> tuple[Communicator, Communicator]:
         """Communicators on this rank's node (its ``local_size`` ranks, numbered node by node
         as torchrun does) and on the ranks with its local rank on every node. The process
         groups are made once per process and size, by every rank in the same order."""
         key = (id(self.group), self.world_size, local_size)
         if key not in _SPLITS:
             ranks = list(range(self.world_size)) if self.group is None else dist.get_process_group_ranks(self.group)
-            nodes = [dist.new_group(ranks[m * local_size : (m + 1) * local_size]) for m in range(self.world_size // local_size)]
+            nodes = [
+                dist.new_group(ranks[m * local_size : (m + 1) * local_size])
+                for m in range(self.world_size // local_size)
+            ]
             cross = [dist.new_group(ranks[i::local_size]) for i in range(local_size)]
             _SPLITS[key] = (nodes, cross)
         nodes, cross = _SPLITS[key]

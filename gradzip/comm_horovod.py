@@ -21,6 +21,7 @@ Horovod's torch binding has no bfloat16 collectives: handing it one raises ``Typ
 (so ``BF16`` runs only on torch.distributed). ``split`` (``Hierarchical``) would need Horovod
 process sets made by every rank at init; it raises ``NotImplementedError`` naming that.
 """
+
 from __future__ import annotations
 
 import itertools

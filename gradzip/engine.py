@@ -24,6 +24,7 @@ owns the safety nets, all decided identically on every rank:
   touched in that step are put back as they were before it
   (``ErrorFeedback.restore``): a skipped step never poisons the residual.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,12 +33,13 @@ import logging
 import math
 import threading
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
 from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
@@ -71,8 +73,12 @@ def check_real(named_tensors, what: str = "parameter") -> None:
 
 def _extremes(tensors) -> list[tuple[float, float]]:
     """``(min, max)`` of each tensor (NaN where it holds one; (0, 0) when empty), one host sync."""
-    ext = [torch.stack(torch.aminmax(t.detach().reshape(-1))) if t.numel() else torch.zeros(2, dtype=t.dtype, device=t.device)
-           for t in tensors]
+    ext = [
+        torch.stack(torch.aminmax(t.detach().reshape(-1)))
+        if t.numel()
+        else torch.zeros(2, dtype=t.dtype, device=t.device)
+        for t in tensors
+    ]
     if not ext:
         return []
     return [tuple(row) for row in torch.stack([e.to(torch.float64) for e in ext]).tolist()]
@@ -101,8 +107,10 @@ def route_summary(rows: list[dict]) -> list[str]:
         g[1] += r["numel"]
         g[2] += r["bytes_raw"]
     total = sum(g[2] for g in by.values()) or 1
-    return [f"{m} via {p}: {n} tensors, {e:,} elements, {100 * b / total:.1f}% of the raw bytes"
-            for (m, p), (n, e, b) in by.items()]
+    return [
+        f"{m} via {p}: {n} tensors, {e:,} elements, {100 * b / total:.1f}% of the raw bytes"
+        for (m, p), (n, e, b) in by.items()
+    ]
 
 
 def check_owner(sd: dict, rank: int, world_size: int) -> None:
@@ -134,7 +142,12 @@ def check_owner(sd: dict, rank: int, world_size: int) -> None:
             "(save one file per rank: state.save(dir) / state.load(dir), or gradzip.checkpoint.save/load)"
         )
     saved_global = sd.get("global_rank")
-    if saved_global is not None and dist.is_available() and dist.is_initialized() and int(saved_global) != dist.get_rank():
+    if (
+        saved_global is not None
+        and dist.is_available()
+        and dist.is_initialized()
+        and int(saved_global) != dist.get_rank()
+    ):
         raise ValueError(
             f"this gradzip state ({method}) was saved by global rank {saved_global} (rank {saved_rank} of its group), "
             f"and this is global rank {dist.get_rank()}: with data-parallel subgroups (one per model shard), give "
@@ -285,7 +298,9 @@ class Engine:
                     lo_hi = _extremes(tensors)  # one pass: finiteness and all-zero tensors
                     local = [n for n, (lo, hi) in zip(names, lo_hi) if not (math.isfinite(lo) and math.isfinite(hi))]
                     call.frozen = frozenset(n for n, (lo, hi) in zip(names, lo_hi) if lo == hi == 0.0)
-                elif (not plain or self.on_nonfinite == "raise") and not all_finite(tensors):  # else the average shows it
+                elif (not plain or self.on_nonfinite == "raise") and not all_finite(
+                    tensors
+                ):  # else the average shows it
                     local = [n for n, t in zip(names, tensors) if not all_finite([t])]
                 if self.clip is not None or self.momentum is not None:
                     self._precondition(call, params)
@@ -360,8 +375,12 @@ class Engine:
                     tensors[i] = tensors[i] * (limit / norm)
         if self.momentum is not None:
             sub = [tensors[i] for i in idx]
-            got = self.momentum.apply(self.moments, [call.names[i] for i in idx], sub,
-                                      [params[i] for i in idx] if params is not None else None)
+            got = self.momentum.apply(
+                self.moments,
+                [call.names[i] for i in idx],
+                sub,
+                [params[i] for i in idx] if params is not None else None,
+            )
             for i, t in zip(idx, got):
                 tensors[i] = t
             call.momentum = {call.names[i]: self.moments.residual(momentum_key(call.names[i])) for i in idx}
@@ -487,13 +506,22 @@ class Engine:
         for name, (numel, size) in self._seen.items():
             if hasattr(self.protocol, "decision"):
                 method, reason, carrier = self.protocol.decision(
-                    name, numel, self.tensor_state.get(name, {}), world, self.error_feedback)
+                    name, numel, self.tensor_state.get(name, {}), world, self.error_feedback
+                )
             else:
                 method, reason, carrier = self.method, "method", self.protocol
             if self.step < self.start_iter:
                 carrier, reason = self._plain_protocol, f"before start_iter={self.start_iter}"
-            rows.append({"name": name, "numel": numel, "bytes_raw": numel * size, "method": repr(method),
-                         "protocol": repr(carrier), "reason": reason})
+            rows.append(
+                {
+                    "name": name,
+                    "numel": numel,
+                    "bytes_raw": numel * size,
+                    "method": repr(method),
+                    "protocol": repr(carrier),
+                    "reason": reason,
+                }
+            )
         return rows
 
     def state_dict(self) -> dict:

@@ -20,6 +20,7 @@ when the step turns out non-finite, else :meth:`release`. Only the engine
 restores; codecs and protocols write residuals only through :meth:`set` (via
 ``Call``), under any key (a protocol may keep a second memory, e.g. per chunk).
 """
+
 from __future__ import annotations
 
 import torch

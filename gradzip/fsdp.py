@@ -60,6 +60,7 @@ its shard of the pending update into its own (self-addressed) residual row, time
 new shard-group size, so the next reduce-scatter adds exactly the update the saved run
 still owed, whatever the new number of ranks.
 """
+
 from __future__ import annotations
 
 import re
@@ -98,7 +99,7 @@ class _Slot:
 class _Group:
     """One FSDPParamGroup: its module, its parameters' slots, and gradzip's comm and hook."""
 
-    def __init__(self, state: "FSDPState", module: FSDPModule, module_name: str, pg, names: dict) -> None:
+    def __init__(self, state: FSDPState, module: FSDPModule, module_name: str, pg, names: dict) -> None:
         self.state = state
         self.module = module
         self.module_name = module_name or "<root>"
@@ -155,7 +156,10 @@ class _Comm(_FSDPReduceScatter):
         tensors = [x[:, s.offset : s.offset + s.padded] for s in g.slots]
         engine = st.engine
         fut = engine.reduce(
-            names, tensors, out_dtype=output_tensor.dtype, dest=output_tensor,
+            names,
+            tensors,
+            out_dtype=output_tensor.dtype,
+            dest=output_tensor,
             zero_is_unused=bool(getattr(g.pg, "reduce_scatter_unused_params", False)),
         )
         st._run(engine, fut, output_tensor)
@@ -193,7 +197,9 @@ def _apply_op(out: torch.Tensor, op, world: int) -> None:
     elif op == dist.ReduceOp.PREMUL_SUM:
         out.mul_(float(op.factor) * world)
     else:
-        raise ValueError(f"gradzip.fsdp: FSDP asked for a reduce-scatter with {op}; gradzip averages (AVG, SUM, PREMUL_SUM)")
+        raise ValueError(
+            f"gradzip.fsdp: FSDP asked for a reduce-scatter with {op}; gradzip averages (AVG, SUM, PREMUL_SUM)"
+        )
 
 
 def _group_of(g) -> dist.ProcessGroup:
@@ -215,7 +221,9 @@ class FSDPState:
     collectives (every rank calls them, in the same order).
     """
 
-    def __init__(self, model, engine: Engine | None, replicate_engine: Engine | None, groups: list, rs_group, rep_group) -> None:
+    def __init__(
+        self, model, engine: Engine | None, replicate_engine: Engine | None, groups: list, rs_group, rep_group
+    ) -> None:
         self.model = model
         self.engine = engine
         self.replicate_engine = replicate_engine
@@ -360,8 +368,9 @@ class FSDPState:
                 dist.all_reduce(pending, group=rep)
                 pending.div_(dist.get_world_size(rep))
         else:
-            pending = torch.zeros(sum(s.padded for s in slots), dtype=torch.float32,
-                                  device=slots[0].param.device if slots else None)
+            pending = torch.zeros(
+                sum(s.padded for s in slots), dtype=torch.float32, device=slots[0].param.device if slots else None
+            )
         for s, off in zip(slots, _offsets(slots)):
             sd[f"reduce_scatter.{s.name}"] = _as_dtensor(pending[off : off + s.valid].view(s.shape).clone(), s.param)
         parts = self._pending_replicate(slots)
@@ -441,8 +450,9 @@ def _offsets(slots: list[_Slot]) -> list[int]:
 
 
 def _as_dtensor(local: torch.Tensor, param) -> DTensor:
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def compress(
@@ -481,7 +491,9 @@ def compress(
     custom comm, native HSDP (a 2-D mesh) with ``replicate``.
     """
     if reduce_scatter is None and replicate is None:
-        raise ValueError("gradzip.fsdp.compress: give reduce_scatter= (a codec) and/or replicate= (a codec or protocol)")
+        raise ValueError(
+            "gradzip.fsdp.compress: give reduce_scatter= (a codec) and/or replicate= (a codec or protocol)"
+        )
     if reduce_scatter is not None and not isinstance(reduce_scatter, Codec):
         raise ValueError(
             f"reduce_scatter must be a gradzip codec (Int8(), TopK(0.01), Identity(), ...), got {reduce_scatter!r}; "
@@ -493,10 +505,14 @@ def compress(
             "replicate= needs replicate_group= (mesh['replicate'] of the 2-D mesh whose mesh['shard'] FSDP shards over)"
         )
     if replicate is None and replicate_group is not None:
-        raise ValueError("replicate_group= is given without replicate= (the codec or protocol for the replica all-reduce)")
+        raise ValueError(
+            "replicate_group= is given without replicate= (the codec or protocol for the replica all-reduce)"
+        )
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
-        raise TypeError("gradzip.fsdp.compress needs a model wrapped with torch.distributed.fsdp.fully_shard; call it after fully_shard")
+        raise TypeError(
+            "gradzip.fsdp.compress needs a model wrapped with torch.distributed.fsdp.fully_shard; call it after fully_shard"
+        )
     module_names = {m: n for n, m in model.named_modules()}
 
     pgs = []
@@ -514,7 +530,9 @@ def compress(
             continue
         pg = groups[0]
         if not isinstance(pg.mesh_info, FSDPMeshInfo):
-            raise ValueError(f"gradzip.fsdp: module {label!r} is replicated, not sharded (FSDP2's replicate); use gradzip.hooks for DDP")
+            raise ValueError(
+                f"gradzip.fsdp: module {label!r} is replicated, not sharded (FSDP2's replicate); use gradzip.hooks for DDP"
+            )
         if reduce_scatter is not None:
             comm = pg._reduce_scatter_comm
             if type(comm).__name__ == "ProcessGroupAllocReduceScatter":
@@ -543,7 +561,9 @@ def compress(
                     "fully_shard(module, mesh=mesh['shard']), and pass replicate_group=mesh['replicate']"
                 )
             if pg._all_reduce_hook is not None:
-                raise ValueError(f"gradzip.fsdp: module {label!r} has an all-reduce hook already; FSDP2 takes one per module")
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} has an all-reduce hook already; FSDP2 takes one per module"
+                )
         pgs.append((name, m, pg))
     if not pgs:
         raise ValueError("gradzip.fsdp.compress: the FSDP modules of this model manage no parameters")
@@ -571,12 +591,22 @@ def compress(
     layout = layout_of(trained)
     engine = None
     if reduce_scatter is not None:
-        engine = Engine(ReduceScatter(reduce_scatter), process_group=rs_group, error_feedback=error_feedback,
-                        on_nonfinite=on_nonfinite, layout=layout)
+        engine = Engine(
+            ReduceScatter(reduce_scatter),
+            process_group=rs_group,
+            error_feedback=error_feedback,
+            on_nonfinite=on_nonfinite,
+            layout=layout,
+        )
     rep_engine = None
     if replicate is not None:
-        rep_engine = Engine(replicate, process_group=rep_group, error_feedback=replicate_error_feedback,
-                            on_nonfinite=on_nonfinite, layout=layout)
+        rep_engine = Engine(
+            replicate,
+            process_group=rep_group,
+            error_feedback=replicate_error_feedback,
+            on_nonfinite=on_nonfinite,
+            layout=layout,
+        )
     state = FSDPState(model, engine, rep_engine, [], rs_group, rep_group)
     for name, m, pg in pgs:
         g = _Group(state, m, name, pg, module_names)
@@ -593,6 +623,7 @@ def _guard_allocator(module: FSDPModule) -> None:
     """FSDP2 raises a bare AssertionError (after switching the all-gather comm) when
     ``set_allocate_memory_from_process_group_for_comm(True)`` follows a custom reduce-scatter;
     refuse it first, saying what to do."""
+
     def guarded(enable: bool) -> None:
         if enable:
             raise ValueError(

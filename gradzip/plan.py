@@ -25,6 +25,7 @@ per fragment when streaming; the wire hidden behind ``delay`` steps of compute).
 The prediction is for time per step only: methods also differ in how many steps
 they need to reach an accuracy (``gradzip bench`` measures that).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -150,12 +151,35 @@ def project(
         for n in worlds:
             if terms is not None:
                 sc = periodic_step_cost(
-                    terms["compression"], layers, n, link, compute_s, profile, period=terms["period"],
-                    fragments=terms["fragments"], delay=terms["delay"], cache=cache, label=label, dtype=dtype,
+                    terms["compression"],
+                    layers,
+                    n,
+                    link,
+                    compute_s,
+                    profile,
+                    period=terms["period"],
+                    fragments=terms["fragments"],
+                    delay=terms["delay"],
+                    cache=cache,
+                    label=label,
+                    dtype=dtype,
                 )
             else:
-                sc = step_cost(method, layers, n, link, compute_s, profile, bucket_cap_mb=bucket_cap_mb, cache=cache,
-                               label=label, local_size=local_size, intra=intra, dtype=dtype, overlap=overlap)
+                sc = step_cost(
+                    method,
+                    layers,
+                    n,
+                    link,
+                    compute_s,
+                    profile,
+                    bucket_cap_mb=bucket_cap_mb,
+                    cache=cache,
+                    label=label,
+                    local_size=local_size,
+                    intra=intra,
+                    dtype=dtype,
+                    overlap=overlap,
+                )
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
@@ -267,13 +291,19 @@ def recommend(rows: list[dict], band: float) -> str:
     parts = []
     for lab, lo, hi in runs:
         where = f"{lo} ranks" if lo == hi else f"{lo}-{hi} ranks"
-        gains = [at[("DDP", n)]["total_s"] / at[(lab, n)]["total_s"] for n in best if lo <= n <= hi and ("DDP", n) in at]
+        gains = [
+            at[("DDP", n)]["total_s"] / at[(lab, n)]["total_s"] for n in best if lo <= n <= hi and ("DDP", n) in at
+        ]
         if lab == "DDP" or not gains:
             parts.append(f"{lab} at {where}")
         elif max(gains) < 1 + band:
             parts.append(f"DDP at {where} ({lab} is predicted at most {max(gains):.2f}x faster, within the error band)")
         else:
-            span = f"{min(gains):.2g}x" if f"{min(gains):.2g}" == f"{max(gains):.2g}" else f"{min(gains):.2g}x-{max(gains):.2g}x"
+            span = (
+                f"{min(gains):.2g}x"
+                if f"{min(gains):.2g}" == f"{max(gains):.2g}"
+                else f"{min(gains):.2g}x-{max(gains):.2g}x"
+            )
             parts.append(f"{lab} at {where} ({span} DDP's predicted speed)")
     return "recommendation: " + "; ".join(parts) + "; check accuracy with `gradzip bench`"
 
@@ -287,8 +317,10 @@ def run(args) -> int:
         if args.plot:
             missing = options.missing_bench_extras("digits", True)
             if "matplotlib" in missing:
-                raise ImportError("--plot needs matplotlib, which is not installed (pip install matplotlib, "
-                                  "or 'gradzip[bench]'); leave --plot out for the table alone")
+                raise ImportError(
+                    "--plot needs matplotlib, which is not installed (pip install matplotlib, "
+                    "or 'gradzip[bench]'); leave --plot out for the table alone"
+                )
         import_plugins(args.plugins)
         if args.device not in (None, "cpu") and args.profile:
             raise ValueError("give --device or --profile, not both")
@@ -302,28 +334,37 @@ def run(args) -> int:
             else:  # what it lacks is measured here as --device cpu would
                 profile.sizes, profile.worlds = args.profile_sizes, (1, 8)
                 profile.repeats, profile.threads = args.repeats, args.threads
-                source = (f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): "
-                          "kernel times only, without Python and launch overhead, so a lower bound; "
-                          "FP16/BF16 from the measured copy bandwidth")
+                source = (
+                    f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): "
+                    "kernel times only, without Python and launch overhead, so a lower bound; "
+                    "FP16/BF16 from the measured copy bandwidth"
+                )
             if profile.dtype != dtype_name:
                 profile.elem_scale = dtype.itemsize / getattr(torch, profile.dtype).itemsize
-                notes.append(f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
-                             f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
-                             "memory traffic)")
+                notes.append(
+                    f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
+                    f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
+                    "memory traffic)"
+                )
         else:
-            profile = CodecProfile(sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads, dtype=dtype_name)
+            profile = CodecProfile(
+                sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads, dtype=dtype_name
+            )
             source = (
                 f"measured on this machine's CPU (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
                 f"{dtype_name}, fastest of {args.repeats}, {args.threads} thread(s))"
             )
         intra = None
         if args.intra_bandwidth is not None or args.intra_latency is not None:
-            intra = Link(args.intra_bandwidth or args.bandwidth,
-                         args.latency if args.intra_latency is None else args.intra_latency)
+            intra = Link(
+                args.intra_bandwidth or args.bandwidth,
+                args.latency if args.intra_latency is None else args.intra_latency,
+            )
         methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size)
         if args.overlap and any(isinstance(m, Spec) for m in methods.values()):
-            notes.append("--overlap applies to DDP-style methods only; LocalSGD/DiLoCo rows hide their wire by "
-                         "their own delay=")
+            notes.append(
+                "--overlap applies to DDP-style methods only; LocalSGD/DiLoCo rows hide their wire by their own delay="
+            )
         if args.state_dict:
             layers = layers_from_state_dict(args.state_dict)
             what = args.state_dict
@@ -347,11 +388,25 @@ def run(args) -> int:
     def progress(label, secs):
         print(f"  {label}: {secs:.1f} s", flush=True)
 
-    rows = project(layers, args.compute, link, args.worlds, methods, profile, bucket_cap_mb=args.bucket_cap_mb,
-                   progress=progress, local_size=args.local_size, intra=intra, dtype=dtype, overlap=args.overlap)
+    rows = project(
+        layers,
+        args.compute,
+        link,
+        args.worlds,
+        methods,
+        profile,
+        bucket_cap_mb=args.bucket_cap_mb,
+        progress=progress,
+        local_size=args.local_size,
+        intra=intra,
+        dtype=dtype,
+        overlap=args.overlap,
+    )
     if profile.measured_here and (args.profile or device != "cpu"):
-        notes.append(f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
-                     "codec seconds measured on this machine's CPU instead")
+        notes.append(
+            f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
+            "codec seconds measured on this machine's CPU instead"
+        )
     print()
     print(format_table(rows))
     print()

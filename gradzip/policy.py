@@ -41,15 +41,17 @@ With it on, every route keeps its error, unbiased lossy ones (``BF16``) included
 only exact routes (``Identity``: what is sent is the gradient itself) run without
 residuals, since theirs would stay zero.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+
 from .codecs.base import Codec
 from .codecs.cast import Identity
 from .comm import Round
@@ -127,7 +129,9 @@ class Policy(Protocol):
         per_layer = {} if per_layer is None else per_layer
         if not isinstance(per_layer, Mapping):
             raise ValueError(f"per_layer must be a dict of name substring -> method, got {type(per_layer).__name__}")
-        for arg, m in [("default", default), ("fallback", fallback)] + [(f"per_layer[{p!r}]", c) for p, c in per_layer.items()]:
+        for arg, m in [("default", default), ("fallback", fallback)] + [
+            (f"per_layer[{p!r}]", c) for p, c in per_layer.items()
+        ]:
             if not isinstance(m, (Codec, Protocol)):
                 raise TypeError(f"{arg} must be a gradzip codec or protocol, got {type(m).__name__}")
             if isinstance(m, Policy):
@@ -240,7 +244,9 @@ class Policy(Protocol):
             for m in (self.default, self.fallback)
         )
 
-    def prefers_fallback(self, x: torch.Tensor, world_size: int, *, compensated: bool = False, latency_share: float = 1.0) -> bool:
+    def prefers_fallback(
+        self, x: torch.Tensor, world_size: int, *, compensated: bool = False, latency_share: float = 1.0
+    ) -> bool:
         """This rank's vote: is ``fallback`` at most as costly as ``default`` for ``x``?"""
         c_default, c_fallback = self.costs(x, world_size, compensated=compensated, latency_share=latency_share)
         return c_fallback <= c_default
@@ -282,7 +288,9 @@ class Policy(Protocol):
         parts: dict[int, list[int]] = {}
         for i, (name, shape) in enumerate(layers):
             share = math.prod(shape) / total if total else 1.0
-            parts.setdefault(self.index_of(self.choose(name, shape, world_size=world, latency_share=share)), []).append(i)
+            parts.setdefault(self.index_of(self.choose(name, shape, world_size=world, latency_share=share)), []).append(
+                i
+            )
         return [(self.candidates[g], parts[g], self.biased and not _exact(self.candidates[g])) for g in sorted(parts)]
 
     def _decided(self, call: Call) -> list[int | None]:
@@ -381,8 +389,9 @@ class Policy(Protocol):
             n = sum(call.tensors[i].numel() for i in groups[g])
             sub.dest = call.dest if whole else None if scratch is None else scratch[pos : pos + n]
             pos += n
-        protocols = [as_protocol(self.candidates[g], call.world_size, feedback=s.memory is not None)
-                     for g, s in zip(order, subs)]
+        protocols = [
+            as_protocol(self.candidates[g], call.world_size, feedback=s.memory is not None) for g, s in zip(order, subs)
+        ]
         results = yield from parallel([p.exchange(s) for p, s in zip(protocols, subs)], aligned_starts(protocols))
         if whole and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
             return results[0].view(-1)

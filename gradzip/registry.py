@@ -25,6 +25,7 @@ A bare name is a call without arguments. Front-end methods (``kind="frontend"``,
 such as local SGD, which need an optimizer and a model to exist) parse to a
 :class:`Spec` that the tool instantiates later.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,7 +36,15 @@ from typing import Any, ClassVar
 from .wire import register_format
 
 __all__ = [
-    "Registered", "Spec", "register_value", "register_frontend", "lookup", "names", "parse", "parse_list", "config_of",
+    "Registered",
+    "Spec",
+    "register_value",
+    "register_frontend",
+    "lookup",
+    "names",
+    "parse",
+    "parse_list",
+    "config_of",
 ]
 
 _CLASSES: dict[str, type] = {}
@@ -195,7 +204,9 @@ def _build(node, context: dict):
     try:
         return ast.literal_eval(node)
     except ValueError:
-        raise ValueError(f"cannot read {ast.unparse(node)!r} in a method spec (literals and method calls only)") from None
+        raise ValueError(
+            f"cannot read {ast.unparse(node)!r} in a method spec (literals and method calls only)"
+        ) from None
 
 
 def _make(cls: type, args: list, kwargs: dict, context: dict):

@@ -22,16 +22,24 @@ inside tensors where needed, and
 :class:`Streaming` ``(period, fragments, delay)`` says which fragment is
 pushed (*prepared*) and which is collected (*synced*) at each step.
 """
+
 from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import gradzip.args as args
 
 __all__ = [
-    "Schedule", "Constant", "PostLocal", "Increasing", "Streaming", "as_schedule", "sync_steps", "split_fragments",
+    "Schedule",
+    "Constant",
+    "PostLocal",
+    "Increasing",
+    "Streaming",
+    "as_schedule",
+    "sync_steps",
+    "split_fragments",
     "long_run_period",
 ]
 

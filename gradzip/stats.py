@@ -36,6 +36,7 @@ cumulative (and checkpointed); ``stats(reset=True)`` gives the counts since the 
 new interval, leaving the totals alone. :func:`log_every` calls a function (by default a
 ``logging`` logger, ``"gradzip"``) every ``n`` steps with the last ``n`` steps' counts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -163,6 +164,10 @@ def log_line(step: int, stats: dict) -> None:
     """The default :func:`log_every` function: one INFO line on the ``"gradzip"`` logger."""
     logger.info(
         "gradzip step %d: %d steps, ratio %.1fx, %.0f link bytes/step, codec %.3f s, comm %.3f s",
-        step, stats["steps"], stats["ratio"], stats["bytes_link"] / max(1, stats["steps"]),
-        stats["codec_seconds"], stats["comm_seconds"],
+        step,
+        stats["steps"],
+        stats["ratio"],
+        stats["bytes_link"] / max(1, stats["steps"]),
+        stats["codec_seconds"],
+        stats["comm_seconds"],
     )

@@ -11,6 +11,7 @@ from different weights would drift apart with nothing to show it. They call
 the largest and the smallest hash), issued on every rank at the same point, in the same
 order.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,9 +43,7 @@ def _named(module_or_params) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor):
             out.append((str(x[0]), x[1]))
         else:
-            raise TypeError(
-                f"expected a module, or tensors or (name, tensor) pairs; item {i} is {type(x).__name__}"
-            )
+            raise TypeError(f"expected a module, or tensors or (name, tensor) pairs; item {i} is {type(x).__name__}")
     return out
 
 
@@ -137,11 +136,12 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
     differ = (hi != lo).nonzero().flatten().tolist()
     if not differ:
         return
-    hint = ("start every rank from the same weights: gz.broadcast_parameters(model) (or the same seed) "
-            "before wrapping, or load the same checkpoint on every rank")
+    hint = (
+        "start every rank from the same weights: gz.broadcast_parameters(model) (or the same seed) "
+        "before wrapping, or load the same checkpoint on every rank"
+    )
     if differ[0] == 0:
-        raise ValueError(f"the ranks hold {what} of different names or order ({len(named)} on rank "
-                         f"{rank}); {hint}")
+        raise ValueError(f"the ranks hold {what} of different names or order ({len(named)} on rank {rank}); {hint}")
     first = named[differ[0] - 1][0]
     raise ValueError(
         f"{what} differ across ranks, first in {first!r} ({len(differ)} of {len(named)} tensors differ); {hint}"

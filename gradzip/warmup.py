@@ -12,6 +12,7 @@ puts it back where it was::
 
 Both parse in the method grammar (``TopK(ratio=Exponential(0.25, 0.001, steps=500, stages=5))``).
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ must view as a wider dtype at an unaligned offset). A receiver learns the tensor
 count and shapes from its own model, never from the wire. Version 1 (gradzip
 0.1) gave every frame a 16-byte header and padded bodies to 8 bytes.
 """
+
 from __future__ import annotations
 
 import struct
@@ -57,6 +58,7 @@ def register_format(code: int, label: str) -> int:
 def formats() -> dict[int, str]:
     """Every registered format code and its owner."""
     return dict(_FORMATS)
+
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -153,7 +155,7 @@ def frame_nbytes(body_nbytes: int, scale: bool = False) -> int:
     return ENTRY_BYTES + (SCALE.size if scale else 0) + body_nbytes
 
 
-def _entry(p: "Payload") -> bytes:
+def _entry(p: Payload) -> bytes:
     nb = p.body.numel() * p.body.element_size()
     vcode = dtype_code(p.vdtype) if p.vdtype is not None else 0
     if p.scale:
@@ -161,7 +163,7 @@ def _entry(p: "Payload") -> bytes:
     return ENTRY.pack(p.fmt, vcode, nb)
 
 
-def message_nbytes(payloads: list["Payload"]) -> int:
+def message_nbytes(payloads: list[Payload]) -> int:
     """Bytes of the message :func:`pack_frames` writes for ``payloads``."""
     return HEADER_BYTES + sum(frame_nbytes(p.body.numel() * p.body.element_size(), bool(p.scale)) for p in payloads)
 
@@ -184,9 +186,7 @@ def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> 
     return msg
 
 
-def unpack_frames(
-    msg: torch.Tensor, shapes: list[torch.Size], dtypes: list[torch.dtype]
-) -> list[Payload]:
+def unpack_frames(msg: torch.Tensor, shapes: list[torch.Size], dtypes: list[torch.dtype]) -> list[Payload]:
     """Split a message into payloads; bodies are views into ``msg``.
 
     ``msg`` may carry trailing padding (from a padded allgather); it is ignored.
@@ -219,7 +219,14 @@ def unpack_frames(
         if off + nb > msg.numel():
             raise ValueError(f"corrupt message: frame {i} claims {nb} bytes at offset {off}")
         out.append(
-            Payload(body=msg[off : off + nb], shape=shapes[i], dtype=dtypes[i], fmt=fmt, vdtype=code_dtype(vcode), scale=scale)
+            Payload(
+                body=msg[off : off + nb],
+                shape=shapes[i],
+                dtype=dtypes[i],
+                fmt=fmt,
+                vdtype=code_dtype(vcode),
+                scale=scale,
+            )
         )
         off += nb
     return out

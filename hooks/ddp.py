@@ -7,6 +7,7 @@ parameter, hands them to the :class:`gradzip.engine.Engine`, and returns the
 engine's future. Residuals are keyed by parameter name, so DDP's bucket rebuild
 after the first iteration does not touch them.
 """
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -76,8 +77,14 @@ def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.
     names = state.names_of(params)
     buf = bucket.buffer()  # flat, as the engine's result: the future is returned as it is, so
     # an error (FloatingPointError with on_nonfinite="raise") reaches backward() unwrapped
-    fut = state.engine.reduce(names, grads, out_dtype=buf.dtype, dest=buf, zero_is_unused=state.find_unused,
-                              params=params if state.engine.momentum is not None else None)
+    fut = state.engine.reduce(
+        names,
+        grads,
+        out_dtype=buf.dtype,
+        dest=buf,
+        zero_is_unused=state.find_unused,
+        params=params if state.engine.momentum is not None else None,
+    )
     if state.engine.on_nonfinite == "raise":
         state.futures.append(fut)
     if bucket.is_last():
@@ -149,7 +156,9 @@ def register_hook(
         process_group = getattr(ddp_model, "process_group", None)
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
     check_real(trained)
-    momentum, buffers = Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
+    momentum, buffers = (
+        Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
+    )
     engine = Engine(
         method,
         process_group=process_group,

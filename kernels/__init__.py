@@ -23,9 +23,10 @@ residual into ``out`` when given: a contiguous tensor of ``x.numel()`` elements 
 accumulation dtype (float32; float64 for float64 ``x``), which may be the residual
 passed in or ``x`` itself when ``x`` has that dtype; it is returned as it is.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -60,9 +61,9 @@ from .quant import (
 from .reference import (
     APPROX_TOL,
     ThresholdResult,
-    approx_band,
     abs_select_reference,
     accum_dtype,
+    approx_band,
     decode_add_bitmap2_reference,
     decode_signed_indices,
     encode_signed_indices,
@@ -193,7 +194,9 @@ def _check_levels(levels, bits) -> tuple[int, int]:
         raise ValueError(f"levels must be a positive integer, got {levels!r}")
     bits = qsgd_bits(levels) if bits is None else bits
     if bits not in (2, 4, 8) or 2 * levels + 1 > 1 << bits:
-        raise ValueError(f"qsgd needs bits in (2, 4, 8) and 2 * levels + 1 <= 2**bits, got bits={bits}, levels={levels}")
+        raise ValueError(
+            f"qsgd needs bits in (2, 4, 8) and 2 * levels + 1 <= 2**bits, got bits={bits}, levels={levels}"
+        )
     return levels, bits
 
 
@@ -290,7 +293,9 @@ def abs_select(v: torch.Tensor, thr, expected: int | None = None) -> torch.Tenso
     return _run("abs_select", v, v.reshape(-1), thr, expected)
 
 
-def sampled_topk(v: torch.Tensor, k: int, probe: torch.Tensor, *, approx: bool = False, route: list | None = None) -> torch.Tensor:
+def sampled_topk(
+    v: torch.Tensor, k: int, probe: torch.Tensor, *, approx: bool = False, route: list | None = None
+) -> torch.Tensor:
     """DGC top-k: ascending int64 indices of large ``|v|``.
 
     ``approx=False``: at most ``k`` of them,

@@ -16,6 +16,7 @@ Two layouts, both little-endian in the bit order, and both bit-exact round trips
 
 Index arithmetic is int64; nothing here knows about compressors or communication.
 """
+
 from __future__ import annotations
 
 import sys

@@ -19,6 +19,7 @@ The threshold pass may write the residual over the residual it reads (``out`` is
 
 References: :mod:`gradzip.kernels.reference`. Imported only by the dispatch.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,7 +42,7 @@ ITEMS = 16  # GZ_ITEMS in threshold_ballot.cu
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 _lock = threading.Lock()
-_modules: dict[tuple[int, str], "cupy.RawModule"] = {}
+_modules: dict[tuple[int, str], cupy.RawModule] = {}
 _functions: dict[tuple[int, str, str], object] = {}
 
 

@@ -2,10 +2,11 @@
 
 Nothing here imports triton or cupy: each backend passes in its own launch.
 """
+
 from __future__ import annotations
 
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -45,7 +46,9 @@ def select_threshold(v: torch.Tensor, thr) -> torch.Tensor:
     return torch.tensor([float(thr)], dtype=v.dtype).to(device=v.device, dtype=torch.float32)
 
 
-def compact_indices(launch: Callable[[torch.Tensor, torch.Tensor, int], None], n: int, expected: int | None, device) -> torch.Tensor:
+def compact_indices(
+    launch: Callable[[torch.Tensor, torch.Tensor, int], None], n: int, expected: int | None, device
+) -> torch.Tensor:
     """Ascending int64 indices from a compaction kernel whose blocks claim output slots
     in any order: ``launch(out, counter, capacity)`` writes the selected indices below
     ``capacity`` into ``out`` and counts all of them (past capacity too) in ``counter``.

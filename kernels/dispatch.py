@@ -20,6 +20,7 @@ One rule for every op:
 
 Importing this module never imports triton or cupy: backends are imported on first use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,7 +28,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -14,6 +14,7 @@ integer work of ``tl.rand(seed, i)``. :func:`philox_uniform` computes the same f
 bit with int64 tensors holding uint32 values, on any device: it is the draw of every
 quantizer on every backend.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,9 @@ def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t >> 16, ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
 
 
-def philox4x32(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, rounds: int = _PHILOX_ROUNDS):
+def philox4x32(
+    seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, rounds: int = _PHILOX_ROUNDS
+):
     """Philox4x32-``rounds`` on counters (int64 tensors holding uint32) under the key ``seed`` (uint64).
 
     Returns the four output words, as Triton's ``philox_impl`` computes them.

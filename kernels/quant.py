@@ -41,9 +41,10 @@ a float32 rounding boundary: for a block of ``b`` elements, a chance of the orde
 ``b * 2**-29`` at worst. Every encoder takes ``scales=`` so that what follows the scales
 can be compared bit for bit given the same scales.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -149,7 +150,9 @@ def qsgd_norms(sq_sums: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return fit_f32(sq_sums.sqrt(), finite)
 
 
-def terngrad_scales(amax: torch.Tensor, sq_sums: torch.Tensor | None, counts: torch.Tensor, clip: float | None) -> torch.Tensor:
+def terngrad_scales(
+    amax: torch.Tensor, sq_sums: torch.Tensor | None, counts: torch.Tensor, clip: float | None
+) -> torch.Tensor:
     """TernGrad's ``S_b = max |v|`` (``amax`` in the accumulation dtype), with ``clip``
     ``min(max |v|, clip * sqrt(sum v^2 / count))`` (the product rounded to ``amax``'s dtype,
     NaN propagating), then :func:`fit_f32` (``amax`` is finite exactly when the block is)."""
@@ -337,7 +340,9 @@ def int8_encode_reference(
 # -- decode ---------------------------------------------------------------------------------
 
 # Byte value -> its 8 signs (+1 for a 0 bit, -1 for a 1 bit, least significant bit first).
-_SIGN_LUT = torch.tensor([[1.0 - 2.0 * ((byte >> j) & 1) for j in range(8)] for byte in range(256)], dtype=torch.float64)
+_SIGN_LUT = torch.tensor(
+    [[1.0 - 2.0 * ((byte >> j) & 1) for j in range(8)] for byte in range(256)], dtype=torch.float64
+)
 _SIGN_CHUNK = 1 << 16  # elements decoded per step of a CPU accumulate (a 256 KB scratch)
 
 
@@ -435,7 +440,11 @@ def decode_add_quant_reference(
     n = out.numel()
     if not (_lut_decodes(kind, out.dtype, out, *bodies) and out.is_contiguous()) or n == 0:
         for body in bodies:
-            out.add_(decode_quant_reference(body, n, kind, acc=out.dtype, block=block, levels=levels, bits=bits).view(out.shape))
+            out.add_(
+                decode_quant_reference(body, n, kind, acc=out.dtype, block=block, levels=levels, bits=bits).view(
+                    out.shape
+                )
+            )
         return
     frames = [_split_body(body, n, kind, block, bits) for body in bodies]
     flat = out.view(-1)
@@ -443,4 +452,6 @@ def decode_add_quant_reference(
     for start in range(0, n, _SIGN_CHUNK):
         stop = min(n, start + _SIGN_CHUNK)
         for nb, b, scales, code in frames:
-            flat[start:stop].add_(_sign_values(code, scales, nb, b, n, out.dtype, out=scratch, start=start, count=stop - start))
+            flat[start:stop].add_(
+                _sign_values(code, scales, nb, b, n, out.dtype, out=scratch, start=start, count=stop - start)
+            )

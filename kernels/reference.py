@@ -6,10 +6,11 @@ They know nothing of compressors or of torch.distributed: they take tensors and
 return tensors. Index arithmetic is int64 throughout. The quantizers' references
 are in :mod:`gradzip.kernels.quant`, the Philox draws in :mod:`gradzip.kernels.philox`.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

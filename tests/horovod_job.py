@@ -8,6 +8,7 @@ the two on the same data. Each check records ``{"ok": bool, ...}`` or the error;
 ``OUT_PREFIX.<rank>.json`` and the test asserts. Checks never stop the job: a failed check is
 recorded, and the collectives of the next check still run in the same order on both ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,12 +50,18 @@ def model_and_data(seed: int, sparse: bool = False):
     torch.manual_seed(seed)
     if sparse:
         model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(24, 3))
-        xs = [torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(100 * r + s))
-              for r in range(2) for s in range(8)]
+        xs = [
+            torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(100 * r + s))
+            for r in range(2)
+            for s in range(8)
+        ]
     else:
-        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48),
-                                    torch.nn.ReLU(), torch.nn.Linear(48, 3))
-        xs = [torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * r + s)) for r in range(2) for s in range(8)]
+        model = torch.nn.Sequential(
+            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 3)
+        )
+        xs = [
+            torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * r + s)) for r in range(2) for s in range(8)
+        ]
     ys = [torch.randint(0, 3, (x.shape[0],), generator=torch.Generator().manual_seed(7 + i)) for i, x in enumerate(xs)]
     return model, xs, ys
 
@@ -78,10 +85,22 @@ def train(make_opt, steps=4, passes=1, sparse=False, seed=0, set_passes=None, mo
 
 def both(steps=4, passes=1, sparse=False, set_passes=None, momentum=0.9, **kw):
     """(Horovod's parameters, gradzip's parameters, gradzip's optimizer) for the same kwargs."""
-    h, hopt = train(lambda o, m: hv.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw), steps,
-                    passes, sparse, set_passes=set_passes, momentum=momentum)
-    g, gopt = train(lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw), steps,
-                    passes, sparse, set_passes=set_passes, momentum=momentum)
+    h, hopt = train(
+        lambda o, m: hv.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw),
+        steps,
+        passes,
+        sparse,
+        set_passes=set_passes,
+        momentum=momentum,
+    )
+    g, gopt = train(
+        lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw),
+        steps,
+        passes,
+        sparse,
+        set_passes=set_passes,
+        momentum=momentum,
+    )
     return h, g, hopt, gopt
 
 
@@ -92,8 +111,12 @@ def main(prefix: str) -> None:
 
     @check("init")
     def _():
-        assert (gh.size(), gh.rank(), gh.local_rank(), gh.local_size()) == (hv.size(), hv.rank(), hv.local_rank(),
-                                                                           hv.local_size())
+        assert (gh.size(), gh.rank(), gh.local_rank(), gh.local_size()) == (
+            hv.size(),
+            hv.rank(),
+            hv.local_rank(),
+            hv.local_size(),
+        )
         assert gh.transport() == "torch" and torch.distributed.get_world_size() == 2
         return {"size": gh.size(), "rank": gh.rank()}
 
@@ -126,7 +149,10 @@ def main(prefix: str) -> None:
         def mk(lib):
             def f(o, m):
                 ps = list(m.parameters())
-                return lib.DistributedOptimizer(o, named_parameters=m.named_parameters(), groups=[[ps[0], ps[3]], [ps[1]]])
+                return lib.DistributedOptimizer(
+                    o, named_parameters=m.named_parameters(), groups=[[ps[0], ps[3]], [ps[1]]]
+                )
+
             return f
 
         h, _ = train(mk(hv))
@@ -144,16 +170,24 @@ def main(prefix: str) -> None:
             emb = next(iter(gopt.param_groups[0]["params"]))
             return {"max_abs_diff": worst, "grad_is_sparse": bool(emb.grad.is_sparse)}
 
-    for name, comp, fp16 in (("hvd_fp16", hv.Compression.fp16, True), ("gz_fp16", gh.Compression.fp16, True),
-                             ("hvd_none", hv.Compression.none, False)):
+    for name, comp, fp16 in (
+        ("hvd_fp16", hv.Compression.fp16, True),
+        ("gz_fp16", gh.Compression.fp16, True),
+        ("hvd_none", hv.Compression.none, False),
+    ):
 
         @check(name)
         def _(comp=comp, fp16=fp16):
-            h, _ = train(lambda o, m: hv.DistributedOptimizer(
-                o, named_parameters=m.named_parameters(),
-                compression=hv.Compression.fp16 if fp16 else hv.Compression.none))
-            g, gopt = train(lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(),
-                                                                  compression=comp))
+            h, _ = train(
+                lambda o, m: hv.DistributedOptimizer(
+                    o,
+                    named_parameters=m.named_parameters(),
+                    compression=hv.Compression.fp16 if fp16 else hv.Compression.none,
+                )
+            )
+            g, gopt = train(
+                lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(), compression=comp)
+            )
             worst = max(float((a - b).abs().max()) for a, b in zip(h, g))
             assert worst <= (1e-2 if fp16 else 0.0), worst
             return {"max_abs_diff": worst, "error_feedback": gopt.engine.error_feedback}
@@ -166,13 +200,17 @@ def main(prefix: str) -> None:
         gopt.load_state_dict(sd)
         got = gopt.state_dict()
         assert "gradzip" in got
-        assert all(torch.equal(got["state"][k]["momentum_buffer"], sd["state"][k]["momentum_buffer"]) for k in sd["state"])
+        assert all(
+            torch.equal(got["state"][k]["momentum_buffer"], sd["state"][k]["momentum_buffer"]) for k in sd["state"]
+        )
         gopt.load_state_dict(got)  # its own state, gradzip part included
 
     @check("zero_grad_mid_step_raises")
     def _():
         model, xs, ys = model_and_data(0)
-        opt = gh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
         F.cross_entropy(model(xs[0]), ys[0]).backward()
         try:
             opt.zero_grad()
@@ -199,7 +237,9 @@ def main(prefix: str) -> None:
         assert equal(list(m1.parameters()), list(m2.parameters()))
         s1, s2 = o1.state_dict(), o2.state_dict()
         assert s1["param_groups"][0]["lr"] == s2["param_groups"][0]["lr"] == 0.1
-        assert all(torch.equal(s1["state"][k]["momentum_buffer"], s2["state"][k]["momentum_buffer"]) for k in s1["state"])
+        assert all(
+            torch.equal(s1["state"][k]["momentum_buffer"], s2["state"][k]["momentum_buffer"]) for k in s1["state"]
+        )
         assert gh.broadcast_object({"r": hv.rank()}, root_rank=1) == {"r": 1}
 
     @check("broadcast_gradzip_optimizer_state")
@@ -207,8 +247,11 @@ def main(prefix: str) -> None:
         # the usual Horovod pattern (wrap, then broadcast rank 0's state) with a gradzip optimizer:
         # the hyper-parameters and buffers travel, the per-rank gradzip state stays each rank's own
         model, xs, ys = model_and_data(0)
-        opt = gh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 + hv.rank(), momentum=0.9),
-                                      named_parameters=model.named_parameters(), compression="TopK(0.1)")
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1 + hv.rank(), momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression="TopK(0.1)",
+        )
         F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
         opt.step()
         mine = opt.engine.state_dict()
@@ -224,8 +267,10 @@ def main(prefix: str) -> None:
         for op in (hv.Average, hv.Sum, hv.Min, hv.Max):
             assert torch.equal(gh.allreduce(t, op=op), hv.allreduce(t, op=op)), op
         assert torch.equal(gh.allreduce(t, average=False), hv.allreduce(t, average=False))
-        assert torch.equal(gh.allreduce(t, prescale_factor=0.5, postscale_factor=3.0),
-                           hv.allreduce(t, prescale_factor=0.5, postscale_factor=3.0))
+        assert torch.equal(
+            gh.allreduce(t, prescale_factor=0.5, postscale_factor=3.0),
+            hv.allreduce(t, prescale_factor=0.5, postscale_factor=3.0),
+        )
         w = torch.randn(1000, generator=torch.Generator().manual_seed(5 + hv.rank()))  # a contiguous upstream
         x = t.clone().requires_grad_()  # gradient (Horovod's backward refuses .sum()'s expanded one)
         (gh.allreduce(x) * w).sum().backward()
@@ -241,7 +286,10 @@ def main(prefix: str) -> None:
     @check("adapters_in_horovod")
     def _():
         t = torch.tensor([1e5, -7e4, 1.5, 65504.0]) * (hv.rank() + 1)
-        mine, theirs = hv.allreduce(t, compression=gh.Compression.fp16), hv.allreduce(t, compression=hv.Compression.fp16)
+        mine, theirs = (
+            hv.allreduce(t, compression=gh.Compression.fp16),
+            hv.allreduce(t, compression=hv.Compression.fp16),
+        )
         assert torch.equal(mine, theirs) and not bool(torch.isfinite(mine[:2]).any()), (mine, theirs)
         assert torch.equal(hv.allreduce(t, compression=gh.Compression.none), hv.allreduce(t))
         try:
@@ -268,8 +316,12 @@ def main(prefix: str) -> None:
         def _(method=method):
             runs = {}
             for t in ("torch", "horovod"):
-                runs[t] = train(lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(),
-                                                                      compression=method, transport=t), steps=5)
+                runs[t] = train(
+                    lambda o, m: gh.DistributedOptimizer(
+                        o, named_parameters=m.named_parameters(), compression=method, transport=t
+                    ),
+                    steps=5,
+                )
             (pt, ot), (ph, oh) = runs["torch"], runs["horovod"]
             assert type(oh._gz.engine.comm).__name__ == "HorovodCommunicator"
             st, sh = ot.stats(), oh.stats()
@@ -284,8 +336,12 @@ def main(prefix: str) -> None:
         model, xs, ys = model_and_data(0)
         for method in ("BF16()", "TwoPhase(BF16())"):  # refused at construction
             try:
-                gh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(), compression=method, transport="horovod")
+                gh.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    named_parameters=model.named_parameters(),
+                    compression=method,
+                    transport="horovod",
+                )
                 raise RuntimeError(f"{method} accepted on Horovod")
             except ValueError as exc:
                 assert "bfloat16" in str(exc)
@@ -309,15 +365,21 @@ def main(prefix: str) -> None:
         m = torch.nn.Linear(3, 2)
         gh.broadcast_parameters(m.state_dict(), root_rank=0)
         model, xs, ys = model_and_data(0)
-        opt = gh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                      compression="TopK(0.01)")
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression="TopK(0.01)",
+        )
         F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
         opt.step()
         assert type(opt.engine.comm).__name__ == "HorovodCommunicator"
         torch.manual_seed(hv.rank())  # replicas that differ: refused on every rank at the first step
         other = torch.nn.Linear(3, 2)
-        opt2 = gh.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), named_parameters=other.named_parameters(),
-                                       compression="TopK(0.5)")
+        opt2 = gh.DistributedOptimizer(
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            named_parameters=other.named_parameters(),
+            compression="TopK(0.5)",
+        )
         try:  # the check runs as the first bucket is submitted, inside backward
             other(torch.ones(1, 3)).sum().backward()
             opt2.step()

@@ -1,4 +1,5 @@
 """Plain references the tests check gradzip against."""
+
 from __future__ import annotations
 
 import torch

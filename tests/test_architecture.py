@@ -5,6 +5,7 @@ hooks/ (gradzip.hooks) is read with ``ast``, those inside functions included. An
 of a package is an edge to its ``__init__``; ``from pkg import sub`` of a submodule is an
 edge to the submodule. The tools (cli, plan, bench) sit on top: nothing else imports them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -110,7 +111,13 @@ def test_the_walker_sees_function_level_imports_and_cycles(tmp_path):
 
 def test_every_module_is_seen():
     mods = _modules()
-    for name in ("gradzip.engine", "gradzip.codecs.threshold", "gradzip.protocols.powersgd", "gradzip.kernels", "gradzip.hooks.ddp"):
+    for name in (
+        "gradzip.engine",
+        "gradzip.codecs.threshold",
+        "gradzip.protocols.powersgd",
+        "gradzip.kernels",
+        "gradzip.hooks.ddp",
+    ):
         assert name in mods
 
 
@@ -159,6 +166,7 @@ def test_the_floors_diagram_matches_the_imports():
     packages = {m for m, p in mods.items() if _is_package(p)}
     missing = sorted(m for m in mods if floor(m) is None and m not in packages)
     assert missing == [], f"modules on no floor of docs/architecture.md: {missing}"
-    up = sorted((m, t) for m, ts in edges.items() for t in ts
-                if m not in packages and t not in packages and floor(t) > floor(m))
+    up = sorted(
+        (m, t) for m, ts in edges.items() for t in ts if m not in packages and t not in packages and floor(t) > floor(m)
+    )
     assert up == [], f"imports of a higher floor: {up}"

@@ -1,4 +1,5 @@
 """Call-wide selection (``scope="call"``) and ternary top-k values (``TopK(values="sign")``)."""
+
 import math
 
 import pytest
@@ -92,8 +93,11 @@ def test_sign_frames_choose_the_smaller_form_and_refuse_corruption():
         gz.TopK().decompress(sparse)
 
 
-@given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=6), ratio=st.sampled_from([0.001, 0.02, 0.5, 1.0]),
-       seed=st.integers(0, 1000))
+@given(
+    sizes=st.lists(st.integers(0, 200), min_size=1, max_size=6),
+    ratio=st.sampled_from([0.001, 0.02, 0.5, 1.0]),
+    seed=st.integers(0, 1000),
+)
 def test_call_counts_allot_one_top_k_over_the_call(sizes, ratio, seed):
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(n, generator=g) * (10.0 ** (i % 3)) for i, n in enumerate(sizes)]
@@ -133,8 +137,10 @@ def _mass(rank, world, codec, steps):
     for s in range(steps):
         g = torch.Generator().manual_seed(1000 * s + rank)
         grads = [torch.randn(shape, generator=g) * (1 + 9 * (i == 1)) for i, shape in enumerate(SHAPES.values())]
-        before = {n: (eng.memory.residual(n).clone() if eng.memory.residual(n) is not None else torch.zeros(sh))
-                  for n, sh in SHAPES.items()}
+        before = {
+            n: (eng.memory.residual(n).clone() if eng.memory.residual(n) is not None else torch.zeros(sh))
+            for n, sh in SHAPES.items()
+        }
         fut = eng.reduce(list(SHAPES), grads)
         eng.flush()
         eng.end_step()
@@ -144,8 +150,11 @@ def _mass(rank, world, codec, steps):
     return out
 
 
-@pytest.mark.parametrize("codec", [gz.TopK(0.05, values="sign", scope="call"),
-                                   gz.Threshold(policy="target", density=0.05, scope="call")], ids=["topk", "threshold"])
+@pytest.mark.parametrize(
+    "codec",
+    [gz.TopK(0.05, values="sign", scope="call"), gz.Threshold(policy="target", density=0.05, scope="call")],
+    ids=["topk", "threshold"],
+)
 def test_call_scope_conserves_mass_and_sends_one_top_k_per_rank(codec):
     world, steps = 4, 4
     res = run_ranks(_mass, world, codec, steps, timeout=120)
@@ -154,11 +163,22 @@ def test_call_scope_conserves_mass_and_sends_one_top_k_per_rank(codec):
     for s in range(steps):
         avg = res[0][s]["avg"]
         assert all(torch.equal(r[s]["avg"], avg) for r in res)  # every rank the same floats
-        put = sum(torch.cat([(g.reshape(-1).double() + r[s]["before"][n].reshape(-1).double())
-                             for g, n in zip(r[s]["grads"], SHAPES)]) for r in res)
+        put = sum(
+            torch.cat(
+                [
+                    (g.reshape(-1).double() + r[s]["before"][n].reshape(-1).double())
+                    for g, n in zip(r[s]["grads"], SHAPES)
+                ]
+            )
+            for r in res
+        )
         kept = sum(torch.cat([r[s]["after"][n].reshape(-1).double() for n in SHAPES]) for r in res)
         assert torch.allclose(put, world * avg.double() + kept, atol=1e-5)
         for r in res:  # each rank sent k positions of the call, wherever they were
-            sent = torch.cat([(r[s]["grads"][i].reshape(-1) + r[s]["before"][n].reshape(-1) - r[s]["after"][n].reshape(-1)) != 0
-                              for i, n in enumerate(SHAPES)])
+            sent = torch.cat(
+                [
+                    (r[s]["grads"][i].reshape(-1) + r[s]["before"][n].reshape(-1) - r[s]["after"][n].reshape(-1)) != 0
+                    for i, n in enumerate(SHAPES)
+                ]
+            )
             assert int(sent.sum()) >= k - 1 and int(sent.sum()) <= k + 2  # ties aside

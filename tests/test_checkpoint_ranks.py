@@ -5,6 +5,7 @@ another rank's state raises naming both ranks; ``save(dir)``/``load(dir)`` write
 one file per rank; ``torch.distributed.checkpoint`` keeps every rank's state (through
 ``gradzip.checkpoint.PerRank``); ``gz.reshard`` is exported at the top level.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,19 +80,26 @@ def _all_fronts(rank, world, root):
 
     # DistributedOptimizer
     model = _model()
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(), compression=gz.TopK(0.25))
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=gz.TopK(0.25),
+    )
     _train(model, opt)
     opt.save(os.path.join(root, "optim"))
     dist.barrier()
     model2 = _model()
-    opt2 = gz.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),
-                                   named_parameters=model2.named_parameters(), compression=gz.TopK(0.25))
+    opt2 = gz.DistributedOptimizer(
+        torch.optim.SGD(model2.parameters(), lr=0.1),
+        named_parameters=model2.named_parameters(),
+        compression=gz.TopK(0.25),
+    )
     opt2.load(os.path.join(root, "optim"))
     out["optim_step"] = opt2.engine.step
     other_file = f"gradzip_rank{1 - rank}_of_{world}.pt"
-    out["optim_other"] = _refusal(lambda: opt2.load_state_dict(
-        torch.load(os.path.join(root, "optim", other_file), weights_only=True)))
+    out["optim_other"] = _refusal(
+        lambda: opt2.load_state_dict(torch.load(os.path.join(root, "optim", other_file), weights_only=True))
+    )
 
     # LocalSGD: refused before anything is changed
     model = _model()
@@ -101,8 +109,9 @@ def _all_fronts(rank, world, root):
     dist.barrier()
     model3 = _model()
     lsgd3 = gz.LocalSGD(torch.optim.SGD(model3.parameters(), lr=0.1), model3, period=2, compression=gz.TopK(0.25))
-    out["local_other"] = _refusal(lambda: lsgd3.load_state_dict(
-        torch.load(os.path.join(root, "local", other_file), weights_only=True)))
+    out["local_other"] = _refusal(
+        lambda: lsgd3.load_state_dict(torch.load(os.path.join(root, "local", other_file), weights_only=True))
+    )
     out["local_untouched"] = lsgd3.local_step == 0
     lsgd3.load(os.path.join(root, "local"))
     out["local_step"] = lsgd3.local_step
@@ -112,9 +121,7 @@ def _all_fronts(rank, world, root):
     target = register_hook(DDP(_model()), gz.TopK(0.25))
     dcp.load({"gradzip": PerRank(target)}, checkpoint_id=os.path.join(root, "dcp"))
     got = target.state_dict()
-    out["dcp"] = got["rank"] == rank and all(
-        torch.equal(got["residuals"][k], v) for k, v in sd["residuals"].items()
-    )
+    out["dcp"] = got["rank"] == rank and all(torch.equal(got["residuals"][k], v) for k, v in sd["residuals"].items())
     return out
 
 
@@ -140,9 +147,19 @@ def test_states_carry_their_rank_and_refuse_another_ranks(tmp_path):
 
 def test_reshard_assigns_ranks_and_refuses_states_out_of_order():
     def state(rank, world):
-        return {"version": 2, "rank": rank, "world_size": world, "method_repr": "TopK()",
-                "method": {"name": "TopK"}, "error_feedback": True, "step": 3,
-                "residuals": {"w": torch.full((4,), float(rank))}, "momentum": {}, "tensor_state": {}, "stats": {}}
+        return {
+            "version": 2,
+            "rank": rank,
+            "world_size": world,
+            "method_repr": "TopK()",
+            "method": {"name": "TopK"},
+            "error_feedback": True,
+            "step": 3,
+            "residuals": {"w": torch.full((4,), float(rank))},
+            "momentum": {},
+            "tensor_state": {},
+            "stats": {},
+        }
 
     new = gz.reshard([state(0, 2), state(1, 2)], 3)
     assert [(s["rank"], s["world_size"]) for s in new] == [(0, 3), (1, 3), (2, 3)]
@@ -153,9 +170,21 @@ def test_reshard_assigns_ranks_and_refuses_states_out_of_order():
 def test_reshard_dir_roundtrip(tmp_path):
     from gradzip.checkpoint import read_states, write_states
 
-    states = [{"version": 2, "rank": r, "world_size": 2, "method": {"name": "TopK"}, "error_feedback": True,
-               "step": 1, "residuals": {"w": torch.ones(3) * r}, "momentum": {}, "tensor_state": {}, "stats": {}}
-              for r in range(2)]
+    states = [
+        {
+            "version": 2,
+            "rank": r,
+            "world_size": 2,
+            "method": {"name": "TopK"},
+            "error_feedback": True,
+            "step": 1,
+            "residuals": {"w": torch.ones(3) * r},
+            "momentum": {},
+            "tensor_state": {},
+            "stats": {},
+        }
+        for r in range(2)
+    ]
     write_states(states, tmp_path / "old")
     write_states(gz.reshard(read_states(tmp_path / "old"), 4), tmp_path / "new")
     got = read_states(tmp_path / "new")
@@ -164,4 +193,3 @@ def test_reshard_dir_roundtrip(tmp_path):
     (tmp_path / "old" / "gradzip_rank1_of_2.pt").unlink()
     with pytest.raises(ValueError, match=r"lacks the states of ranks \[1\]"):
         read_states(tmp_path / "old")
-

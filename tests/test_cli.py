@@ -11,7 +11,18 @@ from gradzip import bench, cli
 
 
 def _bench(*args, timeout=240):
-    cmd = [sys.executable, "-m", "gradzip.cli", "bench", "--dataset", "digits", "--workers", "2", "--no-progress", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradzip.cli",
+        "bench",
+        "--dataset",
+        "digits",
+        "--workers",
+        "2",
+        "--no-progress",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -21,8 +32,9 @@ def test_bench_quick_digits_writes_table_json_csv_and_plot(tmp_path):
     out = _bench("--quick", "--epochs", "2", "--methods", "TopK,Threshold", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert any(line.startswith("method") and "link ratio" in line and "Δ acc" in line and "ms/step" in line
-               for line in lines)
+    assert any(
+        line.startswith("method") and "link ratio" in line and "Δ acc" in line and "ms/step" in line for line in lines
+    )
     doc = json.loads((tmp_path / "results.json").read_text())
     assert {"schema", "machine", "config", "fields", "rows"} <= set(doc) and doc["schema"] == bench.SCHEMA
     cfg = doc["config"]
@@ -108,15 +120,37 @@ def _args(*argv):
 
 def test_bench_flags_parse_into_the_config():
     cfg = _args()
-    assert (cfg.dataset, cfg.workers, cfg.optimizer, cfg.momentum, cfg.lr_schedule) == ("mnist", 2, "sgd", 0.9, "cosine")
+    assert (cfg.dataset, cfg.workers, cfg.optimizer, cfg.momentum, cfg.lr_schedule) == (
+        "mnist",
+        2,
+        "sgd",
+        0.9,
+        "cosine",
+    )
     assert cfg.seeds == bench.DEFAULT_SEEDS and cfg.lr == bench.DEFAULT_LR["sgd"] and cfg.weight_decay == 0.0
     assert cfg.resolved_epochs() == bench.DEFAULT_EPOCHS["mnist"] and cfg.warmup_epochs == 0.0
     cfg = _args("--optimizer", "adamw", "--seeds", "3,1", "--workers", "4", "--epochs", "7", "--dataset", "digits")
     assert cfg.optimizer == "adamw" and cfg.lr == bench.DEFAULT_LR["adamw"]
     assert cfg.weight_decay == bench.DEFAULT_WEIGHT_DECAY["adamw"] and cfg.seeds == (3, 1) and cfg.seed == 3
     assert (cfg.workers, cfg.resolved_epochs(), cfg.dataset) == (4, 7, "digits")
-    cfg = _args("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0", "--momentum", "0.5",
-                "--lr-schedule", "constant", "--warmup-epochs", "0.5", "--seeds", "0-3", "--batch-size", "16")
+    cfg = _args(
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--weight-decay",
+        "0",
+        "--momentum",
+        "0.5",
+        "--lr-schedule",
+        "constant",
+        "--warmup-epochs",
+        "0.5",
+        "--seeds",
+        "0-3",
+        "--batch-size",
+        "16",
+    )
     assert (cfg.lr, cfg.weight_decay, cfg.momentum, cfg.lr_schedule) == (0.01, 0.0, 0.5, "constant")
     assert cfg.warmup_epochs == 0.5 and cfg.seeds == (0, 1, 2, 3) and cfg.batch_size == 16
     cfg = _args("--quick", "--dataset", "digits")
@@ -124,9 +158,22 @@ def test_bench_flags_parse_into_the_config():
     assert _args("--quick", "--seeds", "1,2").seeds == (1, 2)
     assert _args("--seed", "5").seeds == (5,)  # the old flag
     # refused while parsing (before torch loads or a rank starts): one error line naming the option
-    for bad in (["--seeds", "a"], ["--seeds", "1,1"], ["--seeds", ","], ["--workers", "1"], ["--workers", "0"],
-                ["--momentum", "1"], ["--epochs", "0"], ["--epochs", "-1"], ["--batch-size", "0"], ["--lr", "0"],
-                ["--weight-decay", "-1"], ["--warmup-epochs", "nan"], ["--clip", "0"], ["--clip", "inf"]):
+    for bad in (
+        ["--seeds", "a"],
+        ["--seeds", "1,1"],
+        ["--seeds", ","],
+        ["--workers", "1"],
+        ["--workers", "0"],
+        ["--momentum", "1"],
+        ["--epochs", "0"],
+        ["--epochs", "-1"],
+        ["--batch-size", "0"],
+        ["--lr", "0"],
+        ["--weight-decay", "-1"],
+        ["--warmup-epochs", "nan"],
+        ["--clip", "0"],
+        ["--clip", "inf"],
+    ):
         with pytest.raises(SystemExit):
             _args(*bad)
     p = cli.argparse.ArgumentParser()
@@ -154,10 +201,20 @@ def test_lr_schedule():
 
 # -- aggregation over seeds ---------------------------------------------------------------------
 def _run(method, seed, acc, curve=None, steps=10, link=100.0, sent=200.0, sps=0.01):
-    return {"method": method, "config": method, "seed": seed, "accuracy": acc,
-            "accuracy_last3": sum(curve[-3:]) / len(curve[-3:]) if curve else acc, "curve": curve or [acc],
-            "steps": steps, "seconds_per_step": sps, "bytes_link_per_step": link, "bytes_link_raw_per_step": 1000.0,
-            "bytes_sent_per_step": sent, "bytes_raw_per_step": 2000.0}
+    return {
+        "method": method,
+        "config": method,
+        "seed": seed,
+        "accuracy": acc,
+        "accuracy_last3": sum(curve[-3:]) / len(curve[-3:]) if curve else acc,
+        "curve": curve or [acc],
+        "steps": steps,
+        "seconds_per_step": sps,
+        "bytes_link_per_step": link,
+        "bytes_link_raw_per_step": 1000.0,
+        "bytes_sent_per_step": sent,
+        "bytes_raw_per_step": 2000.0,
+    }
 
 
 def test_aggregate_over_seeds():
@@ -193,7 +250,9 @@ def test_aggregate_over_seeds():
 
 def test_aggregate_single_seed_and_mismatched_seeds():
     (row,) = bench.aggregate([_run("Identity", 4, 0.9)])
-    assert row["accuracy_std"] is None and row["delta_std"] is None and row["accuracy_min"] == row["accuracy_max"] == 0.9
+    assert (
+        row["accuracy_std"] is None and row["delta_std"] is None and row["accuracy_min"] == row["accuracy_max"] == 0.9
+    )
     with pytest.raises(ValueError, match="seeds"):
         bench.aggregate([_run("Identity", 0, 0.9), _run("Identity", 1, 0.9), _run("X", 0, 0.9)])
     with pytest.raises(ValueError, match="twice"):
@@ -233,10 +292,27 @@ def _crowded_rows(n=16):
     for i in range(n):
         ratio = 20 * 1.15**i  # within about one decade
         acc = 0.95 - 0.002 * (i % 5) - 0.001 * (i // 5)  # within 1 pp
-        rows.append({"method": f"Method{i}(ratio={ratio:.3g})", "ratio": ratio, "accuracy": acc, "n_seeds": 3,
-                     "accuracy_min": acc - 0.002, "accuracy_max": acc + 0.002})
-    rows.insert(0, {"method": "Identity", "ratio": 1.0, "accuracy": 0.952, "n_seeds": 3, "accuracy_min": 0.949,
-                    "accuracy_max": 0.955})
+        rows.append(
+            {
+                "method": f"Method{i}(ratio={ratio:.3g})",
+                "ratio": ratio,
+                "accuracy": acc,
+                "n_seeds": 3,
+                "accuracy_min": acc - 0.002,
+                "accuracy_max": acc + 0.002,
+            }
+        )
+    rows.insert(
+        0,
+        {
+            "method": "Identity",
+            "ratio": 1.0,
+            "accuracy": 0.952,
+            "n_seeds": 3,
+            "accuracy_min": 0.949,
+            "accuracy_max": 0.955,
+        },
+    )
     return rows
 
 
@@ -287,8 +363,14 @@ def test_place_labels_separates_coincident_points():
 
 
 def test_ratio_tick_labels():
-    assert [bench._ratio_label(x) for x in (1, 10, 100, 1000, 10000, 0.5)] == ["1×", "10×", "100×", "1,000×", "10,000×",
-                                                                               "0.5×"]
+    assert [bench._ratio_label(x) for x in (1, 10, 100, 1000, 10000, 0.5)] == [
+        "1×",
+        "10×",
+        "100×",
+        "1,000×",
+        "10,000×",
+        "0.5×",
+    ]
 
 
 def test_bench_corrects_momentum_for_sparse_codecs():
@@ -301,8 +383,9 @@ def test_bench_corrects_momentum_for_sparse_codecs():
     sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     plain_sgd = torch.optim.SGD([w], lr=0.1)
     adamw = torch.optim.AdamW([w], lr=0.1)
-    m = parse_methods("TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2), "
-                      "Threshold(policy='target', mask=True)")
+    m = parse_methods(
+        "TopK(0.01), Threshold(policy='adaptive'), SignSGD, PowerSGD(rank=2), Threshold(policy='target', mask=True)"
+    )
     assert hook_options(m["TopK(0.01)"], sgd)["optimizer"] is sgd
     assert hook_options(m["Threshold(policy='target', mask=True)"], sgd)["optimizer"] is sgd
     # Threshold sends +-tau, not whole coordinates: it keeps the optimizer's momentum
@@ -353,7 +436,9 @@ def test_bench_precondition_reaches_the_corrected_adamw_rows_only():
     assert hook_options(m["SignSGD"], adamw, cfg)["precondition"] is True
     assert cfg.hook_extras() == ", Adam moments per rank before compression" and BenchConfig().hook_extras() == ""
     assert "optimizer" not in hook_options(m["Identity"], adamw, cfg)
-    assert "precondition" not in hook_options(m["SignSGD"], adamw, BenchConfig(optimizer="adamw", momentum_correction="on"))
+    assert "precondition" not in hook_options(
+        m["SignSGD"], adamw, BenchConfig(optimizer="adamw", momentum_correction="on")
+    )
     with pytest.raises(ValueError, match="second moment"):
         BenchConfig(optimizer="sgd", precondition=True)
     for mode in ("off", "auto"):  # auto would leave SignSGD uncorrected, and so not preconditioned
@@ -375,8 +460,9 @@ def test_report_lists_each_seeds_delta_from_five_seeds_on():
     def row(method, accs):
         return {"method": method, "per_seed": [{"seed": s, "accuracy": a} for s, a in enumerate(accs)]}
 
-    doc = {"rows": [row("Identity", [0.970, 0.960, 0.980, 0.950, 0.975]),
-                    row("TopK", [0.965, 0.962, 0.970, 0.950, 0.960])]}
+    doc = {
+        "rows": [row("Identity", [0.970, 0.960, 0.980, 0.950, 0.975]), row("TopK", [0.965, 0.962, 0.970, 0.950, 0.960])]
+    }
     lines = report._per_seed_deltas(doc)
     assert lines[0].startswith("| method | Δ seed 0 |") and "median Δ" in lines[0]
     assert lines[2] == "| TopK | -0.5 | +0.2 | -1.0 | +0.0 | -1.5 | -0.50 | 3 of 5 |"

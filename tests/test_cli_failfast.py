@@ -1,6 +1,7 @@
 """Issue #23, items 5 and 6: the command fails fast and clearly, and `gradzip plan` costs the
 hardware users have. Missing extras are simulated for real runs of the command: a subprocess
 that blocks the module (``sys.modules[name] = None``, so importing it raises ImportError)."""
+
 import json
 import math
 import statistics
@@ -20,8 +21,9 @@ PLAN = ["plan", "--params", "1e6", "--compute", "10ms", "--bandwidth", "1Gbit", 
 
 
 def _py(code: str, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 # -- item 5: parse first, without torch ---------------------------------------------------------
@@ -43,16 +45,22 @@ def test_help_and_refused_options_answer_without_importing_torch():
     assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0, 2, 2, 2, 2] False"
     err = out.stderr
     assert "--bandwidth needs a unit: '10'" in err and "'10Gbit'" in err and "'1.25GB/s'" in err
-    assert "--workers must be an integer in [2, inf), got '0'" in err and "--epochs must be an integer in [1, inf), got '-1'" in err
+    assert (
+        "--workers must be an integer in [2, inf), got '0'" in err
+        and "--epochs must be an integer in [1, inf), got '-1'" in err
+    )
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--bandwidth", "10", "could be bits/s or Gbit/s"),
-    ("--latency", "5", "could be seconds or milliseconds"),
-    ("--compute", "0.12", "could be seconds or milliseconds"),
-    ("--intra-bandwidth", "100", "could be bits/s or Gbit/s"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--bandwidth", "10", "could be bits/s or Gbit/s"),
+        ("--latency", "5", "could be seconds or milliseconds"),
+        ("--compute", "0.12", "could be seconds or milliseconds"),
+        ("--intra-bandwidth", "100", "could be bits/s or Gbit/s"),
+    ],
+)
 def test_plan_refuses_bare_numbers(flag, value, message, capsys):
     argv = list(PLAN)
     if flag in argv:
@@ -69,9 +77,13 @@ def test_plan_accepts_the_documented_unit_forms():
     p = cli.argparse.ArgumentParser()
     options.add_plan_arguments(p)
     for text, bps in (("10Gbit", 1e10), ("100Mbit/s", 1e8), ("100mbps", 1e8), ("10G", 1e10), ("1.25GB/s", 1e10)):
-        assert p.parse_args(["--params", "1", "--compute", "1ms", "--bandwidth", text, "--latency", "0"]).bandwidth == bps
+        assert (
+            p.parse_args(["--params", "1", "--compute", "1ms", "--bandwidth", text, "--latency", "0"]).bandwidth == bps
+        )
     for text, s in (("5us", 5e-6), ("1ms", 1e-3), ("0.2s", 0.2), ("0", 0.0)):
-        assert p.parse_args(["--params", "1", "--compute", "1ms", "--bandwidth", "1G", "--latency", text]).latency == pytest.approx(s)
+        assert p.parse_args(
+            ["--params", "1", "--compute", "1ms", "--bandwidth", "1G", "--latency", text]
+        ).latency == pytest.approx(s)
 
 
 def test_bench_without_the_extra_says_so_in_one_line_before_torch():
@@ -120,27 +132,33 @@ def test_bench_and_plan_read_methods_with_one_grammar():
 
 # -- plan without matplotlib, and with the shipped H100 profile ------------------------------------
 def test_plan_without_matplotlib_prints_no_traceback_and_plots_only_when_asked(tmp_path):
-    out = _py(f"""
+    out = _py(
+        f"""
         import sys
         sys.modules["matplotlib"] = None  # not installed
         from gradzip import cli
         base = {PLAN!r} + ["--worlds", "2,8", "--device", "h100", "--repeats", "1",
                           "--methods", "DDP, FP16, TopK(ratio=0.01), SignSGD(block=4096)"]
         print("codes", cli.main(base), cli.main(base + ["--plot", "p.png"]))
-    """, cwd=tmp_path)
+    """,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "codes 0 2" in out.stdout and "Traceback" not in out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
         "gradzip plan: --plot needs matplotlib, which is not installed (pip install matplotlib, or 'gradzip[bench]'); "
-        "leave --plot out for the table alone"]
+        "leave --plot out for the table alone"
+    ]
     assert list(tmp_path.iterdir()) == []  # no plan.png unasked
     text = out.stdout
     assert "codec profile: shipped for h100" in text and "kernel times only" in text
     assert "\nrecommendation: " in text and "\nerror band: on 50 measured steps" in text
     assert "benchmarks/results/plan_check.json" in text
     # SignSGD(block=4096) has no H100 figure: measured here, and said so
-    assert "note: no fit in the profile for TwoPhase(SignSGD(block=4096))" in text or \
-           "note: no fit in the profile for AllGather(SignSGD(block=4096))" in text
+    assert (
+        "note: no fit in the profile for TwoPhase(SignSGD(block=4096))" in text
+        or "note: no fit in the profile for AllGather(SignSGD(block=4096))" in text
+    )
 
 
 def test_plan_refuses_a_device_without_a_profile(capsys):
@@ -195,15 +213,25 @@ def test_overlap_and_dtype_in_the_step():
     prof.elem_scale = 0.5
     scaled = prof.fit(topk)
     assert scaled.seconds(1 << 20, 8) < full and math.isclose(
-        scaled.encode_s_per_elem, 0.5 * CodecProfile.from_dict(prof.to_dict()).fit(topk).encode_s_per_elem)
+        scaled.encode_s_per_elem, 0.5 * CodecProfile.from_dict(prof.to_dict()).fit(topk).encode_s_per_elem
+    )
 
 
 def test_recommendation_names_the_fastest_and_respects_the_band():
     def row(label, world, total):
         return {"label": label, "world": world, "total_s": total}
 
-    rows = [row("DDP", 2, 1.0), row("X", 2, 1.1), row("DDP", 8, 2.0), row("X", 8, 1.0), row("DDP", 64, 4.0),
-            row("X", 64, 1.0), row("Y", 2, 5.0), row("Y", 8, 5.0), row("Y", 64, 1.5)]
+    rows = [
+        row("DDP", 2, 1.0),
+        row("X", 2, 1.1),
+        row("DDP", 8, 2.0),
+        row("X", 8, 1.0),
+        row("DDP", 64, 4.0),
+        row("X", 64, 1.0),
+        row("Y", 2, 5.0),
+        row("Y", 8, 5.0),
+        row("Y", 64, 1.5),
+    ]
     line = plan.recommend(rows, band=0.25)
     assert line.startswith("recommendation: DDP at 2 ranks; X at 8-64 ranks (2x-4x DDP's predicted speed)")
     close = [row("DDP", 4, 1.0), row("X", 4, 0.9)]

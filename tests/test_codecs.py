@@ -1,4 +1,5 @@
 """Property tests (hypothesis) for every compressor, plus argument validation."""
+
 import dataclasses
 import math
 
@@ -9,8 +10,8 @@ from hypothesis import strategies as st
 
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX, exact_tau
 from gradzip.codecs.sparse import pack_gaps
+from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX, exact_tau
 from gradzip.wire import ENTRY_BYTES, FMT_DENSE, FMT_EMPTY, HEADER_BYTES, pack_frames
 
 settings.register_profile("gz", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +85,9 @@ def test_error_feedback_is_exact(comp, dtype, data):
             g = torch.randn(r.shape, generator=torch.Generator().manual_seed(step)).to(dtype)
         keep = g.float() + (r if r is not None else 0.0)
         out = spare if spare is not None and spare.shape == g.shape else torch.empty(g.shape)
-        p, new = comp.encode(g, TensorContext(name="w", step=step, dtype=g.dtype, store=store), r, feedback=True, out=out)
+        p, new = comp.encode(
+            g, TensorContext(name="w", step=step, dtype=g.dtype, store=store), r, feedback=True, out=out
+        )
         d = comp.decompress(p)
         assert new.dtype == torch.float32 and new.data_ptr() == out.data_ptr()
         assert torch.equal(new + d, keep)
@@ -210,7 +213,9 @@ def test_topk_exact_selects_exactly_k():
     gaps = pack_gaps(idx)  # width, count, the gaps at the width of the largest (< 1000: 10 bits at most)
     assert p.body.numel() == gaps.numel() + 50 * 4 and gaps.numel() <= 2 + math.ceil(50 * 10 / 8)
     assert int((y != 0).sum()) == 50
-    assert torch.equal(torch.sort(x.abs(), descending=True).values[:50], torch.sort(y.abs(), descending=True).values[:50])
+    assert torch.equal(
+        torch.sort(x.abs(), descending=True).values[:50], torch.sort(y.abs(), descending=True).values[:50]
+    )
 
 
 def test_topk_sampled_count_close_to_k():
@@ -315,8 +320,15 @@ def _run_call(method, names, tensors, memory, step, stores, world=2):
 
     comm = LoopbackComm(world)
     ctx = lambda n, d: TensorContext(name=n, step=step, dtype=d, store=stores.setdefault(n, {}), world_size=world)  # noqa: E731
-    call = Call(comm=comm, names=names, tensors=tensors, contexts=[ctx(n, t.dtype) for n, t in zip(names, tensors)],
-                memory=memory, out_dtype=tensors[0].dtype, make_context=ctx)
+    call = Call(
+        comm=comm,
+        names=names,
+        tensors=tensors,
+        contexts=[ctx(n, t.dtype) for n, t in zip(names, tensors)],
+        memory=memory,
+        out_dtype=tensors[0].dtype,
+        make_context=ctx,
+    )
     gen = as_protocol(method, world).exchange(call)
     try:
         while True:
@@ -326,11 +338,17 @@ def _run_call(method, names, tensors, memory, step, stores, world=2):
         return stop.value
 
 
-@pytest.mark.parametrize("codec, op, module", [
-    (gz.Threshold(tau=0.3), "threshold_ef", ("gradzip.kernels.triton.threshold", "threshold_ef_triton")),
-    (gz.SignSGD(block=64), "sign_ef", ("gradzip.kernels.triton.sign", "sign_ef_triton")),
-], ids=["Threshold", "SignSGD"])
-def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unfused_path(codec, op, module, monkeypatch):
+@pytest.mark.parametrize(
+    "codec, op, module",
+    [
+        (gz.Threshold(tau=0.3), "threshold_ef", ("gradzip.kernels.triton.threshold", "threshold_ef_triton")),
+        (gz.SignSGD(block=64), "sign_ef", ("gradzip.kernels.triton.sign", "sign_ef_triton")),
+    ],
+    ids=["Threshold", "SignSGD"],
+)
+def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unfused_path(
+    codec, op, module, monkeypatch
+):
     """Through a protocol call with error feedback (the engine's path), the Triton kernel (the
     interpreter here) runs once per tensor with the residual, and payloads and residuals equal
     the unfused reference: compensate, compress, decompress, subtract, bit for bit."""
@@ -346,7 +364,10 @@ def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unf
     calls = []
 
     def counting(x, *a, **kw):
-        calls.append(kw.get("out") is not None and (len(a) > 1 and a[1] is not None or a and op == "sign_ef" and a[0] is not None))
+        calls.append(
+            kw.get("out") is not None
+            and (len(a) > 1 and a[1] is not None or a and op == "sign_ef" and a[0] is not None)
+        )
         return real(x, *a, **kw)
 
     monkeypatch.setenv("GRADZIP_KERNELS", "triton")
@@ -373,8 +394,11 @@ def test_error_feedback_runs_the_fused_kernel_once_per_tensor_and_equals_the_unf
         K.register_kernel(op, "triton", module)
 
 
-@pytest.mark.parametrize("codec", [gz.QSGD(levels=7, block=64), gz.QSGD(levels=1, block=None), gz.TernGrad(block=256),
-                                   gz.TernGrad(clip=2.0)], ids=repr)
+@pytest.mark.parametrize(
+    "codec",
+    [gz.QSGD(levels=7, block=64), gz.QSGD(levels=1, block=None), gz.TernGrad(block=256), gz.TernGrad(clip=2.0)],
+    ids=repr,
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_stochastic_quantizer_frames_are_the_same_on_cpu_and_in_the_triton_kernel(codec, dtype, monkeypatch):
     """One implementation: the CPU reference draws Philox like the kernel, so a frame is the

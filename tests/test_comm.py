@@ -1,4 +1,5 @@
 """The Communicator's ordering guarantee and error paths, on real gloo ranks."""
+
 import time
 
 import pytest
@@ -61,7 +62,7 @@ def test_protocols_interleave_in_one_order_on_every_rank(defer):
             assert g.shape == (2, max(lens))
             for k in range(2):
                 assert torch.all(g[k, : lens[k]] == i + k) and torch.all(g[k, lens[k] :] == 0)
-            s = (i + i + 1)  # round 1: sum over ranks
+            s = i + i + 1  # round 1: sum over ranks
             assert vals[2 * i + 1] == 2 * s * 2 + 2  # max(2s, 2s) + 1, summed over 2 ranks
         st = r["stats"]
         assert st["collectives"] == 6 * 2 + 6 * 3 + 1

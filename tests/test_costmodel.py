@@ -1,4 +1,5 @@
 """Cost model and `gradzip plan`: hand-computed cases, dry runs, profiles, the auto policy's choices."""
+
 import json
 import math
 
@@ -7,7 +8,6 @@ import torch
 
 from gradzip import plan
 from gradzip.codecs import FP16, Identity, TopK
-from gradzip.protocols.powersgd import PowerSGD
 from gradzip.codecs.quant import Int8, SignSGD
 from gradzip.comm import FLAG_BYTES as ENGINE_FLAG_BYTES
 from gradzip.costmodel import (
@@ -24,12 +24,13 @@ from gradzip.costmodel import (
     measure_codec,
     parse_bandwidth,
     parse_duration,
+    sample,
     step_cost,
     wire_time,
 )
 from gradzip.policy import Policy
 from gradzip.protocols import AllGather, Allreduce, TwoPhase
-from gradzip.costmodel import sample
+from gradzip.protocols.powersgd import PowerSGD
 from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, message_nbytes
 
 MiB = 2**20
@@ -89,8 +90,10 @@ def test_dry_run_bytes_are_the_real_exchange():
     before = x.clone()
     d = dry_run(AllGather(TopK(0.01)), [x], world_size=4)
     # size exchange (one int64), then one frame: header + 100 int32 indices + 100 fp32 values
-    assert d.collectives == [Collective("allreduce", 8, control=True),
-                             Collective("allgather", message_nbytes([TopK(0.01).compress(x)]))]
+    assert d.collectives == [
+        Collective("allreduce", 8, control=True),
+        Collective("allgather", message_nbytes([TopK(0.01).compress(x)])),
+    ]
     assert d.rounds == 2
     comp = TopK(0.01)
     # from 4 ranks a codec that is not summable travels in two phases: lengths, the pieces to
@@ -100,7 +103,8 @@ def test_dry_run_bytes_are_the_real_exchange():
     assert t.collectives == [
         Collective("alltoall", 32, control=True, offrank=24),
         Collective("alltoall", sum(pieces), offrank=sum(pieces[1:])),
-        Collective("allreduce", 8, control=True), Collective("allgather", pieces[0]),
+        Collective("allreduce", 8, control=True),
+        Collective("allgather", pieces[0]),
     ]
     own = x.reshape(-1)[:2500]  # rank 0's piece: the top-k of the piece, then of its average
     assert torch.allclose(t.out[:2500], comp.decompress(comp.compress(own)))
@@ -130,13 +134,15 @@ def test_dry_run_of_hierarchical_with_uneven_pieces_counts_bytes_without_decodin
     from gradzip.protocols import Hierarchical
 
     x = torch.randn(10, generator=torch.Generator().manual_seed(0))
-    h = dry_run(Hierarchical(SignSGD(), local_size=2), [x], world_size=16, names=["t"],
-                error_feedback=True, decode=False)
+    h = dry_run(
+        Hierarchical(SignSGD(), local_size=2), [x], world_size=16, names=["t"], error_feedback=True, decode=False
+    )
     assert h.out is None
     # the cross-node part is exactly the inner protocol on the node's piece among 8 nodes
     inner = dry_run(SignSGD(), [x[:5]], world_size=8, names=["t@0/2"], error_feedback=True, decode=False)
     assert [c for c in h.collectives if c.scope == "cross"] == [
-        Collective(c.kind, c.nbytes, c.control, c.offrank, "cross", 8) for c in inner.collectives]
+        Collective(c.kind, c.nbytes, c.control, c.offrank, "cross", 8) for c in inner.collectives
+    ]
     intra = [(c.kind, c.nbytes) for c in h.collectives if c.scope == "intra"]
     assert intra == [("allreduce", 40), ("allgather", 20)]  # 10 fp32 summed, this rank's 5 gathered
     # a full dry run still refuses to decode peers the loopback cannot fabricate
@@ -301,7 +307,9 @@ def test_auto_policy_compresses_big_layers_on_slow_links_only():
 # -- gradzip plan --------------------------------------------------------------------------------
 def test_parse_methods():
     link = Link(1e9, 5e-5)
-    ms = plan.parse_methods("DDP, TopK(ratio=0.01), PowerSGD(rank=2), Policy(default=TopK(ratio=0.1), auto=True)", link=link)
+    ms = plan.parse_methods(
+        "DDP, TopK(ratio=0.01), PowerSGD(rank=2), Policy(default=TopK(ratio=0.1), auto=True)", link=link
+    )
     assert list(ms) == ["DDP", "TopK(ratio=0.01)", "PowerSGD(rank=2)", "Policy(default=TopK(ratio=0.1), auto=True)"]
     assert ms["DDP"] is None and ms["TopK(ratio=0.01)"].ratio == 0.01 and ms["PowerSGD(rank=2)"].rank == 2
     pol = ms["Policy(default=TopK(ratio=0.1), auto=True)"]
@@ -321,12 +329,22 @@ def test_parse_methods():
 def test_plan_models(tmp_path):
     layers = plan.layers_from_params(2_100_000, (1024, 1024))
     # 2 full matrices, then 2,848 left: a 2 x 1024 matrix and 800 more
-    assert layers == [("layer0.weight", (1024, 1024)), ("layer1.weight", (1024, 1024)), ("rest.weight", (2, 1024)), ("rest.bias", (800,))]
+    assert layers == [
+        ("layer0.weight", (1024, 1024)),
+        ("layer1.weight", (1024, 1024)),
+        ("rest.weight", (2, 1024)),
+        ("rest.bias", (800,)),
+    ]
     assert sum(math.prod(s) for _, s in layers) == 2_100_000
     bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     path = tmp_path / "sd.pt"
     torch.save({"model": bn.state_dict()}, path)
-    assert plan.layers_from_state_dict(str(path)) == [("0.weight", (3, 4)), ("0.bias", (3,)), ("1.weight", (3,)), ("1.bias", (3,))]
+    assert plan.layers_from_state_dict(str(path)) == [
+        ("0.weight", (3, 4)),
+        ("0.bias", (3,)),
+        ("1.weight", (3,)),
+        ("1.bias", (3,)),
+    ]
     with pytest.raises(ValueError, match=r"params must be an integer in \[1, inf\)"):
         plan.layers_from_params(0)
 
@@ -337,8 +355,20 @@ def test_plan_command_end_to_end(tmp_path, capsys):
     prof_path = tmp_path / "codec.json"
     prof.save(str(prof_path))
     out_png, out_json = tmp_path / "plan.png", tmp_path / "plan.json"
-    common = ["--params", "3e6", "--compute", "100ms", "--latency", "100us", "--worlds", "2,8,32",
-              "--methods", methods, "--profile", str(prof_path)]
+    common = [
+        "--params",
+        "3e6",
+        "--compute",
+        "100ms",
+        "--latency",
+        "100us",
+        "--worlds",
+        "2,8,32",
+        "--methods",
+        methods,
+        "--profile",
+        str(prof_path),
+    ]
     assert plan.main(common + ["--bandwidth", "100Mbit", "--plot", str(out_png), "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "step time in ms" in text and "measured on hand-made" in text
@@ -348,7 +378,9 @@ def test_plan_command_end_to_end(tmp_path, capsys):
     layers = plan.layers_from_params(3_000_000)
     for r in res["rows"]:
         m = plan.parse_methods(r["label"], link=Link(1e8, 1e-4), profile=prof)[r["label"]]
-        assert r["total_s"] == pytest.approx(step_cost(m, layers, r["world"], Link(1e8, 1e-4), 0.1, prof).total_s, rel=1e-9)
+        assert r["total_s"] == pytest.approx(
+            step_cost(m, layers, r["world"], Link(1e8, 1e-4), 0.1, prof).total_s, rel=1e-9
+        )
         assert r["efficiency"] == pytest.approx(0.1 / r["total_s"])
     # 100 Mbit/s: 12 MB of gradients per step; compression wins at every world size
     assert all(v != "DDP" for v in res["best"].values())
@@ -357,5 +389,8 @@ def test_plan_command_end_to_end(tmp_path, capsys):
     assert set(json.loads(out_json.read_text())["best"].values()) == {"DDP"}
     # bad input: a message and exit status 2, no traceback
     assert plan.main(common[:-2] + ["--profile", str(tmp_path / "none.json"), "--bandwidth", "1G", "--plot", ""]) == 2
-    assert plan.main(["--params", "1e6", "--compute", "1ms", "--bandwidth", "1G", "--latency", "0", "--methods", "Zip"]) == 2
+    assert (
+        plan.main(["--params", "1e6", "--compute", "1ms", "--bandwidth", "1G", "--latency", "0", "--methods", "Zip"])
+        == 2
+    )
     assert "unknown method 'Zip'" in capsys.readouterr().err

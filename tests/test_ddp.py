@@ -1,4 +1,5 @@
 """Multi-process tests: DDP + gradzip hook on 2 and 4 gloo ranks (127.0.0.1)."""
+
 import io
 import json
 import math
@@ -216,8 +217,12 @@ def _stress(rank, world, comp, steps):
 
 @pytest.mark.parametrize(
     "comp",
-    [gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)), gz.TopK(0.05),
-     gz.TopK(0.05, values="sign", scope="call"), gz.Threshold(policy="target", density=0.05, scope="call")],
+    [
+        gz.Threshold(tau=1e-3, policy="adaptive", band=(0.01, 0.2)),
+        gz.TopK(0.05),
+        gz.TopK(0.05, values="sign", scope="call"),
+        gz.Threshold(policy="target", density=0.05, scope="call"),
+    ],
     ids=["threshold", "topk", "topk-sign-call", "threshold-call"],
 )
 def test_many_buckets_on_four_ranks_neither_hang_nor_diverge(comp):
@@ -238,7 +243,11 @@ def _silent(rank, world):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     train_steps(ddp, opt, 5, rank)
     check = len(json.dumps(state.engine.describe(), sort_keys=True).encode())
-    return {"same": all(torch.equal(a, b) for a, b in zip(before, params(model))), "stats": state.stats(), "check": check}
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(before, params(model))),
+        "stats": state.stats(),
+        "check": check,
+    }
 
 
 def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
@@ -251,7 +260,9 @@ def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
         # an 8-byte header and a 10-byte entry per tensor (its tau; no body), plus the first
         # step's configuration check.
         nbuckets = (st["collectives"] - 2) // 3
-        assert st["bytes_sent"] - st["bytes_control"] == nbuckets * HEADER_BYTES + st["steps"] * ntensors * (ENTRY_BYTES + 4)
+        assert st["bytes_sent"] - st["bytes_control"] == nbuckets * HEADER_BYTES + st["steps"] * ntensors * (
+            ENTRY_BYTES + 4
+        )
         assert st["bytes_control"] == (8 + r["check"]) + nbuckets * (8 + 4)
 
 
@@ -282,8 +293,10 @@ def test_measured_bytes_match_the_topk_formula():
 # --------------------------------------------------------------------------------------
 def _per_rank_tau(rank, world, dtype):
     eng = gz.Engine(gz.Threshold(tau=0.5, policy="adaptive"))
-    xs = {n: [torch.randn(shape, generator=torch.Generator().manual_seed(17 * r + i)).to(dtype) for r in range(world)]
-          for i, (n, shape) in enumerate([("a", (40, 3)), ("b", (7,)), ("c", (1,))])}
+    xs = {
+        n: [torch.randn(shape, generator=torch.Generator().manual_seed(17 * r + i)).to(dtype) for r in range(world)]
+        for i, (n, shape) in enumerate([("a", (40, 3)), ("b", (7,)), ("c", (1,))])
+    }
     eng.tensor_state = {n: {"tau": 0.25 * (rank + 1)} for n in xs}  # ranks disagree on tau
     fut = eng.reduce(list(xs), [xs[n][rank] for n in xs])
     eng.flush()

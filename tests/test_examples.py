@@ -1,6 +1,7 @@
 """Every torchrun example under examples/ runs (issue 23, item 4): each script's ``main``
 is called on 2 gloo ranks (the process group already up, as torchrun's environment would
 have it) for a few steps, and what it returns is checked."""
+
 from __future__ import annotations
 
 import importlib
@@ -19,12 +20,14 @@ def _run_all(rank, world, workdir):
         sys.path.insert(0, str(EXAMPLES))
     out = {}
     run = lambda name, argv: importlib.import_module(name).main(argv)  # noqa: E731
-    out["ddp"] = run("ddp_torchrun", ["--method", "Policy(TopK(0.05), min_numel=1000)", "--steps", "6",
-                                      "--log-every", "3"])
+    out["ddp"] = run(
+        "ddp_torchrun", ["--method", "Policy(TopK(0.05), min_numel=1000)", "--steps", "6", "--log-every", "3"]
+    )
     out["optimizer"] = run("optimizer_torchrun", ["--method", "PowerSGD(rank=2)", "--steps", "4"])
     out["local_sgd"] = run("local_sgd_torchrun", ["--period", "2", "--steps", "6"])
-    out["resume"] = run("resume_torchrun", ["--checkpoint", str(Path(workdir) / "ckpt"), "--steps", "6",
-                                            "--save-at", "3"])
+    out["resume"] = run(
+        "resume_torchrun", ["--checkpoint", str(Path(workdir) / "ckpt"), "--steps", "6", "--save-at", "3"]
+    )
     return out
 
 

@@ -1,4 +1,5 @@
 """Model filtering (Filter): the rule, exact mass, agreement across ranks, fewer bytes on the wire."""
+
 import math
 
 import pytest
@@ -12,11 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradzip.bench import free_port
 from gradzip.codecs.base import TensorContext
 from gradzip.codecs.cast import FP16
-from gradzip.protocols.filter import REF, SENT, SKIPPED, Filter
 from gradzip.codecs.quant import Int8, SignSGD
 from gradzip.codecs.sparse import TopK
 from gradzip.codecs.threshold import Threshold
 from gradzip.engine import Engine
+from gradzip.protocols.filter import REF, SENT, SKIPPED, Filter
 from gradzip.protocols.powersgd import PowerSGD
 
 from .mp_utils import run_ranks

@@ -4,6 +4,7 @@ The model is transformer-like without attention: an embedding, two MLP blocks wi
 LayerNorm, a final LayerNorm and a head; each block and the root get their own
 ``fully_shard`` (three parameter groups). Sizes 37 and 22 make the shards need padding.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,8 +86,9 @@ def _method(spec):
     return None if spec is None else gz.parse(spec)
 
 
-def train(rank, world, *, rs=None, replicate=None, layout="fsdp", steps=10, mp=False, raf=True, accum=1,
-          lr=0.1, ef=None):
+def train(
+    rank, world, *, rs=None, replicate=None, layout="fsdp", steps=10, mp=False, raf=True, accum=1, lr=0.1, ef=None
+):
     """Train ``steps`` SGD steps; full parameters, losses and stats on every rank."""
     import gradzip as gz
 
@@ -94,8 +96,11 @@ def train(rank, world, *, rs=None, replicate=None, layout="fsdp", steps=10, mp=F
     state = None
     if rs is not None or replicate is not None:
         state = gz.fsdp.compress(
-            model, _method(rs), replicate=_method(replicate),
-            replicate_group=mesh["replicate"] if replicate is not None else None, error_feedback=ef,
+            model,
+            _method(rs),
+            replicate=_method(replicate),
+            replicate_group=mesh["replicate"] if replicate is not None else None,
+            error_feedback=ef,
         )
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
@@ -126,7 +131,6 @@ def _max_diff(a, b):
 
 def _equal(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
-
 
 
 # -- 2 ranks: Identity is plain FSDP2 bit for bit, in every configuration ----------------
@@ -176,8 +180,9 @@ def test_2_ranks_identity_is_plain_fsdp2_bit_for_bit_with_mixed_precision_accumu
 
 
 def _four(rank, world):
-    import gradzip as gz
     from torch.distributed.tensor import DTensor
+
+    import gradzip as gz
 
     # One backward: FSDP + Identity against the mean of the local gradients summed in rank order.
     torch.manual_seed(0)
@@ -206,8 +211,10 @@ def _four(rank, world):
     eps = torch.finfo(torch.float32).eps
     # two summation orders of W terms each round by at most (W-1) eps sum|g| / W
     out["within_bound"] = {
-        n: bool(((grads["identity"][n] - grads["plain"][n]).abs()
-                 <= 2 * (world - 1) * eps * gathered[n][1] / world).all()) for n in names
+        n: bool(
+            ((grads["identity"][n] - grads["plain"][n]).abs() <= 2 * (world - 1) * eps * gathered[n][1] / world).all()
+        )
+        for n in names
     }
     out["plain_equal"] = all(torch.equal(grads["identity"][n], grads["plain"][n]) for n in names)
     out["plain"] = train(rank, world, steps=10)
@@ -301,15 +308,21 @@ def _save(rank, world, root):
             opt.zero_grad()
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "gradzip": state}
         dcp.save(sd, checkpoint_id=os.path.join(root, name))
-        out[name] = {"pending": _pending_full(state), "step": state.step,
-                     "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+        out[name] = {
+            "pending": _pending_full(state),
+            "step": state.step,
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        }
     return out
 
 
 def _load(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
     import gradzip as gz
@@ -327,8 +340,11 @@ def _load(rank, world, root):
         dcp.load(sd, checkpoint_id=os.path.join(root, name))
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
-        res = {"pending": _pending_full(state), "step": state.step,
-               "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+        res = {
+            "pending": _pending_full(state),
+            "step": state.step,
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        }
         losses = []
         for step in range(4, 7):  # training resumes
             idx, tgt = batch(rank, step)
@@ -401,7 +417,9 @@ def _errors(rank, world):
     other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"), shard_mesh_dim=0)
     torch.manual_seed(0)
     m = Net()
-    fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.ndim == 1 else None)
+    fully_shard(
+        m, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.ndim == 1 else None
+    )
     catch("groups", lambda: gz.fsdp.compress(m, gz.Int8()))
     # the process-group allocator, before and after compress
     m, _ = build(world)
@@ -455,7 +473,9 @@ def _errors(rank, world):
         except FloatingPointError as e:
             out[policy] = ("FloatingPointError", str(e))
         after = state.engine.memory.residuals
-        out[policy + " rolled back"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        out[policy + " rolled back"] = before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before
+        )
         out[policy + " step"] = state.step
     return out
 

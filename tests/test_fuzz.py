@@ -7,6 +7,7 @@ input exactly (for quantizers, to half an ulp of the residual where a sent value
 above the input). float32, float16, bfloat16 and float64, with each dtype's extremes (float64
 well beyond float32's range).
 """
+
 import math
 
 import pytest
@@ -69,8 +70,16 @@ def _encode(comp, x, step, feedback):
 
 
 EXACT = [c for c in all_codecs()]
-QUANTIZERS = [gz.SignSGD(), gz.SignSGD(block=7), gz.QSGD(levels=7, block=16), gz.QSGD(levels=127), gz.TernGrad(clip=2.5),
-              gz.Int8(block=5), gz.TopK(0.1, values="sign"), gz.TopK(0.5, values="sign", scope="call")]
+QUANTIZERS = [
+    gz.SignSGD(),
+    gz.SignSGD(block=7),
+    gz.QSGD(levels=7, block=16),
+    gz.QSGD(levels=127),
+    gz.TernGrad(clip=2.5),
+    gz.Int8(block=5),
+    gz.TopK(0.1, values="sign"),
+    gz.TopK(0.5, values="sign", scope="call"),
+]
 
 
 @pytest.mark.parametrize("comp", EXACT, ids=lambda c: repr(c)[:40])

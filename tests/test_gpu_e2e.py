@@ -20,6 +20,7 @@ not), so the parameters of LocalSGD and DiLoCo are comparable bit for bit as wel
   the Triton interpreter) against the reference path, on 2 gloo ranks: the code path a GPU
   takes through the codecs, bit for bit; and the CUDA-aware futures of the communicator.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,14 @@ CODECS = [
 METHODS = {
     "ddp": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)"],
     "optim": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)"],
-    "local_sgd": ["Identity()", "Threshold(tau=0.75)", "TopK(0.05, mode='approx', sample=512)", "SignSGD(block=1024)",
-                  "QSGD(7)", "Int8()"],
+    "local_sgd": [
+        "Identity()",
+        "Threshold(tau=0.75)",
+        "TopK(0.05, mode='approx', sample=512)",
+        "SignSGD(block=1024)",
+        "QSGD(7)",
+        "Int8()",
+    ],
     "diloco": ["Identity()", "TopK(0.05, mode='sampled', sample=512)", "TernGrad(block=1024)", "Int8()"],
     "fsdp": ["Identity()", "Int8()", "TopK(0.05)", "TopK(0.05, mode='approx', sample=512)", "QSGD(7)"],
 }
@@ -118,12 +125,15 @@ def _full(t) -> torch.Tensor:
 
 
 def _run_ddp(spec, device, group, rank, steps):
-    import gradzip as gz
-    from gradzip.hooks import register_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import gradzip as gz
+    from gradzip.hooks import register_hook
+
     model = Probe().to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group, bucket_cap_mb=0.01)
+    ddp = DDP(
+        model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group, bucket_cap_mb=0.01
+    )
     register_hook(ddp, gz.parse(spec))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
@@ -139,8 +149,13 @@ def _run_optim(spec, device, group, rank, steps):
     import gradzip as gz
 
     model = Probe().to(device)
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(),
-                                  compression=gz.parse(spec), process_group=group, bucket_mb=0.01)
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model.named_parameters(),
+        compression=gz.parse(spec),
+        process_group=group,
+        bucket_mb=0.01,
+    )
     grads = []
     for t in range(steps):
         opt.zero_grad()
@@ -171,9 +186,10 @@ def _run_periodic(spec, device, group, rank, steps, diloco: bool):
 
 
 def _run_fsdp(spec, device, group, rank, steps):
-    import gradzip as gz
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
+    import gradzip as gz
 
     model = Probe().to(device)
     mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
@@ -219,7 +235,9 @@ def frontend_rank(rank, world, frontend, specs, device_kind, backend, kernels, s
             K.reset_dispatch()
             res = RUNS[frontend](spec, device, group, rank, steps)
             ops = K.backend_report()["ops"]
-            res["chosen"] = {op: c[device.type]["backend"] for op, c in ((o, ops[o]["chosen"]) for o in ops) if device.type in c}
+            res["chosen"] = {
+                op: c[device.type]["backend"] for op, c in ((o, ops[o]["chosen"]) for o in ops) if device.type in c
+            }
             out[spec] = res
     finally:
         if old is None:
@@ -230,7 +248,11 @@ def frontend_rank(rank, world, frontend, specs, device_kind, backend, kernels, s
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.int32), b.view(-1).view(torch.int32))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.int32), b.view(-1).view(torch.int32))
+    )
 
 
 def assert_runs_match(got: dict, want: dict, frontend: str) -> None:
@@ -282,7 +304,13 @@ def test_backend_report_names_the_fused_kernels_on_cuda():
 
     K.reset_dispatch()
     x = torch.randn(100_003, device="cuda")
-    for spec in ("Threshold(tau=1.0)", "SignSGD(block=1024)", "QSGD(7)", "TernGrad(block=1024)", "TopK(0.01, mode='approx')"):
+    for spec in (
+        "Threshold(tau=1.0)",
+        "SignSGD(block=1024)",
+        "QSGD(7)",
+        "TernGrad(block=1024)",
+        "TopK(0.01, mode='approx')",
+    ):
         m = gz.parse(spec)
         p = m.compress(x, TensorContext(name="x", dtype=x.dtype))
         m.decompress(p)
@@ -389,8 +417,24 @@ def test_gpu_step_benchmark_smoke_on_cpu(tmp_path):
     out = tmp_path / "gs.json"
     threads = torch.get_num_threads()
     try:
-        rc = mod.main(["--device", "cpu", "--models", "tiny", "--steps", "2", "--warmup", "0", "--world", "2",
-                       "--threads", "1", "--out", str(out)])
+        rc = mod.main(
+            [
+                "--device",
+                "cpu",
+                "--models",
+                "tiny",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+                "--world",
+                "2",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     assert rc == 0

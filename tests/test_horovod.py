@@ -9,6 +9,7 @@
   refusals need no collective. Where Horovod is not importable, the tests that need it skip.
 * One 2-rank torch.distributed test (tests/mp_utils.py) runs the drop-in without Horovod.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,12 +38,36 @@ except ImportError as exc:  # pragma: no cover - CI installs the wheel
 needs_horovod = pytest.mark.skipif(hv is None, reason=WHY if hv is None else "")
 
 JOB_CHECKS = [
-    "init", "identity_bit_exact", "op_sum", "op_average_int", "predivide_2", "groups_int", "num_groups",
-    "groups_list", "backward_passes_2", "set_backward_passes", "process_set_global", "sparse_grads",
-    "sparse_as_dense", "hvd_fp16", "gz_fp16", "hvd_none", "load_plain_state", "zero_grad_mid_step_raises",
-    "broadcasts", "broadcast_gradzip_optimizer_state", "allreduce", "adapters_in_horovod", "example_identity_bit_exact",
-    "transport TopK(0.01)", "transport SignSGD()", "transport PowerSGD(rank=1)", "transport TwoPhase(TopK(0.01))",
-    "transport Identity()", "transport_bf16_refused", "init_transport_horovod",
+    "init",
+    "identity_bit_exact",
+    "op_sum",
+    "op_average_int",
+    "predivide_2",
+    "groups_int",
+    "num_groups",
+    "groups_list",
+    "backward_passes_2",
+    "set_backward_passes",
+    "process_set_global",
+    "sparse_grads",
+    "sparse_as_dense",
+    "hvd_fp16",
+    "gz_fp16",
+    "hvd_none",
+    "load_plain_state",
+    "zero_grad_mid_step_raises",
+    "broadcasts",
+    "broadcast_gradzip_optimizer_state",
+    "allreduce",
+    "adapters_in_horovod",
+    "example_identity_bit_exact",
+    "transport TopK(0.01)",
+    "transport SignSGD()",
+    "transport PowerSGD(rank=1)",
+    "transport TwoPhase(TopK(0.01))",
+    "transport Identity()",
+    "transport_bf16_refused",
+    "init_transport_horovod",
 ]
 
 
@@ -52,10 +77,22 @@ def job(tmp_path_factory):
     if horovodrun is None:
         pytest.skip("horovodrun not found")
     prefix = tmp_path_factory.mktemp("hvd") / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(ROOT / "tests" / "horovod_job.py"),
-           str(prefix)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
+    cmd = [
+        horovodrun,
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        str(ROOT / "tests" / "horovod_job.py"),
+        str(prefix),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     outs = [Path(f"{prefix}.{r}.json") for r in range(2)]
     if p.returncode != 0 or not all(o.exists() for o in outs):
@@ -93,12 +130,23 @@ def test_distributed_optimizer_signature_is_horovods():
     for a, b in zip(ours, theirs):
         if b.name not in ("compression", "process_set"):
             assert a.default == b.default, b.name
-    assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs):])
+    assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs) :])
 
 
 @needs_horovod
-@pytest.mark.parametrize("fn", ["allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "broadcast_object",
-                                "broadcast_parameters", "broadcast_optimizer_state"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        "allreduce",
+        "allreduce_",
+        "allgather",
+        "broadcast",
+        "broadcast_",
+        "broadcast_object",
+        "broadcast_parameters",
+        "broadcast_optimizer_state",
+    ],
+)
 def test_function_parameters_are_horovods(fn):
     ours = [p.name for p in inspect.signature(getattr(gh, fn)).parameters.values()]
     theirs = [p.name for p in inspect.signature(getattr(hv, fn)).parameters.values()]
@@ -109,8 +157,20 @@ def test_function_parameters_are_horovods(fn):
 def test_constants_are_horovods():
     for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
         assert getattr(gh, name) == getattr(hv, name), name
-    for name in ("init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size", "cross_rank",
-                 "cross_size", "barrier", "Compression", "DistributedOptimizer"):
+    for name in (
+        "init",
+        "shutdown",
+        "is_initialized",
+        "size",
+        "rank",
+        "local_rank",
+        "local_size",
+        "cross_rank",
+        "cross_size",
+        "barrier",
+        "Compression",
+        "DistributedOptimizer",
+    ):
         assert callable(getattr(gh, name)) or isinstance(getattr(gh, name), type), name
 
 
@@ -123,8 +183,12 @@ def test_bf16_is_refused_at_construction():
 
 @pytest.mark.parametrize(
     "comp, why",
-    [(gz.TopK(ratio=0.1), "not summable"), (gz.Threshold(tau=1e-3), "not summable"),
-     (gz.RandomK(ratio=0.1), "error feedback"), (gz.Int8(allreduce=True), "not summable|error feedback|protocol")],
+    [
+        (gz.TopK(ratio=0.1), "not summable"),
+        (gz.Threshold(tau=1e-3), "not summable"),
+        (gz.RandomK(ratio=0.1), "error feedback"),
+        (gz.Int8(allreduce=True), "not summable|error feedback|protocol"),
+    ],
     ids=["topk", "threshold", "randomk", "int8"],
 )
 def test_adapters_refuse_what_an_allreduce_cannot_sum(comp, why):
@@ -177,12 +241,18 @@ def _torch_transport(rank, world):
     out["same_as_gz_optim"] = all(torch.equal(a, b) for a, b in zip(res["hvd"], res["gz"]))
     errors = {}
     m = torch.nn.Linear(2, 2)
-    for name, kw in {"adasum": dict(op=gh.Adasum), "max": dict(op=gh.Max),
-                     "predivide_sum": dict(op=gh.Sum, gradient_predivide_factor=2.0),
-                     "passes0": dict(backward_passes_per_step=0), "process_set": dict(process_set=object()),
-                     "compression": dict(compression=object())}.items():
+    for name, kw in {
+        "adasum": dict(op=gh.Adasum),
+        "max": dict(op=gh.Max),
+        "predivide_sum": dict(op=gh.Sum, gradient_predivide_factor=2.0),
+        "passes0": dict(backward_passes_per_step=0),
+        "process_set": dict(process_set=object()),
+        "compression": dict(compression=object()),
+    }.items():
         try:
-            gh.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(), **kw)
+            gh.DistributedOptimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(), **kw
+            )
             errors[name] = None
         except (ValueError, TypeError) as exc:
             errors[name] = type(exc).__name__
@@ -196,8 +266,14 @@ def test_torch_transport_on_two_ranks():
         assert (o["size"], o["rank"], o["transport"]) == (2, r, "torch")
         assert o["same_as_gz_optim"] and o["isinstance_sgd"] and o["state_has_gradzip"] and o["residuals"] == 4
         assert o["stats_bytes"] > 0
-        assert o["errors"] == {"adasum": "ValueError", "max": "ValueError", "predivide_sum": "ValueError",
-                               "passes0": "ValueError", "process_set": "ValueError", "compression": "TypeError"}
+        assert o["errors"] == {
+            "adasum": "ValueError",
+            "max": "ValueError",
+            "predivide_sum": "ValueError",
+            "passes0": "ValueError",
+            "process_set": "ValueError",
+            "compression": "TypeError",
+        }
 
 
 def test_uninitialized_is_an_error():

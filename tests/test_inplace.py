@@ -1,16 +1,17 @@
 """Fewer copies: the engine writes into the caller's buffer (DDP's bucket), Identity
 reduces that buffer in place, and residuals alternate between two buffers per tensor."""
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.codecs import Identity, SignSGD, TopK
-from gradzip.protocols.powersgd import PowerSGD
 from gradzip.costmodel import Link
 from gradzip.engine import Engine
 from gradzip.feedback import ErrorFeedback
 from gradzip.hooks import register_hook
 from gradzip.policy import Policy
+from gradzip.protocols.powersgd import PowerSGD
 
 from .mp_utils import run_ranks
 

@@ -1,5 +1,6 @@
 """Kernel dispatch and the sparsifying reference ops (CPU only; no triton or cupy needed).
 The quantizer references are tested in tests/test_kernels_quant.py."""
+
 import math
 import subprocess
 import sys
@@ -80,7 +81,11 @@ def test_threshold_ef_writes_the_residual_into_out_even_over_its_inputs(dtype):
     x, r = rand(n, dtype, 1), rand(n, dtype, 2) * 0.5
     want = R.threshold_ef_reference(x, tau, r)
     want_x = R.threshold_ef_reference(x, tau, new_residual=True)
-    cases = [("separate", x, r, torch.empty(n, dtype=dtype), want), ("residual", x, r, None, want), ("x", x, None, None, want_x)]
+    cases = [
+        ("separate", x, r, torch.empty(n, dtype=dtype), want),
+        ("residual", x, r, None, want),
+        ("x", x, None, None, want_x),
+    ]
     for name, x0, r0, out, ref in cases:
         x0, r0 = x0.clone(), None if r0 is None else r0.clone()
         out = {"residual": r0, "x": x0}.get(name, out)
@@ -91,7 +96,9 @@ def test_threshold_ef_writes_the_residual_into_out_even_over_its_inputs(dtype):
         assert torch.equal(got.indices(), ref.indices()), name
     grid = torch.empty(3, 4)  # any contiguous shape of n elements: returned as it is
     got = K.threshold_ef(rand(12), tau, out=grid)
-    assert got.residual is grid and torch.equal(grid.reshape(-1), R.threshold_ef_reference(rand(12), tau, new_residual=True).residual)
+    assert got.residual is grid and torch.equal(
+        grid.reshape(-1), R.threshold_ef_reference(rand(12), tau, new_residual=True).residual
+    )
 
 
 def test_out_is_checked():
@@ -110,7 +117,10 @@ def test_out_is_checked():
 
 def test_decode_add_bitmap2_reference_adds_peers_in_order():
     n = 11
-    codes = [torch.tensor([0, 1, 2, 3, 1, 1, 2, 0, 0, 2, 1], dtype=torch.uint8), torch.randint(0, 3, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))]
+    codes = [
+        torch.tensor([0, 1, 2, 3, 1, 1, 2, 0, 0, 2, 1], dtype=torch.uint8),
+        torch.randint(0, 3, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)),
+    ]
     bodies = [K.pack_2bit(c) for c in codes]
     out = rand(n)
     want = out.clone()
@@ -125,7 +135,9 @@ def test_scatter_adds_reference():
     words = K.encode_signed_indices(torch.tensor([1, 4, 9]), torch.tensor([False, True, False]))
     R.scatter_add_signed_reference(out, words, 0.5)
     assert out.tolist() == [0, 0.5, 0, 0, -0.5, 0, 0, 0, 0, 0.5]
-    R.scatter_add_sparse_reference(out, torch.tensor([0, 4], dtype=torch.int32), torch.tensor([2.0, 1.0], dtype=torch.bfloat16))
+    R.scatter_add_sparse_reference(
+        out, torch.tensor([0, 4], dtype=torch.int32), torch.tensor([2.0, 1.0], dtype=torch.bfloat16)
+    )
     assert out.tolist() == [2, 0.5, 0, 0, 0.5, 0, 0, 0, 0, 0.5]
 
 
@@ -156,7 +168,12 @@ def approx_cases():
         ("normal_big_k", normal, 20_000, 20_000),
         ("cauchy", torch.empty(n).cauchy_(generator=g), 500, 20_000),
         ("lognormal", torch.empty(n).log_normal_(generator=g), 2_000, 4_000),
-        ("layers", torch.cat([torch.randn(n // 2, generator=g) * 1e-3, torch.randn(n // 2, generator=g)]), 1_000, 20_000),
+        (
+            "layers",
+            torch.cat([torch.randn(n // 2, generator=g) * 1e-3, torch.randn(n // 2, generator=g)]),
+            1_000,
+            20_000,
+        ),
         ("sparse_ties", torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.002), 1_000, 20_000),
         ("constant", torch.full((n,), 0.25), 300, 20_000),
     ]

@@ -8,6 +8,7 @@
   kernels against their references on a real device, DLPack without copies, launches
   on PyTorch's current stream, the per-device kernel cache, and the dispatch.
 """
+
 import re
 import shutil
 import subprocess
@@ -112,7 +113,10 @@ def _check_threshold(got, want):
 def test_cupy_threshold_ef_matches_reference(cupy_ops, dtype, n, with_residual):
     x, r = _data(n, dtype, 0.75)
     r = r if with_residual else None
-    _check_threshold(cupy_ops.threshold_ef_cupy(x, 0.75, r, new_residual=True), R.threshold_ef_reference(x, 0.75, r, new_residual=True))
+    _check_threshold(
+        cupy_ops.threshold_ef_cupy(x, 0.75, r, new_residual=True),
+        R.threshold_ef_reference(x, 0.75, r, new_residual=True),
+    )
 
 
 @pytest.mark.gpu
@@ -179,13 +183,20 @@ def test_compiled_triton_kernels_match_reference(dtype, n):
 
     if interpreting():
         pytest.skip("TRITON_INTERPRET is set: the kernels were built for the interpreter")
-    from gradzip.kernels.triton.decode import decode_add_bitmap2_triton, scatter_add_signed_triton, scatter_add_sparse_triton
+    from gradzip.kernels.triton.decode import (
+        decode_add_bitmap2_triton,
+        scatter_add_signed_triton,
+        scatter_add_sparse_triton,
+    )
     from gradzip.kernels.triton.threshold import threshold_ef_triton
     from gradzip.kernels.triton.topk import abs_select_triton
 
     x, r = _data(n, dtype, 0.75)
     for res in (r, None):
-        _check_threshold(threshold_ef_triton(x, 0.75, res, new_residual=True), R.threshold_ef_reference(x, 0.75, res, new_residual=True))
+        _check_threshold(
+            threshold_ef_triton(x, 0.75, res, new_residual=True),
+            R.threshold_ef_reference(x, 0.75, res, new_residual=True),
+        )
     g = torch.Generator().manual_seed(n)
     nb = (n + 3) // 4
     msg = torch.randint(0, 256, (3, nb + 24), dtype=torch.uint8, generator=g).cuda()

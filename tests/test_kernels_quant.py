@@ -19,6 +19,7 @@ frame decode), and the Triton kernels against them.
 The interpreter is slow: most calls use the default (interpreter) tile, one program for these
 sizes, and a few use small tiles to cover programs that share blocks and ragged tails.
 """
+
 import math
 import os
 
@@ -37,7 +38,9 @@ except Exception:  # not installed: the kernel tests skip, the reference tests r
     triton = None
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-interp = pytest.mark.skipif(triton is None or not INTERPRETING, reason="needs triton and TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+interp = pytest.mark.skipif(
+    triton is None or not INTERPRETING, reason="needs triton and TRITON_INTERPRET=1 (conftest sets it without a GPU)"
+)
 gpu = pytest.mark.gpu
 compiled = pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled")
 # The interpreter computes masked-off lanes too (3e38 * 7, inf / inf) and numpy warns of it.
@@ -88,7 +91,10 @@ def extremes(dtype, subnormal=True):
         [big, 1.0, -0.5, 0.0, tiny, -big, 3.0, 0.25],
     ]
     if dtype == torch.float64:
-        rows += [[1e39, -2e39, 1.0, 3e38, -1e300, 0.5, 1e-300, 2.0], [1e300, 1e300, -1e300, 1e300, 1e300, 1e300, 1e300, 1e300]]
+        rows += [
+            [1e39, -2e39, 1.0, 3e38, -1e300, 0.5, 1e-300, 2.0],
+            [1e300, 1e300, -1e300, 1e300, 1e300, 1e300, 1e300, 1e300],
+        ]
     return torch.tensor([v for row in rows for v in row], dtype=torch.float64).to(dtype)
 
 
@@ -107,7 +113,12 @@ def test_philox_matches_random123_known_answers():
     assert run(0, [0, 0, 0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert run(2**64 - 1, [0xFFFFFFFF] * 4) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
     key = (0x299F31D0 << 32) | 0xA4093822
-    assert run(key, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+    assert run(key, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]) == [
+        0xD16CFE09,
+        0x94FDCCEB,
+        0x5001E420,
+        0x24126EA1,
+    ]
 
 
 def test_philox_uniform_is_in_0_1_and_uniform():
@@ -180,11 +191,15 @@ class Oracle:
         return values, [(a, s) for blk, s in zip(self.blocks, values) for a in blk]
 
     def sign(self):
-        scales, pairs = self.per_block(lambda blk: self.fit(self.fsum(abs(a) for a in blk) / len(blk), all(map(math.isfinite, blk))))
+        scales, pairs = self.per_block(
+            lambda blk: self.fit(self.fsum(abs(a) for a in blk) / len(blk), all(map(math.isfinite, blk)))
+        )
         return scales, [a < 0 for a, _ in pairs], [self.rd(a - (-s if a < 0 else s)) for a, s in pairs]
 
     def qsgd(self, levels, u):
-        norms, pairs = self.per_block(lambda blk: self.fit(math.sqrt(self.fsum(a * a for a in blk)), all(map(math.isfinite, blk))))
+        norms, pairs = self.per_block(
+            lambda blk: self.fit(math.sqrt(self.fsum(a * a for a in blk)), all(map(math.isfinite, blk)))
+        )
         codes = []
         for (a, ne), ui in zip(pairs, u):
             r = min(max(self.rd(self.rd(abs(a) / ne) * levels), 0.0), levels) if ne > 0 else 0.0
@@ -229,7 +244,11 @@ def _dtypes64():
 def test_references_are_the_oracle(dtype, case):
     """Every encoder reference, on 0, 1, 33 and 100 random elements and on extreme values,
     against the scalar oracle; every scale finite; the residual is v minus the decoded frame."""
-    sets = [(data(n, dtype, n), 8 if n > 40 else None) for n in (0, 1, 33, 100)] if case == "random" else [(extremes(dtype), 8)]
+    sets = (
+        [(data(n, dtype, n), 8 if n > 40 else None) for n in (0, 1, 33, 100)]
+        if case == "random"
+        else [(extremes(dtype), 8)]
+    )
     for x, block in sets:
         n = x.numel()
         u = philox_uniform(7, n).tolist()
@@ -250,7 +269,9 @@ def test_references_are_the_oracle(dtype, case):
         for clip in (None, 0.5, 2.0):
             sc, codes = K.terngrad_encode(x, 7, block=block, clip=clip)
             want_s, want_c = Oracle(x, block).terngrad(clip, u)
-            assert sc.tolist() == want_s and torch.equal(codes, pack_nbit(torch.tensor(want_c, dtype=torch.uint8), 2)), clip
+            assert sc.tolist() == want_s and torch.equal(
+                codes, pack_nbit(torch.tensor(want_c, dtype=torch.uint8), 2)
+            ), clip
         sc, q = K.int8_encode(x, block=block)
         want_s, want_q = Oracle(x, block).int8()
         assert sc.tolist() == want_s and q.tolist() == want_q
@@ -311,12 +332,20 @@ def test_decode_reference_is_the_oracle(dtype):
             want = [rd((c - 127) * rd(s / 127)) for c, s in zip(codes.tolist(), se)]
             want = [math.copysign(s, w) if abs(w) > s else w for w, s in zip(want, se)]
         elif kind == "tern2":
-            want = [{0: 0.0, 1: s, 2: -s}[c] for c, s in zip(torch.tensor([(int(b) >> (2 * j)) & 3 for b in codes for j in range(4)])[:n].tolist(), se)]
+            want = [
+                {0: 0.0, 1: s, 2: -s}[c]
+                for c, s in zip(
+                    torch.tensor([(int(b) >> (2 * j)) & 3 for b in codes for j in range(4)])[:n].tolist(), se
+                )
+            ]
         else:  # int8's scales keep 127 * S within float32; only the format is tested here
             want = [rd(q * s) for q, s in zip(codes.tolist(), se)]
         assert got.dtype == dtype and got.tolist() == want, kind
         assert kind == "int8" or bool(torch.isfinite(got).all()), kind
-    assert K.decode_quant(body(scales, raw["qsgd"][0]), n, "qsgd", dtype=torch.float32, block=block, levels=127)[2 * block] == -3.4028234663852886e38
+    assert (
+        K.decode_quant(body(scales, raw["qsgd"][0]), n, "qsgd", dtype=torch.float32, block=block, levels=127)[2 * block]
+        == -3.4028234663852886e38
+    )
 
 
 @pytest.mark.parametrize("kind", ["sign1", "qsgd", "tern2", "int8"])
@@ -348,7 +377,10 @@ def test_decode_add_quant_accumulates_peers_in_order_in_either_dtype(kind):
         s = scales.repeat_interleave(block)[:n]
         assert same(K.decode_quant(bodies[0], n, "sign1", dtype=torch.float32, block=block), torch.where(neg, -s, s))
     zero = K.decode_quant(body(torch.zeros(1), torch.tensor([-1], dtype=torch.int32)), 3, "sign1", dtype=torch.bfloat16)
-    assert zero.dtype == torch.bfloat16 and bits(zero).tolist() == bits(torch.tensor([-0.0] * 3, dtype=torch.bfloat16)).tolist()
+    assert (
+        zero.dtype == torch.bfloat16
+        and bits(zero).tolist() == bits(torch.tensor([-0.0] * 3, dtype=torch.bfloat16)).tolist()
+    )
 
 
 def test_sign_ef_writes_the_residual_into_out():
@@ -394,8 +426,16 @@ def _kernels():
     return sign_ef_triton, qsgd_encode_triton, terngrad_encode_triton, decode_add_quant_triton
 
 
-def _check_encoders(x, r, *, tile=None, sign_blocks=(None, 32, 96, 100), qsgd_cases=((7, 64), (1, None), (100, 33), (7, 250)),
-                    tern_cases=((None, None), (None, 50), (1.5, 64), (0.5, 4)), routes=("auto",)):
+def _check_encoders(
+    x,
+    r,
+    *,
+    tile=None,
+    sign_blocks=(None, 32, 96, 100),
+    qsgd_cases=((7, 64), (1, None), (100, 33), (7, 250)),
+    tern_cases=((None, None), (None, 50), (1.5, 64), (0.5, 4)),
+    routes=("auto",),
+):
     sign, qsgd, tern, _ = _kernels()
     n = x.numel()
     for route in routes:
@@ -404,10 +444,16 @@ def _check_encoders(x, r, *, tile=None, sign_blocks=(None, 32, 96, 100), qsgd_ca
             want = Q.sign_ef_reference(x, r, block=block, new_residual=True)
             assert all(same(a, b) for a, b in zip(got, want)), ("sign", block, route)
         for levels, block in qsgd_cases:
-            got, want = qsgd(x, levels, 2**41 + n, block=block, tile=tile, route=route), Q.qsgd_encode_reference(x, levels, 2**41 + n, block=block)
+            got, want = (
+                qsgd(x, levels, 2**41 + n, block=block, tile=tile, route=route),
+                Q.qsgd_encode_reference(x, levels, 2**41 + n, block=block),
+            )
             assert same(got[0], want[0]) and torch.equal(got[1], want[1]), ("qsgd", levels, block, route)
         for clip, block in tern_cases:
-            got, want = tern(x, 77 + n, block=block, clip=clip, tile=tile, route=route), Q.terngrad_encode_reference(x, 77 + n, block=block, clip=clip)
+            got, want = (
+                tern(x, 77 + n, block=block, clip=clip, tile=tile, route=route),
+                Q.terngrad_encode_reference(x, 77 + n, block=block, clip=clip),
+            )
             assert same(got[0], want[0]) and torch.equal(got[1], want[1]), ("tern", clip, block, route)
 
 
@@ -426,7 +472,14 @@ def test_encoder_kernels_match_references(dtype, n):
 def test_encoder_kernels_share_blocks_between_programs_and_end_ragged(dtype):
     """Small tiles: programs of several blocks (one pass), blocks across programs (two passes)."""
     x, r = data(4097, dtype, 3), torch.randn(4097, generator=gen(4)) * 0.3
-    _check_encoders(x, r, tile=512, sign_blocks=(32, 96, 100, None), qsgd_cases=((7, 64), (100, 33)), tern_cases=((1.5, 64), (None, 50)))
+    _check_encoders(
+        x,
+        r,
+        tile=512,
+        sign_blocks=(32, 96, 100, None),
+        qsgd_cases=((7, 64), (100, 33)),
+        tern_cases=((1.5, 64), (None, 50)),
+    )
 
 
 @interp
@@ -451,8 +504,14 @@ def test_encoder_kernels_on_extreme_values(dtype):
     """Values near float32's maximum, subnormals and zeros: the kernels' scales are the
     references' (finite; QSGD's norm beyond float32 sent as 0), and so are the codes."""
     x = extremes(dtype, subnormal=False)
-    _check_encoders(x, None, sign_blocks=(8, 32), qsgd_cases=((7, 8), (127, 8), (7, None)), tern_cases=((None, 8), (2.0, 8)),
-                    routes=("auto", "two"))
+    _check_encoders(
+        x,
+        None,
+        sign_blocks=(8, 32),
+        qsgd_cases=((7, 8), (127, 8), (7, None)),
+        tern_cases=((None, 8), (2.0, 8)),
+        routes=("auto", "two"),
+    )
     norms, _ = _kernels()[1](x, 7, 1, block=8)
     assert bool(torch.isfinite(norms).all()) and (dtype == torch.float16 or norms[0] == 0)  # float16's max is 65504
 

@@ -12,6 +12,7 @@ Sizes: 0, 1, 31, 33 (around a 32-element word), 4097 (several small programs and
 ragged tail) and 20011 (the interpreter's default program size), kept small because the
 interpreter is slow.
 """
+
 import importlib.util
 import json
 import math
@@ -28,9 +29,9 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 import gradzip as gz  # noqa: E402
 import gradzip.kernels as K  # noqa: E402
 from gradzip.codecs.base import TensorContext  # noqa: E402
+from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX  # noqa: E402
 from gradzip.kernels import reference as R  # noqa: E402
 from gradzip.kernels.triton import aot_specs, interpreting  # noqa: E402
-from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX  # noqa: E402
 from gradzip.wire import FMT_EMPTY, pack_frames, unpack_frames  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,9 @@ def test_threshold_ef_writes_the_residual_over_its_inputs():
     assert got.count == want.count and torch.equal(got.indices(), want.indices())
     x0 = x.clone()
     got = threshold_ef_triton(x0, tau, out=x0, rows=16)
-    assert got.residual is x0 and torch.equal(bits(x0), bits(R.threshold_ef_reference(x, tau, new_residual=True).residual))
+    assert got.residual is x0 and torch.equal(
+        bits(x0), bits(R.threshold_ef_reference(x, tau, new_residual=True).residual)
+    )
     assert got.amax == R.threshold_ef_reference(x, tau).amax
 
 
@@ -251,7 +254,12 @@ def _same_payload(a, b):
 def test_compressors_give_the_same_bytes_with_triton_kernels(dtype, monkeypatch):
     x = with_specials(torch.randn(5003, generator=gen(7)), 0.5).to(dtype)
     x[5] = float("nan")
-    cases = [gz.Threshold(tau=3.0), gz.Threshold(tau=0.5), gz.Threshold(tau=1e3), gz.TopK(0.01, mode="sampled", sample=500)]
+    cases = [
+        gz.Threshold(tau=3.0),
+        gz.Threshold(tau=0.5),
+        gz.Threshold(tau=1e3),
+        gz.TopK(0.01, mode="sampled", sample=500),
+    ]
     fmts = set()
     for comp, x in [(c, x) for c in cases] + [(gz.Threshold(tau=1e3), x.clamp(-10, 10))]:
         ctx = TensorContext(name="w", step=2, dtype=dtype)
@@ -323,7 +331,11 @@ def aot_rows(tmp_path_factory):
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     out = subprocess.run(
         [sys.executable, "-m", "gradzip.kernels.triton.aot", "--arch", "90"],
-        capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=300,
     )
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(SPECS), out.stderr[-3000:]
@@ -348,8 +360,12 @@ def test_aot_streaming_kernels_use_16_byte_loads(aot_rows):
     """With aligned pointers and n % 16 == 0 (what the launcher specializes on), the
     bandwidth-bound kernels load 16 bytes per instruction."""
     streaming = {
-        "_threshold_ef_kernel", "_abs_select_kernel", "_sign_encode_kernel", "_sign_onepass_kernel",
-        "_codes_encode_kernel", "_codes_onepass_kernel",
+        "_threshold_ef_kernel",
+        "_abs_select_kernel",
+        "_sign_encode_kernel",
+        "_sign_onepass_kernel",
+        "_codes_encode_kernel",
+        "_codes_onepass_kernel",
     }
     rows = [row for row in aot_rows if row["kernel"] in streaming and row["divisible"]]
     assert {row["kernel"] for row in rows} == streaming
@@ -383,5 +399,13 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["smoke"] is True and data["copy_bandwidth_gbps"] > 0
     names = {r["kernel"] for r in data["results"]}
-    assert {"threshold_ef", "threshold_index", "decode_add_bitmap2", "scatter_add_signed", "scatter_add_sparse", "sampled_topk", "sampled_topk_approx"} <= names
+    assert {
+        "threshold_ef",
+        "threshold_index",
+        "decode_add_bitmap2",
+        "scatter_add_signed",
+        "scatter_add_sparse",
+        "sampled_topk",
+        "sampled_topk_approx",
+    } <= names
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in data["results"])

@@ -3,6 +3,7 @@
 Runs only as root where ``ip netns`` works (2 ranks, plain DDP and TwoPhase(TopK(0.01)),
 one measured step).
 """
+
 import importlib.util
 import json
 import subprocess
@@ -28,8 +29,13 @@ def test_quick_measures_lo_beside_bytes_link(tmp_path):
     if why:
         pytest.skip(f"needs network namespaces: {why}")
     out = tmp_path / "quick.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=170)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["torch"] and "--quick" in doc["command"]

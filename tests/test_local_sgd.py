@@ -1,4 +1,5 @@
 """LocalSGD and its schedules. The multi-rank checks share one 2-rank spawn."""
+
 import io
 import math
 import time
@@ -558,8 +559,12 @@ def test_split_fragments_cuts_equal_bytes_inside_tensors():
         assert max(abs(p - sum(sizes) / F) for p in per) <= max(item), (per, F)  # equal to within an element
     # One tensor holding most of the model (92% of the MNIST CNN) is cut: F equal runs.
     runs = split_fragments([4 * 100, 4 * 10_000, 4 * 10], 4, granule=[4, 4, 4])
-    assert runs == [[(0, 0, 400), (1, 0, 9708)], [(1, 9708, 19820)], [(1, 19820, 29928)],
-                    [(1, 29928, 40000), (2, 0, 40)]]
+    assert runs == [
+        [(0, 0, 400), (1, 0, 9708)],
+        [(1, 9708, 19820)],
+        [(1, 19820, 29928)],
+        [(1, 29928, 40000), (2, 0, 40)],
+    ]
     assert [sum(b - a for _, a, b in r) for r in runs] == [10108, 10112, 10108, 10112]  # total / 4 = 10110
     # A tensor whose granule is its size (not contiguous) is never cut inside.
     assert split_fragments([400, 4000, 1000], 2, granule=[4, 4000, 4]) == [[(0, 0, 400), (1, 0, 4000)], [(2, 0, 1000)]]
@@ -612,7 +617,11 @@ def test_diloco_is_a_front_end_spec():
     methods = bench.parse_methods("DiLoCo(period=32, compression=Int8()), LocalSGD(period=8, outer_kwargs={'lr': 0.7})")
     assert methods["DiLoCo(period=32, compression=Int8())"].method.cls is DiLoCo
     assert DiLoCo.plan_terms(period=32, compression=gz.Int8(), fragments=4, delay=2) == {
-        "compression": gz.Int8(), "period": 32, "fragments": 4, "delay": 2, "error_feedback": None,
+        "compression": gz.Int8(),
+        "period": 32,
+        "fragments": 4,
+        "delay": 2,
+        "error_feedback": None,
     }
     assert LocalSGD.plan_terms(period=PostLocal(100, 8), overlap=True)["delay"] == 8  # overlap: a whole period
     with pytest.raises(ValueError, match="multiple of fragments"):
@@ -744,8 +753,14 @@ class MassProbe(DiLoCo):
 
 def _error_feedback_mass(rank, world):
     model = make_model()
-    opt = MassProbe(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, period=4,
-                    compression=gz.TopK(0.05), fragments=2, delay=1)
+    opt = MassProbe(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model,
+        period=4,
+        compression=gz.TopK(0.05),
+        fragments=2,
+        delay=1,
+    )
     opt.pushed, opt.applied = {}, {}
     for s in range(24):
         local_step(model, opt, s, rank)
@@ -783,8 +798,15 @@ def _streaming_events(rank, world):
     """H=8, 2 fragments, delay 3: fragment f is pushed at 4f+1 (+8k), synced at 4f+4."""
     events = []
     model = make_model()
-    opt = StreamRecording(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, 8,
-                          gz.TopK(0.1), fragments=2, delay=3, events=events)
+    opt = StreamRecording(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model,
+        8,
+        gz.TopK(0.1),
+        fragments=2,
+        delay=3,
+        events=events,
+    )
     for s in range(24):
         t = s + 1
         if t % 4 == 3 and opt.in_flight:
@@ -950,8 +972,12 @@ def test_checkpoint_resume_is_bit_identical_mid_period_and_with_a_fragment_in_fl
 def test_streaming_fragments_and_synchronize(two):
     frags = two[0]["diloco"]["stream_fragments"]
     # 837 floats in module order cut into 4 runs of equal bytes: the cuts fall inside 0.weight (640).
-    assert frags == [["0.weight[0:209]"], ["0.weight[209:418]"], ["0.weight[418:628]"],
-                     ["0.weight[628:640]", "0.bias", "2.weight", "2.bias"]]
+    assert frags == [
+        ["0.weight[0:209]"],
+        ["0.weight[209:418]"],
+        ["0.weight[418:628]"],
+        ["0.weight[628:640]", "0.bias", "2.weight", "2.bias"],
+    ]
     for a, b in zip(two[0]["diloco"]["stream_synced"], two[1]["diloco"]["stream_synced"]):
         assert torch.equal(a, b)
 
@@ -1003,8 +1029,13 @@ def _four_ranks(rank, world):
     outer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     model = make_model()
     ddp = DDP(model, process_group=ddp_groups[rank // 2])
-    opt = DiLoCo(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), model, 4, gz.Int8(),
-                 process_group=outer_groups[rank % 2])
+    opt = DiLoCo(
+        torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+        model,
+        4,
+        gz.Int8(),
+        process_group=outer_groups[rank % 2],
+    )
     snaps = {}
     for s in range(10):
         local_step(ddp, opt, s, rank)

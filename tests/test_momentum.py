@@ -1,4 +1,5 @@
 """Momentum correction, codec schedules, local clipping, and the lean frames."""
+
 import io
 import math
 
@@ -107,7 +108,9 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
                 u[rank][i] = g.clone() if u[rank][i] is None else torch.add(g, u[rank][i], alpha=m)
                 send = g + m * u[rank][i] if nesterov else u[rank][i]
                 vs[rank][i] = send.clone() if r[rank][i] is None else send + r[rank][i]
-        ks = [_call_ks(vs[rank], codec.ratio) if codec.scope == "call" else [None] * len(params) for rank in range(world)]
+        ks = [
+            _call_ks(vs[rank], codec.ratio) if codec.scope == "call" else [None] * len(params) for rank in range(world)
+        ]
         for i, p in enumerate(params):
             acc = torch.zeros(p.numel())
             for rank in range(world):
@@ -122,11 +125,15 @@ def reference(world, steps, nesterov, lr=0.1, m=0.9, wd=1e-3, codec=None):
     return [p.detach().clone() for p in params], u
 
 
-@pytest.mark.parametrize("nesterov, codec", [
-    (False, gz.TopK(0.1)),
-    (True, gz.TopK(0.1)),
-    (False, gz.TopK(0.1, values="sign", scope="call")),  # STC values, one top-k over the bucket
-], ids=["momentum", "nesterov", "sign-call"])
+@pytest.mark.parametrize(
+    "nesterov, codec",
+    [
+        (False, gz.TopK(0.1)),
+        (True, gz.TopK(0.1)),
+        (False, gz.TopK(0.1, values="sign", scope="call")),  # STC values, one top-k over the bucket
+    ],
+    ids=["momentum", "nesterov", "sign-call"],
+)
 def test_momentum_correction_equals_dgc_written_out(nesterov, codec):
     res = run_ranks(_ddp, 2, 5, nesterov, 0.1, 0.9, 1e-3, codec)
     _assert_matches(res, *reference(2, 5, nesterov, codec=codec))
@@ -184,8 +191,11 @@ def test_adam_momentum_correction_equals_its_reference():
 
 def test_momentum_correction_refuses_what_it_cannot_take_over():
     model = make_model()
-    for opt in (torch.optim.RMSprop(model.parameters(), momentum=0.9), torch.optim.AdamW(model.parameters(), maximize=True),
-                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)):
+    for opt in (
+        torch.optim.RMSprop(model.parameters(), momentum=0.9),
+        torch.optim.AdamW(model.parameters(), maximize=True),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1),
+    ):
         with pytest.raises(ValueError, match="momentum correction"):
             gz.momentum.Momentum.adopt(opt, list(model.named_parameters()))
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
@@ -268,15 +278,26 @@ def test_packed_gaps_round_trip(n, data):
 def test_sparse_frames_round_trip_in_messages(data):
     """Frames of every sparse codec, packed into one message with others, decode to what each
     codec sent, whatever the sizes, densities and value dtypes."""
-    codecs = [gz.TopK(0.01), gz.TopK(0.3), gz.TopK(0.05, values="bf16"), gz.Threshold(tau=1.5), gz.Threshold(tau=0.1),
-              gz.SignSGD(block=7), gz.QSGD(levels=3, block=5)]
+    codecs = [
+        gz.TopK(0.01),
+        gz.TopK(0.3),
+        gz.TopK(0.05, values="bf16"),
+        gz.Threshold(tau=1.5),
+        gz.Threshold(tau=0.1),
+        gz.SignSGD(block=7),
+        gz.QSGD(levels=3, block=5),
+    ]
     picks = data.draw(st.lists(st.sampled_from(range(len(codecs))), min_size=1, max_size=6))
-    xs = [torch.randn(data.draw(st.integers(0, 700)), generator=torch.Generator().manual_seed(i)) for i in range(len(picks))]
+    xs = [
+        torch.randn(data.draw(st.integers(0, 700)), generator=torch.Generator().manual_seed(i))
+        for i in range(len(picks))
+    ]
     pays = [codecs[c].compress(x, TensorContext(name=f"t{i}")) for i, (c, x) in enumerate(zip(picks, xs))]
     msg = wire.pack_frames(pays)
     assert msg.numel() == wire.message_nbytes(pays)
-    got = wire.unpack_frames(torch.cat([msg, torch.zeros(5, dtype=torch.uint8)]), [p.shape for p in pays],
-                             [p.dtype for p in pays])
+    got = wire.unpack_frames(
+        torch.cat([msg, torch.zeros(5, dtype=torch.uint8)]), [p.shape for p in pays], [p.dtype for p in pays]
+    )
     for c, p, q in zip(picks, pays, got):
         assert torch.equal(codecs[c].decompress(p), codecs[c].decompress(q))
 
@@ -317,6 +338,7 @@ def test_reshard_averages_the_momentum_buffers():
 
 
 # -- Adam's two moments before compression (precondition=True) ----------------------------------
+
 
 def _precond(rank, world, steps, kind, lr=0.01, wd=0.01, codec="SignSGD", resume_at=None):
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
@@ -419,8 +441,10 @@ def test_adam_precondition_adopts_the_moments_and_refuses_what_it_cannot_mirror(
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
     mom.takeover.remove()
-    for bad, match in ((torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "second moment"),
-                       (torch.optim.AdamW(model.parameters(), amsgrad=True), "amsgrad")):
+    for bad, match in (
+        (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "second moment"),
+        (torch.optim.AdamW(model.parameters(), amsgrad=True), "amsgrad"),
+    ):
         with pytest.raises(ValueError, match=match):
             gz.momentum.Momentum.adopt(bad, named, precondition=True)
     with pytest.raises(ValueError, match="needs the Adam or AdamW"):
@@ -430,8 +454,13 @@ def test_adam_precondition_adopts_the_moments_and_refuses_what_it_cannot_mirror(
 def _precond_optimizer(rank, world, steps):
     model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
-    opt = gz.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=gz.SignSGD(),
-                                  momentum_correction=True, precondition=True)
+    opt = gz.DistributedOptimizer(
+        inner,
+        named_parameters=model.named_parameters(),
+        compression=gz.SignSGD(),
+        momentum_correction=True,
+        precondition=True,
+    )
     train(model, opt, rank, 0, steps)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -442,7 +471,9 @@ def test_distributed_optimizer_preconditions_alike():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="momentum_correction=True"):
-        gz.DistributedOptimizer(torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(), precondition=True)
+        gz.DistributedOptimizer(
+            torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(), precondition=True
+        )
 
 
 def _rescaled_between(rank, world):
@@ -471,5 +502,10 @@ def test_adam_precondition_refuses_steps_rescaled_after_the_hook():
     for msg in run_ranks(_rescaled_between, 2):
         assert msg is not None and "p.grad changed between the gradzip hook and optimizer.step()" in msg
     with pytest.raises(ValueError, match="op='sum'"):
-        gz.DistributedOptimizer(torch.optim.AdamW(make_model().parameters()), compression=gz.SignSGD(),
-                                momentum_correction=True, precondition=True, op="sum")
+        gz.DistributedOptimizer(
+            torch.optim.AdamW(make_model().parameters()),
+            compression=gz.SignSGD(),
+            momentum_correction=True,
+            precondition=True,
+            op="sum",
+        )

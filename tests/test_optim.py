@@ -2,6 +2,7 @@
 
 Most checks share one 2-rank spawn (a spawn costs seconds); each test reads its part.
 """
+
 import io
 
 import pytest

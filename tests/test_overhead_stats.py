@@ -1,4 +1,5 @@
 """benchmarks/overhead.py's statistics: paired ratios per cycle and the bootstrap interval."""
+
 import importlib.util
 import sys
 from pathlib import Path

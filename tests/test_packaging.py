@@ -1,4 +1,5 @@
 """Packaging: the wheel installs gradzip.kernels and gradzip.hooks; import stays light."""
+
 import os
 import subprocess
 import sys

@@ -1,4 +1,5 @@
 """Policy: routing rules, parallel composition of exchanges, and 2 gloo ranks through the engine and DDP."""
+
 import json
 
 import pytest
@@ -6,20 +7,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.comm import Round
-from gradzip.codecs import FP16, BF16, Identity, TopK
+from gradzip.codecs import BF16, FP16, Identity, TopK
 from gradzip.codecs.base import TensorContext
-from gradzip.protocols.filter import Filter
-from gradzip.protocols.powersgd import PowerSGD
+from gradzip.comm import Round
 from gradzip.costmodel import CodecFit, CodecProfile, Link, dry_run
 from gradzip.engine import Engine
-from .refs import RefMemory
 from gradzip.hooks import register_hook
 from gradzip.policy import DECISION, Policy
 from gradzip.protocols import AllGather, Allreduce
+from gradzip.protocols.filter import Filter
 from gradzip.protocols.parallel import parallel
+from gradzip.protocols.powersgd import PowerSGD
 
 from .mp_utils import run_ranks
+from .refs import RefMemory
 
 
 # -- rules -----------------------------------------------------------------------------------
@@ -171,11 +172,19 @@ def test_policy_exchange_equals_its_parts_in_a_dry_run():
     whole = dry_run(pol, xs, names=names, world_size=3, stores=stores)
     # PowerSGD (2 rounds, unknown to the policy: starts first), TopK (2 rounds), Identity (1: starts late)
     kinds = [(c.kind, c.nbytes) for c in whole.collectives]
-    assert kinds == [("allreduce", 4 * 30), ("allreduce", 8), ("allreduce", 4 * 40), ("allgather", kinds[3][1]),
-                     ("allreduce", 4 * 45)]
+    assert kinds == [
+        ("allreduce", 4 * 30),
+        ("allreduce", 8),
+        ("allreduce", 4 * 40),
+        ("allgather", kinds[3][1]),
+        ("allreduce", 4 * 45),
+    ]
     assert whole.rounds == 2
-    for comp, group in ((PowerSGD(rank=1), ["emb.weight"]), (TopK(0.1), ["l1.weight", "l2.weight"]),
-                        (Identity(), ["l1.bias", "tiny"])):
+    for comp, group in (
+        (PowerSGD(rank=1), ["emb.weight"]),
+        (TopK(0.1), ["l1.weight", "l2.weight"]),
+        (Identity(), ["l1.bias", "tiny"]),
+    ):
         idx = [names.index(n) for n in group]
         sub = dry_run(comp, [xs[i] for i in idx], names=group, world_size=3, error_feedback=True)
         for j, i in enumerate(idx):
@@ -254,8 +263,15 @@ def _engine_mix(rank, world, steps):
         ref.append(outs)
     residuals = {n: eng.memory.residual(n) for n in SHAPES}
     part_res = {n: None for n in SHAPES}
-    part_res.update({n: e.memory.residual(n) for e in parts.values() if e.memory is not None for n in SHAPES
-                     if e.memory.residual(n) is not None})
+    part_res.update(
+        {
+            n: e.memory.residual(n)
+            for e in parts.values()
+            if e.memory is not None
+            for n in SHAPES
+            if e.memory.residual(n) is not None
+        }
+    )
     # auto: rank 1's profile says TopK's codec is far too slow, rank 0's that it is cheap
     slow_codec = CodecFit(10.0 if rank else 1e-6, 0.0)
     prof = CodecProfile(measure_missing=False)
@@ -339,8 +355,13 @@ def test_engine_policy_equals_its_parts_on_two_ranks():
 def make_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 40), torch.nn.ReLU(),
-        torch.nn.Linear(40, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3),
+        torch.nn.Linear(12, 40),
+        torch.nn.ReLU(),
+        torch.nn.Linear(40, 40),
+        torch.nn.ReLU(),
+        torch.nn.Linear(40, 6),
+        torch.nn.ReLU(),
+        torch.nn.Linear(6, 3),
     )
 
 

@@ -1,4 +1,5 @@
 """PowerSGD: the algorithm in one process (W ranks simulated), then 2 gloo ranks against torch's hook."""
+
 import io
 import math
 
@@ -14,10 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradzip import bench
 from gradzip.codecs.base import TensorContext
 from gradzip.codecs.cast import Identity
-from gradzip.protocols.powersgd import PowerSGD, _gram_schmidt_, _low_rank_product, _matmul, orthogonalize_
-from gradzip.protocols.base import Call
 from gradzip.feedback import ErrorFeedback
 from gradzip.hooks import register_hook
+from gradzip.protocols.base import Call
+from gradzip.protocols.powersgd import PowerSGD, _gram_schmidt_, _low_rank_product, _matmul, orthogonalize_
 from gradzip.stats import Stats
 
 from .mp_utils import run_ranks
@@ -58,12 +59,24 @@ class Sim:
         gens = []
         for r in range(self.world):
             ctxs = [
-                TensorContext(name=n, step=self.step, dtype=t.dtype, store=self.stores[r].setdefault(n, {}),
-                              rank=r, world_size=self.world)
+                TensorContext(
+                    name=n,
+                    step=self.step,
+                    dtype=t.dtype,
+                    store=self.stores[r].setdefault(n, {}),
+                    rank=r,
+                    world_size=self.world,
+                )
                 for n, t in zip(names, grads[r])
             ]
-            call = Call(comm=comms[r], names=list(names), tensors=list(grads[r]), contexts=ctxs,
-                        memory=self.mems[r], out_dtype=grads[r][0].dtype)
+            call = Call(
+                comm=comms[r],
+                names=list(names),
+                tensors=list(grads[r]),
+                contexts=ctxs,
+                memory=self.mems[r],
+                out_dtype=grads[r][0].dtype,
+            )
             gens.append(self.comp.exchange(call))
         rounds = [next(g) for g in gens]
         self.rounds = []
@@ -516,9 +529,16 @@ def _vs_torch(rank, world, steps, start, seed):
     model = make_model()
     names = {id(p): n for n, p in model.named_parameters()}
     ddp = DDP(model, bucket_cap_mb=25)
-    tstate = tph.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
-                               min_compression_rate=2, use_error_feedback=True, warm_start=True,
-                               orthogonalization_epsilon=0, random_seed=seed)
+    tstate = tph.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=2,
+        start_powerSGD_iter=start,
+        min_compression_rate=2,
+        use_error_feedback=True,
+        warm_start=True,
+        orthogonalization_epsilon=0,
+        random_seed=seed,
+    )
     init_q, layout = {}, []
 
     def hook(state, bucket):
@@ -601,8 +621,15 @@ def odd_model(seed=0):
     """Layer widths that put every matrix at an odd offset of its bucket, and at other
     offsets once DDP rebuilds its buckets (whose first one then takes up to 1 MiB)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(20, 37), torch.nn.ReLU(), torch.nn.Linear(37, 29), torch.nn.ReLU(),
-                               torch.nn.Linear(29, 53), torch.nn.ReLU(), torch.nn.Linear(53, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 37),
+        torch.nn.ReLU(),
+        torch.nn.Linear(37, 29),
+        torch.nn.ReLU(),
+        torch.nn.Linear(29, 53),
+        torch.nn.ReLU(),
+        torch.nn.Linear(53, 5),
+    )
 
 
 def _checkpoint_and_stress(rank, world, k, stress_steps):
@@ -613,6 +640,7 @@ def _checkpoint_and_stress(rank, world, k, stress_steps):
         "odd-1": (odd_model, PowerSGD(rank=1, seed=1)),
         "odd-3": (odd_model, PowerSGD(rank=3, seed=1)),
     }.items():
+
         def build(seed):
             model = make(seed)
             ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
@@ -662,8 +690,11 @@ def _checkpoint_and_stress(rank, world, k, stress_steps):
             skipped.append(s)
         if s == 10:
             now = state.engine.tensor_state
-            restored = len(qs) == 12 and all(torch.equal(now[n]["q"], q) for n, q in qs.items()) and all(
-                torch.equal(state.engine.memory.residuals[n], r) for n, r in res.items())
+            restored = (
+                len(qs) == 12
+                and all(torch.equal(now[n]["q"], q) for n, q in qs.items())
+                and all(torch.equal(state.engine.memory.residuals[n], r) for n, r in res.items())
+            )
         per_step.append(state.stats()["collectives"])
     out["stress"] = {"params": params(model), "collectives": per_step, "skipped": skipped, "restored": restored}
     return out
@@ -698,15 +729,20 @@ def test_checkpoint_resume_is_bit_exact_and_many_buckets_do_not_hang():
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_rank_2_trains_the_digits_mlp_within_2pp_of_plain_ddp_at_over_20x():
-    rows = bench.run({"Identity": Identity(), "PowerSGD": PowerSGD(rank=2)}, bench.BenchConfig(dataset="digits", workers=2, epochs=20))
+    rows = bench.run(
+        {"Identity": Identity(), "PowerSGD": PowerSGD(rank=2)},
+        bench.BenchConfig(dataset="digits", workers=2, epochs=20),
+    )
     base, psgd = rows
     assert base["accuracy"] > 0.95, rows
     assert psgd["accuracy"] >= base["accuracy"] - 0.02, rows
     assert psgd["ratio"] >= 20.0, rows
 
 
-@pytest.mark.parametrize("rank, dtype, ef", [(1, torch.float32, True), (4, torch.float32, True),
-                                             (4, torch.float16, True), (2, torch.float32, False)])
+@pytest.mark.parametrize(
+    "rank, dtype, ef",
+    [(1, torch.float32, True), (4, torch.float32, True), (4, torch.float16, True), (2, torch.float32, False)],
+)
 def test_fused_block_passes_match_the_whole_matrix_passes(monkeypatch, rank, dtype, ef):
     """On CPU the compensation, P^T and M_hat/residual passes run in blocks of rows (several
     blocks here, the last one short). The result matches the unfused passes over whole
@@ -722,12 +758,14 @@ def test_fused_block_passes_match_the_whole_matrix_passes(monkeypatch, rank, dty
         sim = Sim(PowerSGD(rank=rank), 2, error_feedback=ef)
         outs = []
         for step in range(3):
-            grads = [[_randn(*s, seed=100 * step + 10 * r + j).to(dtype) for j, s in enumerate(shapes)]
-                     for r in range(2)]
+            grads = [
+                [_randn(*s, seed=100 * step + 10 * r + j).to(dtype) for j, s in enumerate(shapes)] for r in range(2)
+            ]
             if ef:  # the compensated inputs, g + r, computed here independently
                 res = [[sim.mems[r].residual(n) for n in names] for r in range(2)]
-                before = [[g.float() + q if q is not None else g.float() for g, q in zip(grads[r], res[r])]
-                          for r in range(2)]
+                before = [
+                    [g.float() + q if q is not None else g.float() for g, q in zip(grads[r], res[r])] for r in range(2)
+                ]
             out = sim.reduce(names, grads)
             assert torch.equal(out[0], out[1])
             if ef:

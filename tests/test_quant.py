@@ -3,6 +3,7 @@
 Bit-exact packing, hypothesis properties, seeded unbiasedness, wire bytes
 measured at the collectives on 2 gloo ranks, and convergence through the DDP hook.
 """
+
 import math
 
 import pytest
@@ -25,9 +26,9 @@ from gradzip.codecs.quant import (
     qsgd_bits,
 )
 from gradzip.engine import Engine
-from gradzip.protocols.int8_allreduce import int8_lanes
 from gradzip.kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from gradzip.kernels.reference import pack_2bit
+from gradzip.protocols.int8_allreduce import int8_lanes
 from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, Payload, narrow, pack_frames, unpack_frames
 
 from .mp_utils import run_ranks
@@ -98,8 +99,10 @@ def test_signsgd_cpu_table_decode_is_the_where_decode(n, block, acc):
         want.add_(where_decode(p))
     got = out0.clone()
     comp.accumulate_many(frames, got)
-    assert torch.equal(got.view(torch.int64 if acc == torch.float64 else torch.int32),
-                       want.view(torch.int64 if acc == torch.float64 else torch.int32))
+    assert torch.equal(
+        got.view(torch.int64 if acc == torch.float64 else torch.int32),
+        want.view(torch.int64 if acc == torch.float64 else torch.int32),
+    )
     assert torch.equal(comp.decompress(frames[1]).to(acc), where_decode(frames[1]))
 
 
@@ -515,7 +518,9 @@ def expected_small(label, comp, dtype, world):
             amax = torch.stack([p.amax(1) for p in padded]).amax(0)
             scale = (amax / 127).clamp(min=2.0**-149)
             # Rounded down where 127 * S would exceed amax (so it never overflows near the max).
-            scale = torch.where(scale.double() * 127 > amax.double(), torch.nextafter(scale, torch.zeros_like(scale)), scale)
+            scale = torch.where(
+                scale.double() * 127 > amax.double(), torch.nextafter(scale, torch.zeros_like(scale)), scale
+            )
             scale = torch.where(amax > 0, scale.clamp(min=2.0**-149), torch.zeros_like(amax))
             se = scale.repeat_interleave(b)[:n]
             zero = torch.zeros(n, dtype=torch.float64)

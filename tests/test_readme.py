@@ -12,6 +12,7 @@
 
 Run this file as a script (``python tests/test_readme.py RESULT.json``) to be one rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,14 +101,26 @@ def readme_run(tmp_path_factory):
     for r in range(WORLD):
         env = dict(os.environ)
         env.update(
-            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]),
         )
         out = work / f"rank{r}.json"
         log = open(work / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(out)],
-                                      cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), str(out)],
+                cwd=work,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         outs.append(out)
     deadline = time.monotonic() + TIMEOUT_S
     try:

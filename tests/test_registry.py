@@ -1,4 +1,5 @@
 """The registry: one grammar for every method, wire codes claimed once, a new codec is one file."""
+
 import json
 import subprocess
 import sys
@@ -40,8 +41,10 @@ def test_every_registered_method_builds_from_its_bare_name():
 
     for name in registry.names():
         cls = registry.lookup(name)
-        if isinstance(cls, type) and issubclass(cls, registry.Registered) and any(
-            p.default is inspect.Parameter.empty for p in cls._params()
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, registry.Registered)
+            and any(p.default is inspect.Parameter.empty for p in cls._params())
         ):
             continue  # wrappers such as AllGather(codec) need their argument
         m = gz.parse(name)
@@ -161,17 +164,63 @@ def test_a_new_codec_in_its_own_file_works_everywhere(toy):
     assert res[0]["toy"][2] == {"name": "Toy", "seed": 0}
     # gradzip plan and gradzip bench read it in the method grammar
     plan = subprocess.run(
-        [sys.executable, "-m", "gradzip.cli", "plan", "--import", "toy_codec", "--params", "3e5", "--compute", "10ms",
-         "--bandwidth", "1Gbit", "--latency", "50us", "--worlds", "2,8", "--methods", "DDP, Toy()", "--plot", "",
-         "--profile-sizes", "4096,65536", "--repeats", "1"],
-        capture_output=True, text=True, timeout=300, cwd=toy,
+        [
+            sys.executable,
+            "-m",
+            "gradzip.cli",
+            "plan",
+            "--import",
+            "toy_codec",
+            "--params",
+            "3e5",
+            "--compute",
+            "10ms",
+            "--bandwidth",
+            "1Gbit",
+            "--latency",
+            "50us",
+            "--worlds",
+            "2,8",
+            "--methods",
+            "DDP, Toy()",
+            "--plot",
+            "",
+            "--profile-sizes",
+            "4096,65536",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=toy,
     )
     assert plan.returncode == 0, plan.stderr
     assert "Toy()" in plan.stdout
     bench = subprocess.run(
-        [sys.executable, "-m", "gradzip.cli", "bench", "--import", "toy_codec", "--dataset", "digits", "--epochs", "1", "--seeds", "0",
-         "--methods", "Toy()", "--out", str(toy / "out"), "--no-progress"],
-        capture_output=True, text=True, timeout=600, cwd=toy,
+        [
+            sys.executable,
+            "-m",
+            "gradzip.cli",
+            "bench",
+            "--import",
+            "toy_codec",
+            "--dataset",
+            "digits",
+            "--epochs",
+            "1",
+            "--seeds",
+            "0",
+            "--methods",
+            "Toy()",
+            "--out",
+            str(toy / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=toy,
     )
     assert bench.returncode == 0, bench.stderr
     rows = json.loads((toy / "out" / "results.json").read_text())["rows"]
@@ -185,8 +234,10 @@ def test_parse_works_after_importing_only_the_registry():
     import subprocess
     import sys
 
-    code = ("from gradzip.registry import parse, names; m = parse('TopK(0.01)'); "
-            "print(type(m).__name__, 'Threshold' in names())")
+    code = (
+        "from gradzip.registry import parse, names; m = parse('TopK(0.01)'); "
+        "print(type(m).__name__, 'Threshold' in names())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["TopK", "True"]

@@ -1,5 +1,6 @@
 """Reliability promises (docs/reliability.md): bad gradients, config mismatch, rank loss,
 accumulation, DDP modes, world-size change, half-precision sums."""
+
 import io
 import os
 import queue as _queue
@@ -450,7 +451,6 @@ def test_half_precision_gradients_near_max_never_overflow(dtype):
             assert torch.equal(avg, x)
 
 
-
 # ======================================================================================
 # Issue #17: eight promises an adversarial suite broke, each tested where it broke. The
 # two-rank checks share one launch (``issue17``), the four- and three-rank ones another
@@ -532,8 +532,10 @@ def _unused(rank, world):
             "grads": grads,
             "applied": applied,
             "kept": kept,
-            "residual": {n: torch.zeros(params[n].shape, dtype=torch.float64) if r is None else r.double()
-                         for n, r in residual.items()},
+            "residual": {
+                n: torch.zeros(params[n].shape, dtype=torch.float64) if r is None else r.double()
+                for n, r in residual.items()
+            },
         }
     return out
 
@@ -597,17 +599,32 @@ def _registration(rank, world):
     model = WithComplex()
     ddp = DDP(model)
     attempt("hook", lambda: register_hook(ddp, gz.TopK(0.5)), TypeError)
-    attempt("optimizer", lambda: gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                         named_parameters=model.named_parameters(),
-                                                         compression=gz.TopK(0.5)), TypeError)
-    attempt("local_sgd", lambda: gz.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, period=2,
-                                             compression=gz.TopK(0.5)), TypeError)
+    attempt(
+        "optimizer",
+        lambda: gz.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=gz.TopK(0.5),
+        ),
+        TypeError,
+    )
+    attempt(
+        "local_sgd",
+        lambda: gz.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, period=2, compression=gz.TopK(0.5)),
+        TypeError,
+    )
     ddp = DDP(make_model())  # names 0.weight, 0.bias, ..., 6.bias
     attempt("skip", lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), skip=["bias", "norm"])), ValueError)
-    attempt("per_layer", lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), per_layer={"2.": gz.Identity(),
-                                                                                       "head.": gz.Identity()})), ValueError)
-    attempt("matching", lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), skip=["bias"], per_layer={"2.": gz.Identity()})),
-            ValueError)
+    attempt(
+        "per_layer",
+        lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), per_layer={"2.": gz.Identity(), "head.": gz.Identity()})),
+        ValueError,
+    )
+    attempt(
+        "matching",
+        lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), skip=["bias"], per_layer={"2.": gz.Identity()})),
+        ValueError,
+    )
     return out
 
 
@@ -620,8 +637,16 @@ def _policy_fallback(rank, world):
         w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g) * 3
         r_old, e_old = _clone(eng.memory.residual("fc.bias")), _owner(eng, "fc.bias")
         out = _step(eng, ["fc.weight", "fc.bias"], [w, b])
-        log.append({"g": b, "r_old": r_old, "e_old": e_old, "r_new": _clone(eng.memory.residual("fc.bias")),
-                    "e_new": _owner(eng, "fc.bias"), "out": out[w.numel():].clone()})
+        log.append(
+            {
+                "g": b,
+                "r_old": r_old,
+                "e_old": e_old,
+                "r_new": _clone(eng.memory.residual("fc.bias")),
+                "e_new": _owner(eng, "fc.bias"),
+                "out": out[w.numel() :].clone(),
+            }
+        )
     return {"log": log, "protocol": eng.protocol.__class__.__name__}
 
 
@@ -636,8 +661,16 @@ def _half_mass(rank, world, group=None):
             x = torch.randn(1001, generator=g) * torch.exp(3 * torch.randn(1001, generator=g))  # many binades
             r_old, e_old = _clone(eng.memory.residual("w")), _owner(eng, "w")
             avg = _step(eng, ["w"], [x])
-            log.append({"g": x, "r_old": r_old, "e_old": e_old, "r_new": _clone(eng.memory.residual("w")),
-                        "e_new": _owner(eng, "w"), "out": avg})
+            log.append(
+                {
+                    "g": x,
+                    "r_old": r_old,
+                    "e_old": e_old,
+                    "r_new": _clone(eng.memory.residual("w")),
+                    "e_new": _owner(eng, "w"),
+                    "out": avg,
+                }
+            )
         out[label] = {"log": log, "protocol": eng.protocol.__class__.__name__}
     return out
 
@@ -676,8 +709,11 @@ def _fp16_near_max(rank, world):
     x = (torch.rand(16, 16, generator=g, dtype=torch.float64) * 0.1 + 0.9) * torch.finfo(torch.float16).max
     x = (x * (torch.randint(0, 2, (16, 16), generator=g) * 2 - 1)).to(torch.float16)
     out = {}
-    for label, make in (("QSGD", gz.QSGD), ("QSGD-127", lambda: gz.QSGD(127, block=16)),
-                        ("PowerSGD", lambda: gz.PowerSGD(rank=1))):
+    for label, make in (
+        ("QSGD", gz.QSGD),
+        ("QSGD-127", lambda: gz.QSGD(127, block=16)),
+        ("PowerSGD", lambda: gz.PowerSGD(rank=1)),
+    ):
         for policy in ("skip", "raise"):
             eng = Engine(make(), on_nonfinite=policy)
             try:
@@ -719,7 +755,7 @@ def _extremes(rank, world):
     out = {}
     for label, make in EXTREME_CODECS.items():
         for dtype, steps in (("float64", 2), ("float32", 1)):  # a float32 residual near the maximum would
-            eng = Engine(make(), error_feedback=True)     # overflow g + r the next step: see the limits
+            eng = Engine(make(), error_feedback=True)  # overflow g + r the next step: see the limits
             log = []
             for s in range(steps):
                 x = extreme_grads(rank, s)[dtype]
@@ -914,8 +950,11 @@ def test_numpy_and_torch_scalars_are_accepted_as_arguments():
     import numpy as np
 
     made = [
-        gz.TopK(np.float32(0.25)), gz.TopK(torch.tensor(0.25)), gz.Threshold(tau=np.float64(1e-3)),
-        gz.PowerSGD(rank=np.int64(2), min_compression_rate=torch.tensor(2)), gz.QSGD(levels=torch.tensor(4)),
+        gz.TopK(np.float32(0.25)),
+        gz.TopK(torch.tensor(0.25)),
+        gz.Threshold(tau=np.float64(1e-3)),
+        gz.PowerSGD(rank=np.int64(2), min_compression_rate=torch.tensor(2)),
+        gz.QSGD(levels=torch.tensor(4)),
         gz.Policy(gz.TopK(0.1), min_numel=np.int32(100)),
     ]
     assert made[0].ratio == float(np.float32(0.25)) and type(made[0].ratio) is float
@@ -924,8 +963,12 @@ def test_numpy_and_torch_scalars_are_accepted_as_arguments():
     for m in made:
         json.dumps(m.config())
         assert gz.parse(repr(m)).config() == m.config()
-    for bad in (lambda: gz.TopK(np.bool_(True)), lambda: gz.QSGD(levels=torch.tensor(True)),
-                lambda: gz.PowerSGD(rank=np.float64(1.5)), lambda: gz.TopK(torch.tensor([0.1, 0.2]))):
+    for bad in (
+        lambda: gz.TopK(np.bool_(True)),
+        lambda: gz.QSGD(levels=torch.tensor(True)),
+        lambda: gz.PowerSGD(rank=np.float64(1.5)),
+        lambda: gz.TopK(torch.tensor([0.1, 0.2])),
+    ):
         with pytest.raises(ValueError):
             bad()
 

@@ -1,4 +1,5 @@
 """Stats: codec blocks book wall-clock and CPU time (the engine's checks included); old state dicts still load."""
+
 import time
 
 import torch
@@ -60,7 +61,7 @@ def _engine_checks(rank, world):
 
 
 def test_engine_non_finite_checks_are_booked_as_codec_time():
-    (calls, codec), = run_ranks(_engine_checks, 1)
+    ((calls, codec),) = run_ranks(_engine_checks, 1)
     assert calls == 3  # the gradients (before the protocol), the new residuals (first round), the average
     assert codec >= 0.9 * 0.03 * calls
 

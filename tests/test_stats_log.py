@@ -1,5 +1,6 @@
 """Loggable stats (issue 23, item 3): per-interval counts, per-tensor routes, a logging hook,
 and a flat dict of numbers (what TensorBoard's ``add_scalars`` and ``wandb.log`` take)."""
+
 from __future__ import annotations
 
 import logging
@@ -62,7 +63,7 @@ def _logged(rank, world):
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
 
-    state.log_every(2)                       # the default: a logging line every 2 steps
+    state.log_every(2)  # the default: a logging line every 2 steps
     for _ in range(4):
         step()
     gz.log_every(state, 1, lambda s, d: calls.append((s, d)))  # a callback instead
@@ -71,8 +72,7 @@ def _logged(rank, world):
     delta = state.stats(reset=True)
     total = state.stats()
     log.removeHandler(handler)
-    return {"records": records, "calls": calls, "mid": mid, "delta": delta, "total": total,
-            "routes": state.routes()}
+    return {"records": records, "calls": calls, "mid": mid, "delta": delta, "total": total, "routes": state.routes()}
 
 
 @pytest.mark.slow

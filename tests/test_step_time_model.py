@@ -1,4 +1,5 @@
 """benchmarks/step_time.py: its model on hand-computed rows, and --merge."""
+
 import importlib.util
 import json
 import sys
@@ -18,8 +19,15 @@ def st():
 
 
 def _row(**kw):
-    r = {"compute_s": 0.2, "compute_slowest_s": 0.25, "codec_seconds_per_step": 0.1, "bytes_sent_per_step": 1e6,
-         "bytes_allgather_per_step": 0.25e6, "collectives_per_step": 3, "collective_latency_s": 1e-3}
+    r = {
+        "compute_s": 0.2,
+        "compute_slowest_s": 0.25,
+        "codec_seconds_per_step": 0.1,
+        "bytes_sent_per_step": 1e6,
+        "bytes_allgather_per_step": 0.25e6,
+        "collectives_per_step": 3,
+        "collective_latency_s": 1e-3,
+    }
     r.update(kw)
     return r
 
@@ -49,8 +57,12 @@ def test_merge_combines_runs_and_recomputes_speedups(st, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--ranks", "4", "--merge", str(a), str(b), "--out", str(out)])
     assert st.main() == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["rate"], r["method"]) for r in rows] == [("1gbit", "allreduce"), ("1gbit", "PowerSGD-1"),
-                                                         ("none", "allreduce"), ("none", "PowerSGD-1")]
+    assert [(r["rate"], r["method"]) for r in rows] == [
+        ("1gbit", "allreduce"),
+        ("1gbit", "PowerSGD-1"),
+        ("none", "allreduce"),
+        ("none", "PowerSGD-1"),
+    ]
     assert [r["speedup_vs_allreduce"] for r in rows] == pytest.approx([1.0, 4.0, 1.0, 0.8])
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--ranks", "2", "--merge", str(a), "--out", str(out)])
     with pytest.raises(SystemExit):  # a file of another rank count is refused

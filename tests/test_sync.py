@@ -4,6 +4,7 @@
 ``LocalSGD``/``DiLoCo`` check on their first step that the ranks agree (one allreduce of
 hashes) and raise ``ValueError`` naming the first tensor that differs, on every rank.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,9 @@ def _agree(rank, world):
     if rank == 1:
         with torch.no_grad():
             model[2].bias.add_(1e-6)
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(), compression=gz.TopK(0.5))
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), compression=gz.TopK(0.5)
+    )
     out["optim"] = _error(lambda: _step(model, opt))
 
     model = _model(rank)  # every rank its own seed
@@ -57,8 +59,9 @@ def _agree(rank, world):
     dist.all_gather(gathered, torch.cat([t.reshape(-1) for t in model.state_dict().values()]))
     out["equal"] = torch.equal(gathered[0], gathered[1])
     out["root_kept"] = torch.equal(model.count, torch.ones(2))
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(), compression=gz.TopK(0.5))
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), compression=gz.TopK(0.5)
+    )
     for _ in range(2):
         _step(model, opt)
     lsgd_model = _model(0)
@@ -69,8 +72,9 @@ def _agree(rank, world):
 
     # Turned off: no check, no error (the replicas then drift, as before).
     model = _model(rank)
-    opt = gz.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(), check_parameters=False)
+    opt = gz.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), check_parameters=False
+    )
     out["off"] = _error(lambda: _step(model, opt))
     return out
 

@@ -1,4 +1,5 @@
 """The two-phase compressed allreduce on 2, 4 and 8 gloo ranks: mass, training, checkpoints, no hangs."""
+
 import io
 
 import pytest
@@ -16,8 +17,15 @@ from .mp_utils import run_ranks
 
 pytestmark = pytest.mark.slow
 
-CODECS = [gz.TopK(0.05), gz.Threshold(tau=0.3, policy="adaptive"), gz.SignSGD(block=16), gz.QSGD(block=16),
-          gz.TernGrad(block=32), gz.Int8(block=8), gz.FP16()]
+CODECS = [
+    gz.TopK(0.05),
+    gz.Threshold(tau=0.3, policy="adaptive"),
+    gz.SignSGD(block=16),
+    gz.QSGD(block=16),
+    gz.TernGrad(block=32),
+    gz.Int8(block=8),
+    gz.FP16(),
+]
 SHAPES = {"w1": (40, 9), "b1": (40,), "w2": (3, 40), "tiny": (2,)}
 
 
@@ -46,7 +54,10 @@ def _mass(rank, world, steps):
             grads = {n: torch.randn(shape, generator=g) * (1 + rank) for n, shape in SHAPES.items()}
             before = {n: eng.memory.residual(n) for n in SHAPES}
             owner_before = _owner_mass(eng, SHAPES, world, rank)
-            futs = [eng.reduce(["w1", "b1"], [grads["w1"], grads["b1"]]), eng.reduce(["w2", "tiny"], [grads["w2"], grads["tiny"]])]
+            futs = [
+                eng.reduce(["w1", "b1"], [grads["w1"], grads["b1"]]),
+                eng.reduce(["w2", "tiny"], [grads["w2"], grads["tiny"]]),
+            ]
             eng.flush()
             eng.end_step()
             flat = torch.cat([f.wait() for f in futs])
@@ -55,13 +66,15 @@ def _mass(rank, world, steps):
                 k = torch.Size(SHAPES[n]).numel()
                 applied[n] = flat[pos : pos + k].view(SHAPES[n]).double()
                 pos += k
-            rows.append({
-                "in": {n: grads[n].double() + (before[n].double() if before[n] is not None else 0) for n in SHAPES},
-                "owner_in": owner_before,
-                "left": {n: eng.memory.residual(n).double() for n in SHAPES},
-                "owner_left": _owner_mass(eng, SHAPES, world, rank),
-                "applied": applied,
-            })
+            rows.append(
+                {
+                    "in": {n: grads[n].double() + (before[n].double() if before[n] is not None else 0) for n in SHAPES},
+                    "owner_in": owner_before,
+                    "left": {n: eng.memory.residual(n).double() for n in SHAPES},
+                    "owner_left": _owner_mass(eng, SHAPES, world, rank),
+                    "applied": applied,
+                }
+            )
         res[repr(comp)] = rows
     return res
 
@@ -75,7 +88,11 @@ def test_mass_is_conserved_with_both_memories(world):
         for s in range(3):
             for n in SHAPES:
                 rows = [r[comp][s] for r in res]
-                lhs = world * rows[0]["applied"][n] + sum(r["left"][n] for r in rows) + world * sum(r["owner_left"][n] for r in rows)
+                lhs = (
+                    world * rows[0]["applied"][n]
+                    + sum(r["left"][n] for r in rows)
+                    + world * sum(r["owner_left"][n] for r in rows)
+                )
                 rhs = sum(r["in"][n] for r in rows) + world * sum(r["owner_in"][n] for r in rows)
                 for r in rows[1:]:
                     assert torch.equal(r["applied"][n], rows[0]["applied"][n])  # every rank applies the same
@@ -85,8 +102,9 @@ def test_mass_is_conserved_with_both_memories(world):
 
 def _train(rank, world, comp, steps, cap_mb):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 48), torch.nn.ReLU(), torch.nn.Linear(48, 48), torch.nn.ReLU(),
-                                torch.nn.Linear(48, 5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 48), torch.nn.ReLU(), torch.nn.Linear(48, 48), torch.nn.ReLU(), torch.nn.Linear(48, 5)
+    )
     ddp = DDP(model, bucket_cap_mb=cap_mb)
     state = register_hook(ddp, comp) if comp is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
@@ -101,8 +119,12 @@ def _train(rank, world, comp, steps, cap_mb):
         opt.step()
         losses.append(float(loss))
     protocol = repr(state.engine.protocol) if state is not None else "DDP"
-    return {"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "protocol": protocol,
-            "stats": state.stats() if state is not None else None}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "losses": losses,
+        "protocol": protocol,
+        "stats": state.stats() if state is not None else None,
+    }
 
 
 def _train_all(rank, world, comps, steps, cap_mb):
@@ -114,7 +136,9 @@ def _train_all(rank, world, comps, steps, cap_mb):
 def test_every_non_summable_codec_trains_to_plain_ddps_loss_band(world):
     """Every codec at 2 and 4 ranks; at 8 (eight processes on the CI's two cores) a sparsifier,
     a sign and a quantizer."""
-    codecs = [c for c in CODECS if not c.summable] if world < 8 else [gz.TopK(0.05), gz.SignSGD(block=16), gz.Int8(block=8)]
+    codecs = (
+        [c for c in CODECS if not c.summable] if world < 8 else [gz.TopK(0.05), gz.SignSGD(block=16), gz.Int8(block=8)]
+    )
     comps = [None] + [gz.TwoPhase(c) for c in codecs]
     steps = 20
     res = run_ranks(_train_all, world, comps, steps, 1.0, timeout=900)
@@ -219,8 +243,12 @@ def test_reshard_keeps_both_memories_mass(new_world):
         new = reshard(states, new_world)
         torch.testing.assert_close(sum(s["residuals"][name].double() for s in new), total, rtol=1e-6, atol=1e-6)
         upd = reshard(states, new_world, preserve="update")
-        torch.testing.assert_close(sum(s["residuals"][name].double() for s in upd) / new_world,
-                                   sum(s["residuals"][name].double() for s in states) / 4 + owner, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            sum(s["residuals"][name].double() for s in upd) / new_world,
+            sum(s["residuals"][name].double() for s in states) / 4 + owner,
+            rtol=1e-6,
+            atol=1e-6,
+        )
 
 
 # -- hierarchical: uncompressed inside a node, compressed across nodes ---------------------------
@@ -228,8 +256,12 @@ def _hier(rank, world):
     g = torch.Generator().manual_seed(rank)
     grads = [torch.randn(30, 7, generator=g), torch.randn(5, generator=g)]
     out = {}
-    for spec in ("Identity()", "Hierarchical(Identity(), local_size=2)", "Hierarchical(TopK(0.2), local_size=2)",
-                 "Hierarchical(SignSGD(block=8), local_size=2)"):
+    for spec in (
+        "Identity()",
+        "Hierarchical(Identity(), local_size=2)",
+        "Hierarchical(TopK(0.2), local_size=2)",
+        "Hierarchical(SignSGD(block=8), local_size=2)",
+    ):
         eng = Engine(gz.parse(spec))
         steps = []
         for s in range(3):
@@ -248,7 +280,9 @@ def test_hierarchical_on_two_nodes_of_two_averages_and_keeps_mass():
     res = run_ranks(_hier, 4)
     flat, hier = res[0]["Identity()"], res[0]["Hierarchical(Identity(), local_size=2)"]
     for a, b in zip(flat["steps"], hier["steps"]):
-        torch.testing.assert_close(a["out"], b["out"], rtol=1e-6, atol=1e-7)  # the same average, summed in another order
+        torch.testing.assert_close(
+            a["out"], b["out"], rtol=1e-6, atol=1e-7
+        )  # the same average, summed in another order
     assert hier["intra"] > 0 and hier["link"] > hier["intra"]
     for spec in ("Hierarchical(TopK(0.2), local_size=2)", "Hierarchical(SignSGD(block=8), local_size=2)"):
         for s in range(3):

@@ -51,7 +51,11 @@ def test_frames_roundtrip_and_alignment():
     msg = wire.pack_frames(ps)
     # one 8-byte header, three 6-byte entries (the first with a 4-byte scale), the bodies back to back
     assert msg.numel() == 8 + 3 * 6 + 4 + 5 + 0 + 12
-    assert msg.numel() == wire.message_nbytes(ps) == 8 + sum(wire.frame_nbytes(b.numel(), bool(p.scale)) for b, p in zip(bodies, ps))
+    assert (
+        msg.numel()
+        == wire.message_nbytes(ps)
+        == 8 + sum(wire.frame_nbytes(b.numel(), bool(p.scale)) for b, p in zip(bodies, ps))
+    )
     # Trailing padding (from a padded all-gather) is ignored.
     padded = torch.cat([msg, torch.full((13,), 255, dtype=torch.uint8)])
     out = wire.unpack_frames(padded, [p.shape for p in ps], [p.dtype for p in ps])

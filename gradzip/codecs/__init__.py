@@ -1,4 +1,5 @@
 """Codecs: pure tensor <-> payload transforms with error feedback; one file per family."""
+
 from .base import Codec, TensorContext, tensor_seed
 from .cast import BF16, FP16, Identity
 from .quant import QSGD, Int8, SignSGD, TernGrad
@@ -6,6 +7,17 @@ from .sparse import RandomK, TopK
 from .threshold import Threshold
 
 __all__ = [
-    "Codec", "TensorContext", "tensor_seed", "Identity", "FP16", "BF16", "Threshold", "TopK", "RandomK",
-    "SignSGD", "QSGD", "TernGrad", "Int8",
+    "Codec",
+    "TensorContext",
+    "tensor_seed",
+    "Identity",
+    "FP16",
+    "BF16",
+    "Threshold",
+    "TopK",
+    "RandomK",
+    "SignSGD",
+    "QSGD",
+    "TernGrad",
+    "Int8",
 ]

@@ -5,6 +5,7 @@ protocol's business (:mod:`gradzip.protocols`); a codec only says whether its
 payload bodies may be added up by an allreduce (``summable``) and, where it needs
 one, which protocol carries it (``protocol``, a registered protocol name).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -168,7 +169,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def tensor_seed(seed: int, step: int, name: str) -> int:
     """A 63-bit seed that every rank derives identically for (seed, step, tensor name)."""
     h = zlib.crc32(name.encode()) & 0xFFFFFFFF
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + h * 0x94D049BB133111EB)
+    x = int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + h * 0x94D049BB133111EB
     x &= (1 << 64) - 1
     x ^= x >> 31
     return x & ((1 << 63) - 1)

@@ -1,4 +1,5 @@
 """Identity and dtype casts. Summable: their payloads go through allreduce."""
+
 from __future__ import annotations
 
 import torch

@@ -53,12 +53,14 @@ frame is the same on the CPU and on a GPU. An element rounds up iff ``u < frac``
 (its fractional level), with probability ``frac`` up to the 2**-24 grid of the
 float32 draws: unbiased.
 """
+
 from __future__ import annotations
 
 import torch
 
 import gradzip.args as args
 import gradzip.kernels as K
+
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
 from ..wire import Payload, accum_dtype, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
@@ -273,7 +275,9 @@ class QSGD(_Quantizer):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)
         ctx = ctx or TensorContext(dtype=x.dtype)
-        norms, codes = K.qsgd_encode(_flat(x), self.levels, philox_seed(self.seed, ctx), block=self.block, bits=self.bits)
+        norms, codes = K.qsgd_encode(
+            _flat(x), self.levels, philox_seed(self.seed, ctx), block=self.block, bits=self.bits
+        )
         return _frame(x, FMT_QSGD, norms, codes, scale=float(self.levels))
 
     def _check_header(self, payload: Payload) -> None:

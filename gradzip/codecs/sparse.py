@@ -1,4 +1,5 @@
 """Top-k and random-k sparsification."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,9 @@ import math
 import torch
 
 import gradzip.args as args
-import gradzip.warmup as warmup
 import gradzip.kernels as K
+import gradzip.warmup as warmup
+
 from ..kernels import bitpack
 from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
 from .base import Codec, TensorContext, check_input, tensor_seed
@@ -150,8 +152,12 @@ class TopK(Codec):
             (the call's tensors share one top-k, above).
     """
 
-    formats = {"SPARSE": FMT_SPARSE, "SPARSE_MASK": FMT_SPARSE_MASK, "SPARSE_SIGN": FMT_SPARSE_SIGN,
-               "SPARSE_SIGN2": FMT_SPARSE_SIGN2}
+    formats = {
+        "SPARSE": FMT_SPARSE,
+        "SPARSE_MASK": FMT_SPARSE_MASK,
+        "SPARSE_SIGN": FMT_SPARSE_SIGN,
+        "SPARSE_SIGN2": FMT_SPARSE_SIGN2,
+    }
     sparse = True
 
     def __init__(

@@ -45,6 +45,7 @@ Policies (per tensor, state kept in the front end's ``state_dict``):
 encoded with ``tau / shake_factor`` to flush residual mass that sits just under
 the threshold. The policy does not adapt on shake-up steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,9 @@ import math
 import torch
 
 import gradzip.args as args
-import gradzip.warmup as warmup
 import gradzip.kernels as K
+import gradzip.warmup as warmup
+
 from ..wire import FMT_EMPTY, Payload, accum_dtype, narrow
 from .base import Codec, TensorContext, check_input
 from .sparse import call_counts, pack_gaps, unpack_gaps
@@ -139,6 +141,7 @@ class Threshold(Codec):
     """
 
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
+
     # Not ``sparse`` in the momentum-masking sense unless ``mask=True``: a coordinate over tau
     # sends +-tau and keeps the rest in its residual. Masking cost digits 3 pp per tensor (the
     # MLP, 2 ranks); with one threshold over the bucket at momentum 0.9 it is what trains.
@@ -179,7 +182,9 @@ class Threshold(Codec):
             raise ValueError(f"mask must be True or False, got {mask!r}")
         self.mask = mask
         if self.scope == "call" and self.policy != "target":
-            raise ValueError(f'scope="call" needs policy="target" (one threshold from the whole call), got policy={policy!r}')
+            raise ValueError(
+                f'scope="call" needs policy="target" (one threshold from the whole call), got policy={policy!r}'
+            )
 
     def allot(self, xs, ctxs) -> list:
         """``scope="call"``: each tensor's share of the call's ``ceil(density * n)`` largest ``|v|``."""
@@ -203,10 +208,16 @@ class Threshold(Codec):
         if self.policy == "target" and n:
             if feedback:  # tau is a top-k of |v|: v is needed whole (Codec.encode compensates)
                 return super().encode(x, ctx, residual, feedback=True, out=out)
-            k = min(n, max(1, math.ceil(warmup.at(self.density, ctx.step) * n))) if ctx.k is None else min(n, int(ctx.k))
+            k = (
+                min(n, max(1, math.ceil(warmup.at(self.density, ctx.step) * n)))
+                if ctx.k is None
+                else min(n, int(ctx.k))
+            )
             if k <= 0:  # scope="call" allotted this tensor nothing
                 empty = torch.empty(0, dtype=torch.uint8, device=x.device)
-                return Payload(body=empty, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY, scale=self.current_tau(ctx)), None
+                return Payload(
+                    body=empty, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY, scale=self.current_tau(ctx)
+                ), None
             kth = float(torch.topk(x.reshape(-1).abs(), k, sorted=False).values.min())
             base = kth if kth > 0 else self.current_tau(ctx)
         else:

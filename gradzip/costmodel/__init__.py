@@ -5,6 +5,7 @@ against a loopback communicator), :mod:`.profile` (codec seconds), :mod:`.layer`
 (one tensor, for ``Policy(auto=True)``), :mod:`.step` (one training step, for
 ``gradzip plan``). Derivations: ``docs/costmodel.md``.
 """
+
 from .dryrun import DryRun, LoopbackComm, dry_run
 from .layer import layer_cost
 from .link import Collective, Link, allgather_time, allreduce_time, parse_bandwidth, parse_duration, wire_time
@@ -12,7 +13,25 @@ from .profile import CodecFit, CodecProfile, as_profile, measure_codec, sample, 
 from .step import StepCost, WireCache, ddp_buckets, step_cost
 
 __all__ = [
-    "Link", "parse_bandwidth", "parse_duration", "allreduce_time", "allgather_time", "Collective", "wire_time",
-    "LoopbackComm", "DryRun", "dry_run", "CodecFit", "CodecProfile", "measure_codec", "as_profile", "sample",
-    "sample_shape", "layer_cost", "ddp_buckets", "StepCost", "WireCache", "step_cost",
+    "Link",
+    "parse_bandwidth",
+    "parse_duration",
+    "allreduce_time",
+    "allgather_time",
+    "Collective",
+    "wire_time",
+    "LoopbackComm",
+    "DryRun",
+    "dry_run",
+    "CodecFit",
+    "CodecProfile",
+    "measure_codec",
+    "as_profile",
+    "sample",
+    "sample_shape",
+    "layer_cost",
+    "ddp_buckets",
+    "StepCost",
+    "WireCache",
+    "step_cost",
 ]

@@ -6,10 +6,11 @@ that all send what this rank sends) and records every tensor the exchange hands
 to a collective, exactly what :class:`gradzip.stats.Stats` counts in a real run
 (size exchanges, headers and padding included).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,9 @@ class LoopbackComm:
         group = None if self.scope == "world" else self.world_size
         c = Collective(kind, nbytes, control, offrank, self.scope, group)
         self.stats.add(
-            bytes_sent=nbytes, collectives=1, bytes_control=nbytes if control else 0,
+            bytes_sent=nbytes,
+            collectives=1,
+            bytes_control=nbytes if control else 0,
             bytes_link=c.link_bytes(self.world_size),
         )
         self.log.append(c)
@@ -162,7 +165,9 @@ def dry_run(
         names=names,
         tensors=tensors,
         contexts=[
-            TensorContext(name=n, step=step, dtype=t.dtype, store=stores.setdefault(n, {}), rank=0, world_size=world_size)
+            TensorContext(
+                name=n, step=step, dtype=t.dtype, store=stores.setdefault(n, {}), rank=0, world_size=world_size
+            )
             for n, t in zip(names, tensors)
         ],
         memory=ErrorFeedback() if ef else None,

@@ -1,4 +1,5 @@
 """The cost of one tensor alone: codec (profile) plus wire (dry run), for ``Policy(auto=True)``."""
+
 from __future__ import annotations
 
 import torch

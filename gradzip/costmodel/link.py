@@ -13,10 +13,11 @@ rank is ``N-1`` steps of ``S`` bytes: ``N-1`` latencies. Collectives of one
 step are added up: gloo runs one process group's collectives one after the
 other (``docs/costmodel.md``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import gradzip.args as args
 
@@ -34,6 +35,7 @@ __all__ = [
     "wire_time",
     "check_world",
 ]
+
 
 def parse_bandwidth(value, *, unit: bool = False) -> float:
     """Bits per second from a number or a string such as ``"1Gbit"``, ``"100mbps"``, ``"10G"``, ``"2.5e9"``.
@@ -69,7 +71,7 @@ class Link:
         object.__setattr__(self, "latency_s", args.number("latency_s", self.latency_s, 0.0))
 
     @classmethod
-    def parse(cls, bandwidth, latency=0.0) -> "Link":
+    def parse(cls, bandwidth, latency=0.0) -> Link:
         """``Link.parse("1Gbit", "50us")``."""
         return cls(parse_bandwidth(bandwidth), parse_duration(latency, "latency"))
 

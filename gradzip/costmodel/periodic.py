@@ -23,14 +23,16 @@ passes over the fragment every ``period`` steps) is left out. ``detail`` gives t
 bytes of one sync of each fragment and the peak: the most bytes a rank sends in
 one step (one fragment's, since fragments sync at different steps).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 import gradzip.args as args
+
 from ..codecs.cast import Identity
 from ..schedules import split_fragments
 from .link import Link, check_world
@@ -97,8 +99,17 @@ def periodic_step_cost(
     sync_bytes, sync_wire = [], []
     for run in runs:
         sc = step_cost(
-            method, run, world, link, 0.0, profile,
-            bucket_cap_mb=one_call_mb, first_bucket_mb=one_call_mb, dtype=dtype, cache=cache, label=name,
+            method,
+            run,
+            world,
+            link,
+            0.0,
+            profile,
+            bucket_cap_mb=one_call_mb,
+            first_bucket_mb=one_call_mb,
+            dtype=dtype,
+            cache=cache,
+            label=name,
         )
         codec += sc.codec_s
         wire += max(0.0, sc.wire_s - delay * compute_s)

@@ -5,6 +5,7 @@ A :class:`CodecProfile` holds, per (method config, error feedback), an affine fi
 ``(N-1)*(c + d*n)`` for protocols that all-gather (every rank decodes every
 peer). :func:`measure_codec` fits it from dry runs (``docs/costmodel.md``).
 """
+
 from __future__ import annotations
 
 import json
@@ -186,8 +187,11 @@ class CodecProfile:
         ef = comp.biased if error_feedback is None else bool(error_feedback)
         config = comp.config() if hasattr(comp, "config") else {}
         for e in self.classes:
-            if (e["class"] == type(comp).__name__ and bool(e["error_feedback"]) == ef
-                    and all(config.get(k) == v for k, v in e.get("when", {}).items())):
+            if (
+                e["class"] == type(comp).__name__
+                and bool(e["error_feedback"]) == ef
+                and all(config.get(k) == v for k, v in e.get("when", {}).items())
+            ):
                 return e
         return None
 
@@ -232,7 +236,9 @@ class CodecProfile:
             self.measured_here.append(repr(comp))
             e = self.entries[self.key(comp, error_feedback)]
         s = self.elem_scale
-        return CodecFit(e["encode_s"], s * e["encode_s_per_elem"], e.get("peer_s", 0.0), s * e.get("peer_s_per_elem", 0.0))
+        return CodecFit(
+            e["encode_s"], s * e["encode_s_per_elem"], e.get("peer_s", 0.0), s * e.get("peer_s_per_elem", 0.0)
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -256,11 +262,13 @@ class CodecProfile:
             json.dump(d, f, indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict, *, measure_missing: bool = False) -> "CodecProfile":
+    def from_dict(cls, d: dict, *, measure_missing: bool = False) -> CodecProfile:
         if not isinstance(d, dict) or d.get("kind") != PROFILE_KIND:
             raise ValueError(f"not a gradzip codec profile (expected kind {PROFILE_KIND!r})")
         if d.get("version") != PROFILE_VERSION:
-            raise ValueError(f"codec profile version {d.get('version')!r} is not supported (expected {PROFILE_VERSION})")
+            raise ValueError(
+                f"codec profile version {d.get('version')!r} is not supported (expected {PROFILE_VERSION})"
+            )
         prof = cls(
             d.get("entries", {}),
             machine=d.get("machine"),
@@ -288,7 +296,7 @@ class CodecProfile:
         return prof
 
     @classmethod
-    def load(cls, path: str, *, measure_missing: bool = False) -> "CodecProfile":
+    def load(cls, path: str, *, measure_missing: bool = False) -> CodecProfile:
         with open(path) as f:
             return cls.from_dict(json.load(f), measure_missing=measure_missing)
 

@@ -12,15 +12,17 @@ codec. gradzip methods add the engine's non-finite flag allreduce per bucket
 (:data:`gradzip.comm.FLAG_BYTES`; none where the protocol sums every tensor as it
 is); the first step's configuration check is left out (it happens once).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import torch
 
 import gradzip.args as args
+
 from ..comm import FLAG_BYTES
 from ..protocols.base import Protocol, as_protocol
 from .dryrun import dry_run
@@ -124,7 +126,9 @@ class WireCache:
         base = (CodecProfile.key(comp, ef), shapes, str(dtype))
         if base not in self._invariant:
             a, b = self.probe_worlds
-            self._invariant[base] = self._run(comp, shapes, dtype, a, ef, seed) == self._run(comp, shapes, dtype, b, ef, seed)
+            self._invariant[base] = self._run(comp, shapes, dtype, a, ef, seed) == self._run(
+                comp, shapes, dtype, b, ef, seed
+            )
         if self._invariant[base]:
             return self._run(comp, shapes, dtype, self.probe_worlds[0], ef, seed)
         return self._run(comp, shapes, dtype, world, ef, seed)
@@ -188,7 +192,9 @@ def step_cost(
         for comp, idx, ef in groups:
             comp = as_protocol(comp, world, feedback=ef)  # the protocol that carries it at this world size
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
-            got, alone = cache.call(comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0])
+            got, alone = cache.call(
+                comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0]
+            )
             colls += got
             plain = plain and alone
             fit = profile.fit(comp, ef)
@@ -198,6 +204,14 @@ def step_cost(
     wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)
     detail = {"tensors_per_method": groups_used} if len(groups_used) > 1 else {}
     return StepCost(
-        name, world, float(compute_s), codec, wire, sum(c.nbytes for c in colls), len(colls), len(buckets), detail,
+        name,
+        world,
+        float(compute_s),
+        codec,
+        wire,
+        sum(c.nbytes for c in colls),
+        len(colls),
+        len(buckets),
+        detail,
         overlap=bool(overlap),
     )

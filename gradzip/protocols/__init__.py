@@ -1,4 +1,5 @@
 """Protocols: the only code that yields collective rounds (see :mod:`gradzip.protocols.base`)."""
+
 from .allgather import AllGather
 from .allreduce import Allreduce
 from .base import Call, Exchange, Protocol, as_protocol, codec_time
@@ -11,6 +12,19 @@ from .reduce_scatter import ReduceScatter
 from .twophase import TwoPhase
 
 __all__ = [
-    "Protocol", "Call", "Exchange", "as_protocol", "codec_time", "Allreduce", "AllGather", "Filter", "Hierarchical",
-    "Int8Allreduce", "PowerSGD", "ReduceScatter", "TwoPhase", "parallel", "aligned_starts",
+    "Protocol",
+    "Call",
+    "Exchange",
+    "as_protocol",
+    "codec_time",
+    "Allreduce",
+    "AllGather",
+    "Filter",
+    "Hierarchical",
+    "Int8Allreduce",
+    "PowerSGD",
+    "ReduceScatter",
+    "TwoPhase",
+    "parallel",
+    "aligned_starts",
 ]

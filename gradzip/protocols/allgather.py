@@ -9,6 +9,7 @@ gradients), so every rank computes the same floats, and divides by the world
 size. Bytes handed to the collectives grow with the world size: ``(N - 1)``
 messages arrive at each rank.
 """
+
 from __future__ import annotations
 
 import torch

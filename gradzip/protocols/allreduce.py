@@ -7,6 +7,7 @@ from its slice of the sum. Identity on DDP's bucket sends no copy at all: the
 gradients already lie back to back in the bucket, which is also where the
 result goes, so the bucket is reduced in place, as DDP's own hook does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,8 +83,9 @@ def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
     for b in bodies:
         if b.dtype != flat.dtype or not b.is_contiguous():
             return None
-        if b.numel() and (b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-                          or b.data_ptr() != flat[pos:].data_ptr()):
+        if b.numel() and (
+            b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or b.data_ptr() != flat[pos:].data_ptr()
+        ):
             return None
         pos += b.numel()
     return flat[:pos]

@@ -8,12 +8,14 @@ the flat average. Codecs never communicate; :func:`as_protocol` gives each codec
 the protocol that carries it (its own ``protocol`` name, else ``Allreduce`` for
 summable codecs and ``AllGather`` for the others).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar, Generator
+from typing import ClassVar
 
 import torch
 
@@ -43,10 +45,10 @@ class Protocol(Registered, register=False):
     biased: ClassVar[bool] = True
     rounds: ClassVar[int | None] = None
 
-    def exchange(self, call: "Call") -> Exchange:
+    def exchange(self, call: Call) -> Exchange:
         raise NotImplementedError
 
-    def plain(self, call: "Call") -> bool:
+    def plain(self, call: Call) -> bool:
         """Whether this protocol sums every tensor of ``call`` exactly as it is (plain
         allreduce): then a NaN/Inf on any rank shows in the average by itself, and the
         engine needs no flag. Decided from the configuration alone, alike on every rank."""
@@ -277,7 +279,9 @@ class Call:
             self._mask(codec, name, p, a, b)
         return payloads
 
-    def encode_owned(self, codec: Codec, key: str, v: torch.Tensor, dtype: torch.dtype, *, feedback: bool = True) -> Payload:
+    def encode_owned(
+        self, codec: Codec, key: str, v: torch.Tensor, dtype: torch.dtype, *, feedback: bool = True
+    ) -> Payload:
         """Encode ``v``, a value this rank computed (a reduced piece), with a residual of its
         own kept under ``key`` (error feedback on and ``feedback``)."""
         ctx = self.context(key, dtype)
@@ -308,7 +312,9 @@ class Call:
         """Store ``residual`` (usually :meth:`x`'s buffer, updated in place) as tensor ``i``'s."""
         if self.feeds(i):
             if residual.shape != self.tensors[i].shape:
-                raise ValueError(f"residual of shape {tuple(residual.shape)} for a tensor of {tuple(self.tensors[i].shape)}")
+                raise ValueError(
+                    f"residual of shape {tuple(residual.shape)} for a tensor of {tuple(self.tensors[i].shape)}"
+                )
             self._x.pop(self.names[i], None)
             self._store(self.names[i], residual)
 
@@ -336,7 +342,7 @@ class Call:
         self.updated[name] = new
 
     # -- composition ---------------------------------------------------------------------
-    def subset(self, idx: list, *, feedback: bool = True, dest: torch.Tensor | None = None) -> "Call":
+    def subset(self, idx: list, *, feedback: bool = True, dest: torch.Tensor | None = None) -> Call:
         """A call over some of the tensors, sharing state and error feedback (for wrappers).
         ``feedback=False`` runs them without residuals (for routes whose residual would
         stay zero; use it only for tensors that never had one)."""
@@ -367,7 +373,7 @@ class Call:
         return codec_time(self.comm.stats)
 
 
-def nested(protocol: Exchange, call: "Call | None" = None) -> Exchange:
+def nested(protocol: Exchange, call: Call | None = None) -> Exchange:
     """Run ``protocol`` inside another one that has rounds after it: its rounds, none of them
     the last (so the communicator waits for each before going on); returns its result.
     With ``call.bytes_only`` (a dry run counting bytes), ``protocol`` is closed after its

@@ -32,6 +32,7 @@ in ``change`` faster than its lagging average, so with ``m < 1`` it is sent
 within a few steps; ``m = 0`` sends every tensor that is not all zeros. Counts
 ``filter.sent`` and ``filter.skipped`` are kept per tensor.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 import gradzip.args as args
-from ..comm import Round
+
 from ..codecs.base import Codec
+from ..comm import Round
 from .base import Call, Exchange, Protocol, as_protocol
 
 __all__ = ["Filter"]

@@ -19,6 +19,7 @@ compressed call per rank; steps 1 and 3 use the fast links inside a node (booked
 created on the first call, identically on every rank. ``local_size`` defaults to the
 ``LOCAL_WORLD_SIZE`` that torchrun sets.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,6 +36,7 @@ from .base import Call, Exchange, Protocol, as_protocol, nested
 from .twophase import piece_bounds
 
 __all__ = ["Hierarchical", "shard_key"]
+
 
 def shard_key(name: str, local: int, local_size: int) -> str:
     return f"{name}@{local}/{local_size}"
@@ -89,14 +91,19 @@ class Hierarchical(Protocol):
         count = len(call.tensors)
         acc_dtype = accum_dtype(call.out_dtype)
         with call.codec():
-            flat = (torch.cat([t.reshape(-1).to(acc_dtype) for t in call.tensors]) if count
-                    else torch.empty(0, dtype=acc_dtype, device=call.device))
+            flat = (
+                torch.cat([t.reshape(-1).to(acc_dtype) for t in call.tensors])
+                if count
+                else torch.empty(0, dtype=acc_dtype, device=call.device)
+            )
             call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
         yield Round([node.allreduce(flat)])  # the node's sum, uncompressed
         with call.codec():
             flat.div_(L)  # the node's mean
             bounds = [piece_bounds(t.numel(), L) for t in call.tensors]
-            pieces = [flat[call.offsets[i] + bounds[i][local] : call.offsets[i] + bounds[i][local + 1]] for i in range(count)]
+            pieces = [
+                flat[call.offsets[i] + bounds[i][local] : call.offsets[i] + bounds[i][local + 1]] for i in range(count)
+            ]
             sub = Call(
                 comm=across,
                 names=[shard_key(n, local, L) for n in call.names],
@@ -127,5 +134,7 @@ class Hierarchical(Protocol):
                 start = sum(widths[:i])
                 for j in range(L):
                     a, b = bounds[i][j], bounds[i][j + 1]
-                    out[call.offsets[i] + a : call.offsets[i] + b] = narrow(rows[j, start : start + b - a], call.out_dtype)
+                    out[call.offsets[i] + a : call.offsets[i] + b] = narrow(
+                        rows[j, start : start + b - a], call.out_dtype
+                    )
         return out

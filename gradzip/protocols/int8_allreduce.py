@@ -19,6 +19,7 @@ call): 8/7 byte per element for 2 ranks, 4/3 for 3-4, 8/5 for 5-16, 2 for 17-64,
 gradients), narrowed to the output dtype.
 ``Int8(allreduce=True)`` names this protocol.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 import gradzip.args as args
 import gradzip.kernels as K
+
 from ..codecs.quant import Int8
 from ..comm import Round
 from ..wire import accum_dtype, narrow

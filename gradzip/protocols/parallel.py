@@ -1,7 +1,8 @@
 """Parallel composition: several protocols run as one, round by round."""
+
 from __future__ import annotations
 
-from typing import Generator, Sequence
+from collections.abc import Generator, Sequence
 
 from ..comm import Round
 

@@ -88,6 +88,7 @@ N_prev`` (a critical regime), else ``rank``. Tensors start at
 ``accordion_rank`` (no ``N_prev`` yet). A switch truncates Q (high to low) or
 appends fresh seeded columns (low to high).
 """
+
 from __future__ import annotations
 
 import math
@@ -96,6 +97,7 @@ import torch
 
 import gradzip.args as args
 import gradzip.warmup as warmup
+
 from ..codecs.base import TensorContext, tensor_seed
 from ..comm import Round
 from ..wire import accum_dtype, narrow
@@ -197,14 +199,18 @@ def _fusable(call, idx: list, k: int, wd) -> bool:
     return True
 
 
-def _decode_rows(call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+def _decode_rows(
+    call, i: int, x: torch.Tensor, pt: torch.Tensor, qt: torch.Tensor, dst: torch.Tensor, rows: int
+) -> None:
     """``dst = P Q^T`` and, with error feedback, the residual ``x - P Q^T`` written over
     ``x`` (the compensated input, which is the residual's buffer), ``rows`` rows at a
     time: each block of ``M_hat`` is still in cache when it is subtracted. The same
     floats as the unfused product and ``Call.commit``."""
     n, m = dst.shape
     keep = call.feeds(i)
-    tmp = None if dst.dtype == x.dtype and _direct(dst, pt.shape[0]) else _slots(1, min(rows, n), m, x.dtype, x.device)[0]
+    tmp = (
+        None if dst.dtype == x.dtype and _direct(dst, pt.shape[0]) else _slots(1, min(rows, n), m, x.dtype, x.device)[0]
+    )
     for s in range(0, n, rows):
         e = min(s + rows, n)
         mh = dst[s:e] if tmp is None else tmp[: e - s]
@@ -233,9 +239,7 @@ def _slots(count: int, k: int, n: int, dtype, device) -> torch.Tensor:
     others share the call or where they lie. On GPUs a plain fresh stack (the batched
     path: see the module docstring)."""
     t = torch.empty(count, k, n, dtype=dtype, device=device)
-    if device.type != "cpu" or (
-        t.data_ptr() % ALIGN == 0 and (count == 1 or (k * n * t.element_size()) % ALIGN == 0)
-    ):
+    if device.type != "cpu" or (t.data_ptr() % ALIGN == 0 and (count == 1 or (k * n * t.element_size()) % ALIGN == 0)):
         return t  # the allocator's own alignment (64 bytes on CPU) suffices
     el = t.element_size()
     per = ALIGN // el
@@ -303,8 +307,12 @@ class PowerSGD(Protocol):
         self.eps = args.number("eps", eps, 0.0)
         if isinstance(self.rank, warmup.Ramp) and accordion_rank is not None:
             raise ValueError("accordion_rank needs a fixed rank, not a schedule")
-        self.accordion_rank = args.optional(args.integer, "accordion_rank", accordion_rank,
-                                            None if isinstance(self.rank, warmup.Ramp) else self.rank + 1)
+        self.accordion_rank = args.optional(
+            args.integer,
+            "accordion_rank",
+            accordion_rank,
+            None if isinstance(self.rank, warmup.Ramp) else self.rank + 1,
+        )
         self.accordion_interval = args.integer("accordion_interval", accordion_interval, 1)
         self.accordion_eta = args.number("accordion_eta", accordion_eta, 0.0, lo_open=True)
         self.factors = None if factors is None else args.choice("factors", factors, ("bf16",))

@@ -24,6 +24,7 @@ Mass: with sender residuals ``r`` (gradient units), every step keeps
 ``N * owned' + sum_ranks r' == sum_ranks (g + r)`` piece by piece, up to float rounding:
 the pending update of owner ``j``'s piece is ``sum_ranks r[piece j] / N``.
 """
+
 from __future__ import annotations
 
 import torch

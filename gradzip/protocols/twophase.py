@@ -26,6 +26,7 @@ Mass: with sender residuals ``r`` and owner residuals ``e`` (average units), eve
 step keeps ``N * applied + sum_ranks r' + N * e' == sum_ranks (g + r) + N * e`` up to
 float rounding. A step that turns out non-finite restores both memories.
 """
+
 from __future__ import annotations
 
 import torch
@@ -90,7 +91,10 @@ class TwoPhase(Protocol):
             # is, and the owner's residual waits for a step where the parameter is used.
             again = [
                 call.encode_owned(
-                    codec, owner_key(call.names[i], me, world), owned[i], call.tensors[i].dtype,
+                    codec,
+                    owner_key(call.names[i], me, world),
+                    owned[i],
+                    call.tensors[i].dtype,
                     feedback=not (call.names[i] in call.frozen and not bool(owned[i].any())),
                 )
                 for i in range(count)
@@ -125,8 +129,10 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
     world, me = call.world_size, call.rank
     count = len(call.tensors)
     with call.codec():
-        sent = [call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
-                for i in range(count)]
+        sent = [
+            call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
+            for i in range(count)
+        ]
         msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
         lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
         send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)

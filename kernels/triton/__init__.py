@@ -15,6 +15,7 @@ element offsets (``program_id(0).to(tl.int64)`` first), no ``assert`` for
 validation (launchers raise :class:`gradzip.kernels.Unsupported` before launching),
 and no fp fusion where a kernel must match the reference bit for bit.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,17 @@ import triton.language as tl
 
 from ..dispatch import Unsupported
 
-__all__ = ["interpreting", "check", "size", "spec", "row_tile", "load_compensated", "aot_compile", "aot_specs", "MODULES"]
+__all__ = [
+    "interpreting",
+    "check",
+    "size",
+    "spec",
+    "row_tile",
+    "load_compensated",
+    "aot_compile",
+    "aot_specs",
+    "MODULES",
+]
 
 MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic")
 LAUNCH = {"enable_fp_fusion": False}
@@ -49,7 +60,13 @@ def size(name: str, value: int | None, gpu: int, interpreter: int, minimum: int 
 
 def spec(kernel, signature: dict, constexprs: dict, *, num_warps: int, divisible=("n",)) -> dict:
     """One entry of a module's ``AOT_SPECS``: see :func:`aot_compile`."""
-    return {"kernel": kernel, "signature": signature, "constexprs": constexprs, "num_warps": num_warps, "divisible": divisible}
+    return {
+        "kernel": kernel,
+        "signature": signature,
+        "constexprs": constexprs,
+        "num_warps": num_warps,
+        "divisible": divisible,
+    }
 
 
 @triton.jit

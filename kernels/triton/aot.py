@@ -10,6 +10,7 @@ other library functions are interpreted objects that the compiler cannot inline.
 ``--modules sign,decode`` compiles only the named modules' specs (default: every module
 in ``gradzip.kernels.triton.MODULES``); a module named here need not be listed there.
 """
+
 from __future__ import annotations
 
 import argparse

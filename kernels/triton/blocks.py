@@ -47,6 +47,7 @@ float64 divide and square root are ``div.rn.f64`` / ``sqrt.rn.f64`` and the conv
 the reference's (and between the routes); :mod:`gradzip.kernels.quant` says when that can
 show in a scale.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,7 +74,18 @@ ROUTES = ("auto", "one", "two")
 
 @triton.jit
 def _block_stats_kernel(
-    x_ptr, r_ptr, sum_ptr, max_ptr, n, b, cb, nseg, HAS_R: tl.constexpr, STAT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
+    x_ptr,
+    r_ptr,
+    sum_ptr,
+    max_ptr,
+    n,
+    b,
+    cb,
+    nseg,
+    HAS_R: tl.constexpr,
+    STAT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     seg = pid * ROWS + tl.arange(0, ROWS)
@@ -230,14 +242,36 @@ def choose_route(route: str, n: int, block, per: int, tile, scales) -> tuple[int
 
 
 def _stats_sig(xp):
-    return {"x_ptr": xp, "r_ptr": "*fp32", "sum_ptr": "*fp64", "max_ptr": "*i32", "n": "i32", "b": "i32", "cb": "i32", "nseg": "i32"}
+    return {
+        "x_ptr": xp,
+        "r_ptr": "*fp32",
+        "sum_ptr": "*fp64",
+        "max_ptr": "*i32",
+        "n": "i32",
+        "b": "i32",
+        "cb": "i32",
+        "nseg": "i32",
+    }
 
 
 AOT_SPECS = [
-    spec(_block_stats_kernel, _stats_sig("*fp32"), {"HAS_R": True, "STAT": STAT_SUM_ABS, "ROWS": 1, "COLS": TILE_GPU}, num_warps=NUM_WARPS),
-    spec(_block_stats_kernel, _stats_sig("*bf16"), {"HAS_R": False, "STAT": STAT_SUM_SQ, "ROWS": 64, "COLS": 64}, num_warps=NUM_WARPS),
     spec(
-        _block_stats_kernel, _stats_sig("*fp16"), {"HAS_R": False, "STAT": STAT_MAX_SUM_SQ, "ROWS": 4, "COLS": 1024},
-        num_warps=NUM_WARPS, divisible=(),
+        _block_stats_kernel,
+        _stats_sig("*fp32"),
+        {"HAS_R": True, "STAT": STAT_SUM_ABS, "ROWS": 1, "COLS": TILE_GPU},
+        num_warps=NUM_WARPS,
+    ),
+    spec(
+        _block_stats_kernel,
+        _stats_sig("*bf16"),
+        {"HAS_R": False, "STAT": STAT_SUM_SQ, "ROWS": 64, "COLS": 64},
+        num_warps=NUM_WARPS,
+    ),
+    spec(
+        _block_stats_kernel,
+        _stats_sig("*fp16"),
+        {"HAS_R": False, "STAT": STAT_MAX_SUM_SQ, "ROWS": 4, "COLS": 1024},
+        num_warps=NUM_WARPS,
+        divisible=(),
     ),
 ]

@@ -24,9 +24,10 @@ References: ``decode_add_bitmap2_reference``, ``scatter_add_signed_reference``,
 ``scatter_add_sparse_reference`` in :mod:`gradzip.kernels.reference`;
 ``decode_add_quant_reference`` in :mod:`gradzip.kernels.quant`.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -36,7 +37,12 @@ from ..dispatch import KERNEL_DTYPES
 from ..quant import QUANT_KINDS, quant_layout
 from . import LAUNCH, check, row_tile, size, spec
 
-__all__ = ["decode_add_bitmap2_triton", "decode_add_quant_triton", "scatter_add_signed_triton", "scatter_add_sparse_triton"]
+__all__ = [
+    "decode_add_bitmap2_triton",
+    "decode_add_quant_triton",
+    "scatter_add_signed_triton",
+    "scatter_add_sparse_triton",
+]
 
 NUM_WARPS = 8
 BYTES_GPU = 1024  # bitmap bytes per program (4096 elements)
@@ -66,7 +72,17 @@ def _decode_add_bitmap2_kernel(out_ptr, base_ptr, offs_ptr, taus_ptr, n, npeers,
 
 @triton.jit
 def _decode_add_quant_kernel(
-    out_ptr, base_ptr, soffs_ptr, coffs_ptr, n, b, npeers, levels, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+    out_ptr,
+    base_ptr,
+    soffs_ptr,
+    coffs_ptr,
+    n,
+    b,
+    npeers,
+    levels,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -131,7 +147,8 @@ def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tens
     copied into one buffer, each padded to a multiple of ``align``."""
     st = bodies[0].untyped_storage()
     if all(
-        b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() and b.storage_offset() % align == 0 for b in bodies
+        b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() and b.storage_offset() % align == 0
+        for b in bodies
     ):
         base = torch.empty(0, dtype=torch.uint8, device=bodies[0].device).set_(st, 0, (st.nbytes(),))
         offsets = [b.storage_offset() for b in bodies]
@@ -186,8 +203,19 @@ def decode_add_quant_triton(
     base, soffs = _bodies_base(bodies, 4)  # the float32 scales are loaded in place
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
     _decode_add_quant_kernel[(triton.cdiv(n, B),)](
-        out, base, soffs, soffs + 4 * nb, n, b, len(bodies), float(levels), KIND=KIND_CODE[kind], BITS=int(bits or 8),
-        BLOCK=B, num_warps=NUM_WARPS, **LAUNCH,
+        out,
+        base,
+        soffs,
+        soffs + 4 * nb,
+        n,
+        b,
+        len(bodies),
+        float(levels),
+        KIND=KIND_CODE[kind],
+        BITS=int(bits or 8),
+        BLOCK=B,
+        num_warps=NUM_WARPS,
+        **LAUNCH,
     )
 
 
@@ -213,32 +241,57 @@ def scatter_add_sparse_triton(
     _scatter_add_sparse_kernel[(triton.cdiv(k, B),)](out, idx, vals, k, out.numel(), BLOCK=B, num_warps=4, **LAUNCH)
 
 
-_DEC_SIG = {"out_ptr": "*fp32", "base_ptr": "*u8", "soffs_ptr": "*i64", "coffs_ptr": "*i64", "n": "i32", "b": "i32", "npeers": "i32", "levels": "fp32"}
+_DEC_SIG = {
+    "out_ptr": "*fp32",
+    "base_ptr": "*u8",
+    "soffs_ptr": "*i64",
+    "coffs_ptr": "*i64",
+    "n": "i32",
+    "b": "i32",
+    "npeers": "i32",
+    "levels": "fp32",
+}
 
-AOT_SPECS = [
-    spec(
-        _decode_add_bitmap2_kernel,
-        {"out_ptr": "*fp32", "base_ptr": "*u8", "offs_ptr": "*i64", "taus_ptr": "*fp32", "n": "i32", "npeers": "i32"},
-        {"BYTES": BYTES_GPU},
-        num_warps=NUM_WARPS,
-    ),
-    spec(
-        _scatter_add_signed_kernel,
-        {"out_ptr": "*fp32", "words_ptr": "*i32", "tau": "fp32", "k": "i32", "n": "i64"},
-        {"BLOCK": SCATTER_GPU},
-        num_warps=4,
-        divisible=(),
-    ),
-] + [
-    spec(
-        _scatter_add_sparse_kernel,
-        {"out_ptr": "*fp32", "idx_ptr": ip, "val_ptr": vp, "k": "i32", "n": "i64"},
-        {"BLOCK": SCATTER_GPU},
-        num_warps=4,
-        divisible=(),
-    )
-    for ip, vp in (("*i32", "*fp32"), ("*i32", "*fp16"), ("*i64", "*bf16"))
-] + [
-    spec(_decode_add_quant_kernel, _DEC_SIG, {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU}, num_warps=NUM_WARPS)
-    for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
-]
+AOT_SPECS = (
+    [
+        spec(
+            _decode_add_bitmap2_kernel,
+            {
+                "out_ptr": "*fp32",
+                "base_ptr": "*u8",
+                "offs_ptr": "*i64",
+                "taus_ptr": "*fp32",
+                "n": "i32",
+                "npeers": "i32",
+            },
+            {"BYTES": BYTES_GPU},
+            num_warps=NUM_WARPS,
+        ),
+        spec(
+            _scatter_add_signed_kernel,
+            {"out_ptr": "*fp32", "words_ptr": "*i32", "tau": "fp32", "k": "i32", "n": "i64"},
+            {"BLOCK": SCATTER_GPU},
+            num_warps=4,
+            divisible=(),
+        ),
+    ]
+    + [
+        spec(
+            _scatter_add_sparse_kernel,
+            {"out_ptr": "*fp32", "idx_ptr": ip, "val_ptr": vp, "k": "i32", "n": "i64"},
+            {"BLOCK": SCATTER_GPU},
+            num_warps=4,
+            divisible=(),
+        )
+        for ip, vp in (("*i32", "*fp32"), ("*i32", "*fp16"), ("*i64", "*bf16"))
+    ]
+    + [
+        spec(
+            _decode_add_quant_kernel,
+            _DEC_SIG,
+            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU},
+            num_warps=NUM_WARPS,
+        )
+        for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
+    ]
+)

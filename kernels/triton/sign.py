@@ -11,6 +11,7 @@ each element is loaded before it is stored, by the same program, in both routes.
 
 Reference: :func:`gradzip.kernels.quant.sign_ef_reference`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,14 +22,34 @@ from ..dispatch import KERNEL_DTYPES
 from ..quant import quant_counts, quant_layout, sign_scales
 from ..reference import wants_residual
 from . import LAUNCH, check, load_compensated, row_tile, spec
-from .blocks import NUM_WARPS, STAT_SUM_ABS, TILE_GPU, _block_of, _fit_f32, _onepass_tile, block_stats_triton, choose_route, tile_size
+from .blocks import (
+    NUM_WARPS,
+    STAT_SUM_ABS,
+    TILE_GPU,
+    _block_of,
+    _fit_f32,
+    _onepass_tile,
+    block_stats_triton,
+    choose_route,
+    tile_size,
+)
 
 __all__ = ["sign_ef_triton"]
 
 
 @triton.jit
 def _sign_encode_kernel(
-    x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, HAS_R: tl.constexpr, WRITE_R: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr
+    x_ptr,
+    r_ptr,
+    rout_ptr,
+    scales_ptr,
+    words_ptr,
+    n,
+    b,
+    HAS_R: tl.constexpr,
+    WRITE_R: tl.constexpr,
+    WORDS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid, w, cols, offs, mask = row_tile(n, WORDS, 32)
     v = load_compensated(x_ptr, r_ptr, offs, mask, HAS_R)
@@ -43,8 +64,18 @@ def _sign_encode_kernel(
 
 @triton.jit
 def _sign_onepass_kernel(
-    x_ptr, r_ptr, rout_ptr, scales_ptr, words_ptr, n, b, nb,
-    HAS_R: tl.constexpr, WRITE_R: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    rout_ptr,
+    scales_ptr,
+    words_ptr,
+    n,
+    b,
+    nb,
+    HAS_R: tl.constexpr,
+    WRITE_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     blk, offs, mask, widx, wmask, count = _onepass_tile(n, b, nb, ROWS, CHUNKS, 32)
     v = load_compensated(x_ptr, r_ptr, offs, mask, HAS_R)
@@ -97,7 +128,9 @@ def sign_ef_triton(
     if shape is not None:
         rows, chunks = shape
         scales = torch.empty(nb, dtype=torch.float32, device=dev)
-        _sign_onepass_kernel[(triton.cdiv(nb, rows),)](*ptrs, scales, words, n, b, nb, ROWS=rows, CHUNKS=chunks, **flags)
+        _sign_onepass_kernel[(triton.cdiv(nb, rows),)](
+            *ptrs, scales, words, n, b, nb, ROWS=rows, CHUNKS=chunks, **flags
+        )
     else:
         if scales is not None:
             scales = scales.to(device=dev, dtype=torch.float32).contiguous()
@@ -108,12 +141,22 @@ def sign_ef_triton(
             scales = torch.empty(0, dtype=torch.float32, device=dev)
         if n:
             W = tile_size(tile) // 32
-            _sign_encode_kernel[(triton.cdiv(n, W * 32),)](*ptrs, scales, words, n, b, WORDS=W, WIDE=b >= W * 32, **flags)
+            _sign_encode_kernel[(triton.cdiv(n, W * 32),)](
+                *ptrs, scales, words, n, b, WORDS=W, WIDE=b >= W * 32, **flags
+            )
     return scales, words, (out if out is not None else rout)
 
 
 def _sign_sig(xp, ni="i32"):
-    return {"x_ptr": xp, "r_ptr": "*fp32", "rout_ptr": "*fp32", "scales_ptr": "*fp32", "words_ptr": "*i32", "n": ni, "b": ni}
+    return {
+        "x_ptr": xp,
+        "r_ptr": "*fp32",
+        "rout_ptr": "*fp32",
+        "scales_ptr": "*fp32",
+        "words_ptr": "*i32",
+        "n": ni,
+        "b": ni,
+    }
 
 
 def _onepass_sig(xp, ni="i32"):
@@ -121,17 +164,45 @@ def _onepass_sig(xp, ni="i32"):
 
 
 AOT_SPECS = [
-    spec(_sign_encode_kernel, _sign_sig("*fp32"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": False}, num_warps=NUM_WARPS),
     spec(
-        _sign_encode_kernel, _sign_sig("*bf16", "i64"), {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": True},
-        num_warps=NUM_WARPS, divisible=(),
+        _sign_encode_kernel,
+        _sign_sig("*fp32"),
+        {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": False},
+        num_warps=NUM_WARPS,
     ),
-    spec(_sign_encode_kernel, _sign_sig("*fp16"), {"HAS_R": False, "WRITE_R": False, "WORDS": TILE_GPU // 32, "WIDE": True}, num_warps=NUM_WARPS),
-    # One pass at TILE_GPU: blocks of 1024 (four to a program) and 4096.
-    spec(_sign_onepass_kernel, _onepass_sig("*fp32"), {"HAS_R": True, "WRITE_R": True, "ROWS": 4, "CHUNKS": 32}, num_warps=NUM_WARPS, divisible=("n", "b")),
-    spec(_sign_onepass_kernel, _onepass_sig("*bf16"), {"HAS_R": False, "WRITE_R": False, "ROWS": 4, "CHUNKS": 32}, num_warps=NUM_WARPS, divisible=("n", "b")),
     spec(
-        _sign_onepass_kernel, _onepass_sig("*fp16", "i64"), {"HAS_R": True, "WRITE_R": True, "ROWS": 1, "CHUNKS": 128},
-        num_warps=NUM_WARPS, divisible=(),
+        _sign_encode_kernel,
+        _sign_sig("*bf16", "i64"),
+        {"HAS_R": True, "WRITE_R": True, "WORDS": TILE_GPU // 32, "WIDE": True},
+        num_warps=NUM_WARPS,
+        divisible=(),
+    ),
+    spec(
+        _sign_encode_kernel,
+        _sign_sig("*fp16"),
+        {"HAS_R": False, "WRITE_R": False, "WORDS": TILE_GPU // 32, "WIDE": True},
+        num_warps=NUM_WARPS,
+    ),
+    # One pass at TILE_GPU: blocks of 1024 (four to a program) and 4096.
+    spec(
+        _sign_onepass_kernel,
+        _onepass_sig("*fp32"),
+        {"HAS_R": True, "WRITE_R": True, "ROWS": 4, "CHUNKS": 32},
+        num_warps=NUM_WARPS,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _sign_onepass_kernel,
+        _onepass_sig("*bf16"),
+        {"HAS_R": False, "WRITE_R": False, "ROWS": 4, "CHUNKS": 32},
+        num_warps=NUM_WARPS,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _sign_onepass_kernel,
+        _onepass_sig("*fp16", "i64"),
+        {"HAS_R": True, "WRITE_R": True, "ROWS": 1, "CHUNKS": 128},
+        num_warps=NUM_WARPS,
+        divisible=(),
     ),
 ]

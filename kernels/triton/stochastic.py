@@ -18,6 +18,7 @@ Codes: each float32 operation of the reference, rounded as there (``tl.div_rn``:
 References: :func:`gradzip.kernels.quant.qsgd_encode_reference`,
 :func:`gradzip.kernels.quant.terngrad_encode_reference`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -106,7 +107,17 @@ def _codes(v, scale, mask, u, s, QSGD: tl.constexpr):
 
 @triton.jit
 def _codes_encode_kernel(
-    x_ptr, scales_ptr, out_ptr, n, b, seed, s, QSGD: tl.constexpr, BITS: tl.constexpr, BYTES: tl.constexpr, WIDE: tl.constexpr
+    x_ptr,
+    scales_ptr,
+    out_ptr,
+    n,
+    b,
+    seed,
+    s,
+    QSGD: tl.constexpr,
+    BITS: tl.constexpr,
+    BYTES: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     PER: tl.constexpr = 8 // BITS
     pid, rows, cols, offs, mask = row_tile(n, BYTES, PER)
@@ -121,7 +132,9 @@ def _codes_encode_kernel(
 
 
 @triton.jit
-def _onepass_uniforms(seed, blk, b, offs, ROWS: tl.constexpr, CHUNKS: tl.constexpr, PER: tl.constexpr, QUAD: tl.constexpr):
+def _onepass_uniforms(
+    seed, blk, b, offs, ROWS: tl.constexpr, CHUNKS: tl.constexpr, PER: tl.constexpr, QUAD: tl.constexpr
+):
     """The draws of the one-pass tile ``[ROWS, CHUNKS, PER]``. ``QUAD``: every row starts on a
     multiple of 4 (``b % 4 == 0``, or one block) and ``CHUNKS * PER >= 4``, so each row's
     draws are whole quads of Philox words; else one evaluation per element."""
@@ -136,8 +149,21 @@ def _onepass_uniforms(seed, blk, b, offs, ROWS: tl.constexpr, CHUNKS: tl.constex
 
 @triton.jit
 def _codes_onepass_kernel(
-    x_ptr, clip_ptr, scales_ptr, out_ptr, n, b, nb, seed, s,
-    QSGD: tl.constexpr, CLIP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, QUAD: tl.constexpr,
+    x_ptr,
+    clip_ptr,
+    scales_ptr,
+    out_ptr,
+    n,
+    b,
+    nb,
+    seed,
+    s,
+    QSGD: tl.constexpr,
+    CLIP: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    QUAD: tl.constexpr,
 ):
     PER: tl.constexpr = 8 // BITS
     blk, offs, mask, cidx, cmask, count = _onepass_tile(n, b, nb, ROWS, CHUNKS, PER)
@@ -211,8 +237,21 @@ def _encode(x, seed, *, qsgd: bool, levels: int, bits: int, block, clip, scales,
         # (torch.full fills on the device: no host-to-device copy; without clip it is not read.)
         clip_t = scales if clip is None else torch.full((1,), float(clip), dtype=torch.float64, device=dev)
         _codes_onepass_kernel[(triton.cdiv(nb, rows),)](
-            xf, clip_t, scales, out, n, b, nb, seed, float(levels), CLIP=clip is not None, ROWS=rows, CHUNKS=chunks,
-            QUAD=_quad(nb, b, chunks * per), num_warps=warps, **consts,
+            xf,
+            clip_t,
+            scales,
+            out,
+            n,
+            b,
+            nb,
+            seed,
+            float(levels),
+            CLIP=clip is not None,
+            ROWS=rows,
+            CHUNKS=chunks,
+            QUAD=_quad(nb, b, chunks * per),
+            num_warps=warps,
+            **consts,
         )
         return scales, out
     if scales is not None:
@@ -247,7 +286,9 @@ def qsgd_encode_triton(
     bits = bits or qsgd_bits(s)
     if bits not in (2, 4, 8) or 2 * s + 1 > 1 << bits:
         raise Unsupported(f"levels={s} does not fit {bits}-bit codes")
-    return _encode(x, seed, qsgd=True, levels=s, bits=bits, block=block, clip=None, scales=scales, tile=tile, route=route)
+    return _encode(
+        x, seed, qsgd=True, levels=s, bits=bits, block=block, clip=None, scales=scales, tile=tile, route=route
+    )
 
 
 def terngrad_encode_triton(
@@ -275,7 +316,15 @@ def _enc_sig(xp, ni="i32"):
 
 def _onepass_sig(xp, ni="i32"):
     return {
-        "x_ptr": xp, "clip_ptr": "*fp64", "scales_ptr": "*fp32", "out_ptr": "*u8", "n": ni, "b": ni, "nb": ni, "seed": "i64", "s": "fp32",
+        "x_ptr": xp,
+        "clip_ptr": "*fp64",
+        "scales_ptr": "*fp32",
+        "out_ptr": "*u8",
+        "n": ni,
+        "b": ni,
+        "nb": ni,
+        "seed": "i64",
+        "s": "fp32",
     }
 
 
@@ -296,12 +345,39 @@ AOT_SPECS = [
     spec(_codes_encode_kernel, _enc_sig("*bf16", "i64"), _tern(BYTES=TILE_GPU // 4, WIDE=False), **_W, divisible=()),
     # One pass: QSGD's default block 64 in 4, 2 and 8 bits (64 blocks to a TILE_GPU program),
     # TernGrad with block 1024 (with and without clip) in CODES_TILE_GPU tiles of 4 warps.
-    spec(_codes_onepass_kernel, _onepass_sig("*fp32"), _qsgd(4, CLIP=False, ROWS=64, CHUNKS=32, QUAD=True), **_W, divisible=("n", "b")),
-    spec(_codes_onepass_kernel, _onepass_sig("*bf16", "i64"), _qsgd(2, CLIP=False, ROWS=64, CHUNKS=16, QUAD=False), **_W, divisible=()),
-    spec(_codes_onepass_kernel, _onepass_sig("*fp16"), _qsgd(8, CLIP=False, ROWS=64, CHUNKS=64, QUAD=True), **_W, divisible=("n", "b")),
     spec(
-        _codes_onepass_kernel, _onepass_sig("*fp32"), _tern(CLIP=False, ROWS=2, CHUNKS=256, QUAD=True),
-        num_warps=CODES_WARPS_GPU, divisible=("n", "b"),
+        _codes_onepass_kernel,
+        _onepass_sig("*fp32"),
+        _qsgd(4, CLIP=False, ROWS=64, CHUNKS=32, QUAD=True),
+        **_W,
+        divisible=("n", "b"),
     ),
-    spec(_codes_onepass_kernel, _onepass_sig("*bf16", "i64"), _tern(CLIP=True, ROWS=4, CHUNKS=256, QUAD=False), **_W, divisible=()),
+    spec(
+        _codes_onepass_kernel,
+        _onepass_sig("*bf16", "i64"),
+        _qsgd(2, CLIP=False, ROWS=64, CHUNKS=16, QUAD=False),
+        **_W,
+        divisible=(),
+    ),
+    spec(
+        _codes_onepass_kernel,
+        _onepass_sig("*fp16"),
+        _qsgd(8, CLIP=False, ROWS=64, CHUNKS=64, QUAD=True),
+        **_W,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _codes_onepass_kernel,
+        _onepass_sig("*fp32"),
+        _tern(CLIP=False, ROWS=2, CHUNKS=256, QUAD=True),
+        num_warps=CODES_WARPS_GPU,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _codes_onepass_kernel,
+        _onepass_sig("*bf16", "i64"),
+        _tern(CLIP=True, ROWS=4, CHUNKS=256, QUAD=False),
+        **_W,
+        divisible=(),
+    ),
 ]

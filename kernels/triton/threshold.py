@@ -15,6 +15,7 @@ The residual may be written over the residual read (``out`` is ``residual``) or 
 
 Reference: :func:`gradzip.kernels.reference.threshold_ef_reference`.
 """
+
 from __future__ import annotations
 
 import torch

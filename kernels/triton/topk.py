@@ -10,6 +10,7 @@ ascending list. The threshold stays on the device (no host sync before the pass)
 
 Reference: :func:`gradzip.kernels.reference.abs_select_reference`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,9 @@ def abs_select_triton(v: torch.Tensor, thr, expected: int | None = None, *, bloc
     B = size("block", block, BLOCK_GPU, BLOCK_INTERPRETER)
 
     def launch(out, counter, capacity):
-        _abs_select_kernel[(triton.cdiv(n, B),)](v, thr_t, out, counter, n, capacity, BLOCK=B, num_warps=NUM_WARPS, **LAUNCH)
+        _abs_select_kernel[(triton.cdiv(n, B),)](
+            v, thr_t, out, counter, n, capacity, BLOCK=B, num_warps=NUM_WARPS, **LAUNCH
+        )
 
     return compact_indices(launch, n, expected, v.device)
 
