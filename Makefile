@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch 2.13.0 (a plain `torch` would pull a multi-GB CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
-	# Real Horovod for tests/test_horovod.py, where ../shared/wheels holds the wheel (CI does);
+	# Real Horovod for tests/frontends/test_horovod.py, where ../shared/wheels holds the wheel (CI does);
 	# without it those tests skip. Its deps (cloudpickle, psutil, pyyaml, packaging, cffi) never touch torch.
 	if ls ../shared/wheels/horovod-*.whl >/dev/null 2>&1; then \
 	  $(PY) -m pip install -q ../shared/wheels/horovod-*.whl; fi

@@ -2,7 +2,7 @@ import os
 
 # Triton decides at decoration time whether a kernel is compiled or interpreted, so
 # TRITON_INTERPRET must be set before anything imports gradzip's Triton kernels. With no
-# GPU, the kernels run in the interpreter on CPU tensors (tests/test_kernels_triton.py);
+# GPU, the kernels run in the interpreter on CPU tensors (tests/kernels/test_triton.py);
 # with one, they are compiled and the @pytest.mark.gpu tests run them. An explicit
 # TRITON_INTERPRET in the environment wins.
 if "TRITON_INTERPRET" not in os.environ:

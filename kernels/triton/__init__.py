@@ -7,7 +7,7 @@ quantizer encoders :mod:`.sign` (scaled sign + error feedback) and :mod:`.stocha
 
 Each module holds private ``_..._kernel`` functions, public launchers
 ``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every
-kernel it declares is compiled for ahead of time (``tests/test_kernels_triton.py``
+kernel it declares is compiled for ahead of time (``tests/kernels/test_triton.py``
 builds each one for sm_90 with no GPU present).
 
 Conventions: a ``tl.constexpr`` block size, a mask on every load and store, int64

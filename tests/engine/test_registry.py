@@ -1,0 +1,242 @@
+"""The registry: one grammar for every method, wire codes claimed once, a new codec is one file."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gradzip as gz
+from gradzip import registry, wire
+from gradzip.hooks import register_hook
+from tests.support import run_ranks
+
+SPECS = [
+    "Identity()",
+    "TopK(ratio=0.001)",
+    "Threshold(tau=0.01, policy='adaptive', band=(0.001, 0.05))",
+    "SignSGD(block=64)",
+    "QSGD(levels=3, block=32)",
+    "Int8(allreduce=True)",
+    "PowerSGD(rank=4, accordion_rank=8)",
+    "Filter(TopK(0.01), min_change=0.2)",
+    "Policy(PowerSGD(rank=1), min_numel=10000, fallback=TopK(0.01))",
+    "Policy(PowerSGD(), skip=['bias'], per_layer={'emb': Int8()})",
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_method_round_trips_through_its_repr(spec):
+    m = gz.parse(spec)
+    again = gz.parse(repr(m))
+    assert again == m and again.config() == m.config()
+    assert json.loads(json.dumps(m.config())) == m.config()
+
+
+def test_every_registered_method_builds_from_its_bare_name():
+    import inspect
+
+    for name in registry.names():
+        cls = registry.lookup(name)
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, registry.Registered)
+            and any(p.default is inspect.Parameter.empty for p in cls._params())
+        ):
+            continue  # wrappers such as AllGather(codec) need their argument
+        m = gz.parse(name)
+        if isinstance(m, registry.Spec):  # a front end: built by the tool with an optimizer and model
+            continue
+        assert m.config()["name"] == name
+
+
+def test_grammar_reads_literals_only():
+    with pytest.raises(ValueError, match="unknown method 'Nope'"):
+        gz.parse("Nope(1)")
+    with pytest.raises(ValueError, match="literals and method calls only"):
+        gz.parse("TopK(ratio=0.01 * x)")
+    with pytest.raises(ValueError, match="unknown method 'open'"):
+        gz.parse("TopK(ratio=open('/etc/passwd'))")
+    with pytest.raises(ValueError, match=r"ratio must be a finite number in \(0, 1\]"):
+        gz.parse("TopK(2)")
+    with pytest.raises(ValueError, match="TopK: .*unexpected keyword"):
+        gz.parse("TopK(rato=0.1)")
+    assert gz.parse("PowerSGD(rank=-(-2))").rank == 2
+
+
+def test_numpy_and_torch_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    assert gz.TopK(np.float32(0.25)).ratio == 0.25
+    assert gz.PowerSGD(rank=np.int64(3)).rank == 3
+    assert gz.TopK(torch.tensor(0.5)).ratio == 0.5
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        gz.PowerSGD(rank=True)
+
+
+def test_wire_codes_are_claimed_once():
+    codes = wire.formats()
+    assert codes[3] == "Threshold.BITMAP2" and codes[19] == "Int8.INT8"
+    with pytest.raises(ValueError, match="format code 3 of Mine.X is already taken by Threshold.BITMAP2"):
+        wire.register_format(3, "Mine.X")
+    with pytest.raises(TypeError, match="already registered"):
+        type("TopK", (gz.Codec,), {})
+
+
+TOY = '''
+"""Stochastic rounding to a power of two: a codec in one file, as a user would write it."""
+import torch
+
+import gradzip as gz
+from gradzip.wire import Payload
+
+FMT_POW2 = 200
+
+
+class Toy(gz.Codec):
+    """Each element becomes +-2**e (int8 e, e=-128 for zero), rounded up or down at random so that
+    the expectation is the element itself. Unbiased; 1 byte of exponent + 1 of sign per element."""
+
+    biased = False
+    formats = {"POW2": FMT_POW2}
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def compress(self, x, ctx=None):
+        v = x.reshape(-1).float()
+        a = v.abs()
+        lo = torch.floor(torch.log2(a.clamp_min(2.0**-120)))
+        p = a / torch.exp2(lo) - 1.0  # in [0, 1): the chance of rounding up to 2**(lo + 1)
+        g = torch.Generator().manual_seed(self.seed + (ctx.step if ctx else 0) * 7919 + (ctx.rank if ctx else 0))
+        e = lo + (torch.rand(v.shape, generator=g) < p).float()
+        e = torch.where(a > 0, e, torch.full_like(e, -128.0)).clamp(-128, 127).to(torch.int8)
+        body = torch.cat([e.view(torch.uint8), (v < 0).to(torch.uint8)])
+        return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_POW2)
+
+    def decompress(self, payload):
+        n = payload.body.numel() // 2
+        e = payload.body[:n].view(torch.int8).float()
+        sign = 1.0 - 2.0 * payload.body[n:].float()
+        val = torch.where(e > -128, torch.exp2(e), torch.zeros_like(e)) * sign
+        return val.to(payload.dtype).reshape(payload.shape)
+'''
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    (tmp_path / "toy_codec.py").write_text(textwrap.dedent(TOY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import toy_codec  # noqa: F401 - defining the class registers it
+
+    return tmp_path
+
+
+def _toy_ddp(rank, world):
+    import toy_codec  # noqa: F401
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    outs = {}
+    for label, method in (("toy", gz.parse("Toy()")), ("policy", gz.parse("Policy(Toy(), min_numel=20)"))):
+        state = register_hook(ddp, method)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(4, 8, generator=g)
+        model.zero_grad()
+        ddp(x).sum().backward()
+        outs[label] = ([p.grad.clone() for p in model.parameters()], state.stats(), state.state_dict()["method"])
+        ddp = torch.nn.parallel.DistributedDataParallel(model)  # a fresh hook for the next method
+    return outs
+
+
+def test_a_new_codec_in_its_own_file_works_everywhere(toy):
+    assert "Toy" in registry.names("codec") and wire.formats()[200] == "Toy.POW2"
+    # the DDP hook and a Policy, on two ranks: both ranks average to the same values
+    res = run_ranks(_toy_ddp, 2, fresh=True)  # the toy module is on the parent's sys.path only
+    for label in ("toy", "policy"):
+        g0, g1 = res[0][label][0], res[1][label][0]
+        assert all(torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(g0, g1))
+        assert res[0][label][1]["bytes_allgather"] > 0
+    assert res[0]["toy"][2] == {"name": "Toy", "seed": 0}
+    # gradzip plan and gradzip bench read it in the method grammar
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradzip.cli",
+            "plan",
+            "--import",
+            "toy_codec",
+            "--params",
+            "3e5",
+            "--compute",
+            "10ms",
+            "--bandwidth",
+            "1Gbit",
+            "--latency",
+            "50us",
+            "--worlds",
+            "2,8",
+            "--methods",
+            "DDP, Toy()",
+            "--plot",
+            "",
+            "--profile-sizes",
+            "4096,65536",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=toy,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "Toy()" in plan.stdout
+    bench = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradzip.cli",
+            "bench",
+            "--import",
+            "toy_codec",
+            "--dataset",
+            "digits",
+            "--epochs",
+            "1",
+            "--seeds",
+            "0",
+            "--methods",
+            "Toy()",
+            "--out",
+            str(toy / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=toy,
+    )
+    assert bench.returncode == 0, bench.stderr
+    rows = json.loads((toy / "out" / "results.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["Identity", "Toy()"]
+    assert rows[1]["ratio"] > 1.5 and rows[1]["accuracy"] > 0.5
+
+
+def test_parse_works_after_importing_only_the_registry():
+    """``import gradzip`` loads its modules lazily; a process that imports only
+    ``gradzip.registry`` still parses gradzip's own methods."""
+    import subprocess
+    import sys
+
+    code = (
+        "from gradzip.registry import parse, names; m = parse('TopK(0.01)'); "
+        "print(type(m).__name__, 'Threshold' in names())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["TopK", "True"]

