@@ -1,7 +1,7 @@
-"""How large a step AdamW takes per coordinate under each method (issue 19's SignSGD diagnosis).
+"""How large a step AdamW takes per coordinate under each method (why SignSGD trails with AdamW).
 
-    python benchmarks/adam_steps.py [--methods "Identity, SignSGD, TopK(0.003, values='sign', scope='call')"]
-                                    [--seed 0] [--clip 2] [--epochs 16] [--precondition]
+    python -m benchmarks.adam_steps [--methods "Identity, SignSGD, TopK(0.003, values='sign', scope='call')"]
+                                   [--seed 0] [--clip 2] [--epochs 16] [--precondition]
 
 Trains the bench's MNIST CNN on 4 gloo ranks with AdamW (the bench's settings, momentum
 corrected for every compressing method as ``--momentum-correction on`` does) and, after each
@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks._common import RESULTS, command
 from gradzip import bench
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WORLD = 4
 
 
@@ -98,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--precondition", action="store_true")
-    p.add_argument("--out", default=os.path.join(HERE, "adam_steps_cpu.json"))
+    p.add_argument("--out", default=str(RESULTS / "adam_steps_cpu.json"))
     a = p.parse_args(argv)
     cfg = bench.BenchConfig(
         dataset="mnist",
@@ -136,7 +134,7 @@ def main(argv=None) -> int:
             f"{100 * r['fraction_above_0.5']:>6.1f}%"
         )
     doc = {
-        "command": shlex.join(["python", "benchmarks/adam_steps.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command("adam_steps", argv),
         "machine": bench.machine(),
         "config": {
             "seed": a.seed,

@@ -1,4 +1,4 @@
-"""Issue #21's acceptance run: 100 steps of FSDP2 (2 and 4 ranks) and HSDP (2 x 2) on CPU/gloo.
+"""The FSDP2 acceptance run: 100 steps of FSDP2 (2 and 4 ranks) and HSDP (2 x 2) on CPU/gloo.
 
 For every layout it trains the transformer-like test model (an embedding, two
 attention-free MLP blocks with LayerNorm, a head; each block and the root
@@ -13,7 +13,7 @@ feedback on), from the same initialization and data, and records:
   difference;
 * gradzip's own byte counters (link bytes against a plain reduce-scatter's).
 
-    .venv/bin/python benchmarks/fsdp_acceptance.py      # writes benchmarks/results/fsdp_acceptance.json
+    .venv/bin/python -m benchmarks.fsdp_acceptance      # writes benchmarks/results/fsdp_acceptance.json
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from tests.mp_utils import run_ranks  # noqa: E402
-from tests.test_fsdp import train  # noqa: E402
+from benchmarks._common import RESULTS, command
+from tests.frontends.test_fsdp import train  # the test suite's model and training loop
+from tests.support.ranks import run_ranks
 
 LAYOUTS = [("fsdp", 2, {}), ("fsdp", 4, {}), ("hsdp", 4, {})]
 
@@ -59,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fsdp_acceptance.json"))
+    ap.add_argument("--out", default=str(RESULTS / "fsdp_acceptance.json"))
     a = ap.parse_args()
     import torch
 
@@ -110,7 +107,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), f"({time.time() - t0:.0f} s)", flush=True)
     out = {
         "benchmark": "benchmarks/fsdp_acceptance.py",
-        "command": " ".join(["python"] + sys.argv),
+        "command": command("fsdp_acceptance", python=".venv/bin/python"),
         "machine": {
             "description": f"this {os.cpu_count()}-core VM (shared), CPU only, gloo on 127.0.0.1",
             "torch": torch.__version__,
@@ -118,7 +115,7 @@ def main() -> None:
             "kernel": platform.release(),
         },
         "model": "Embedding(37, 22), 2 x [LayerNorm, Linear(22, 66), GELU, Linear(66, 22)], LayerNorm, Linear(22, 37); "
-        "SGD lr %g momentum 0.9, batch 4 x 8 tokens per rank" % a.lr,
+        f"SGD lr {a.lr:g} momentum 0.9, batch 4 x 8 tokens per rank",
         "rows": rows,
     }
     with open(a.out, "w") as f:

@@ -3,7 +3,7 @@
 Every configuration runs its ranks in a fresh network namespace (only ``lo`` in it), so the
 namespace's ``lo`` counters (``/proc/net/dev``: IP and TCP headers, gloo's per-message
 preambles and every ACK included) count exactly the traffic of these ranks. The method is
-the one of the link-bytes study (/tmp/linkbytes/REPORT.md, ``lobytes.py``): ranks
+the one of ``benchmarks/linkbytes.py``: ranks
 ``setns()`` into the namespace before any socket exists, and marks are *network-free*
 barriers (multiprocessing semaphores) after which rank 0 snapshots the counters, so a
 region between two marks holds only the collectives issued inside it.
@@ -15,8 +15,8 @@ measures ``K`` synchronized steps and then ``K`` steps under
 the difference is the reduction's traffic. Warm-up steps (FSDP's lazy init, gradzip's
 configuration check) fall before the first mark.
 
-    sudo .venv/bin/python benchmarks/fsdp_bytes.py                 # writes benchmarks/results/fsdp_bytes.json
-    sudo .venv/bin/python benchmarks/fsdp_bytes.py --quick         # 2 ranks, the tiny model only
+    sudo .venv/bin/python -m benchmarks.fsdp_bytes                 # writes benchmarks/results/fsdp_bytes.json
+    sudo .venv/bin/python -m benchmarks.fsdp_bytes --quick         # 2 ranks, the tiny model only
 
 Needs root (``ip netns``) and iproute2.
 """
@@ -33,10 +33,9 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netns  # noqa: E402  (benchmarks/netns.py: the lo-only namespace)
+from benchmarks import netns  # the lo-only namespace
+from benchmarks._common import RESULTS, command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _count = itertools.count()
 
 
@@ -62,7 +61,6 @@ def _child(ns, rank, n, port, cfg, barrier, q):
         netns.enter(ns)  # before any socket exists
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        sys.path.insert(0, ROOT)
         import torch
         import torch.distributed as dist
 
@@ -255,7 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 ranks, the tiny model, plain and Int8 only")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fsdp_bytes.json"))
+    ap.add_argument("--out", default=str(RESULTS / "fsdp_bytes.json"))
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: ip netns")
@@ -281,8 +279,9 @@ def main() -> None:
         row = run(cfg)
         runs.append(row)
         print(
-            f"{model:5s} {layout:10s} N={world} rs={rs!s:11s} rep={rep!s:7s} lo/rank/step: sync {row['lo_bytes_per_rank_step_sync']:10.0f} "
-            f"nosync {row['lo_bytes_per_rank_step_nosync']:10.0f} reduction {row['lo_bytes_per_rank_step_reduction']:10.0f} "
+            f"{model:5s} {layout:10s} N={world} rs={rs!s:11s} rep={rep!s:7s} lo/rank/step: "
+            f"sync {row['lo_bytes_per_rank_step_sync']:10.0f} nosync {row['lo_bytes_per_rank_step_nosync']:10.0f} "
+            f"reduction {row['lo_bytes_per_rank_step_reduction']:10.0f} "
             f"({time.time() - t0:.0f} s)",
             flush=True,
         )
@@ -326,7 +325,7 @@ def main() -> None:
         )
     out = {
         "benchmark": "benchmarks/fsdp_bytes.py",
-        "command": " ".join(["python"] + sys.argv),
+        "command": command("fsdp_bytes", python="sudo .venv/bin/python"),
         "machine": machine(),
         "method": "lo TX bytes of a fresh network namespace per rank per step; reduction = synchronized steps minus "
         "set_requires_gradient_sync(False) steps (same all-gathers)",

@@ -1,8 +1,8 @@
 """GPU step time: compute per step, gradzip's codec time per step per method, and break-even links.
 
-    python benchmarks/gpu_step.py                                   # CUDA: ResNet-50 and GPT-2 small
-    python benchmarks/gpu_step.py --models gpt2 --methods "TopK(0.01, mode='approx')"
-    python benchmarks/gpu_step.py --device cpu --models tiny --steps 2   # the smoke run (tests)
+    python -m benchmarks.gpu_step                                   # CUDA: ResNet-50 and GPT-2 small
+    python -m benchmarks.gpu_step --models gpt2 --methods "TopK(0.01, mode='approx')"
+    python -m benchmarks.gpu_step --device cpu --models tiny --steps 2   # the smoke run (tests)
 
 For each model, at random initialization (seed 0), on one device:
 
@@ -61,8 +61,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DEFAULT_METHODS = [
     "Identity()",
@@ -297,7 +295,7 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
             f"wire {raw_bits / bits if bits else math.inf:8.1f}x less than allreduce"
         )
     base = rows.get("Identity()", {}).get("codec_ms_per_step", 0.0) / 1e3
-    for spec, row in rows.items():
+    for row in rows.values():
         if "error" in row:
             continue
         saved = raw_bits - row["wire_bits_per_step"]

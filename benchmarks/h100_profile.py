@@ -1,6 +1,6 @@
 """Build the shipped codec profile of ``gradzip plan --device h100`` and the plan's error band.
 
-    python benchmarks/h100_profile.py
+    python -m benchmarks.h100_profile
 
 Reads two committed measurements and writes two small files inside the package:
 

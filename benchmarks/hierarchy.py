@@ -1,8 +1,8 @@
 """Hierarchical against flat protocols on emulated nodes, and the cost model's prediction.
 
-    sudo python benchmarks/hierarchy.py [--rate 1gbit] [--steps 8]
+    sudo .venv/bin/python -m benchmarks.hierarchy [--rate 1gbit] [--steps 8]
 
-Four ranks as two "nodes" of two: each node is a network namespace (benchmarks/netns.py)
+Four ranks as two "nodes" of two: each node is a network namespace (``benchmarks/netns.py``)
 holding two ranks, which talk to each other over the namespace's loopback (fast, not
 shaped); the nodes are joined by veth links shaped with tc tbf to ``--rate`` (1 Gbit/s),
 one per node, which the node's two ranks share, as two GPUs share a NIC. Every method
@@ -29,11 +29,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import netns  # noqa: E402
-from step_time import build_model, launch, no_comm  # noqa: E402
+from benchmarks import netns
+from benchmarks._common import RESULTS, command, module_argv
+from benchmarks.step_time import build_model, launch, no_comm
 
 METHODS = [
     "DDP",
@@ -187,7 +185,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "hierarchy.json"))
+    p.add_argument("--out", default=str(RESULTS / "hierarchy.json"))
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -204,8 +202,7 @@ def main() -> int:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 result = f.name
             argv = [
-                sys.executable,
-                os.path.abspath(__file__),
+                *module_argv("hierarchy"),
                 "--worker",
                 "--method",
                 method,
@@ -234,7 +231,8 @@ def main() -> int:
             r["model_error"] = r["model"]["total"] / r["step_s"] - 1
             rows.append(r)
             print(
-                f"{method:45s} step {r['step_s']:.3f} s  model {r['model']['total']:.3f} s ({100 * r['model_error']:+.1f}%)"
+                f"{method:45s} step {r['step_s']:.3f} s  model {r['model']['total']:.3f} s "
+                f"({100 * r['model_error']:+.1f}%)"
                 f"  compute {r['compute_s']:.3f}  codec {r['model']['codec']:.3f}  wire {r['model']['wire']:.3f}",
                 flush=True,
             )
@@ -243,7 +241,7 @@ def main() -> int:
     from gradzip.machine import machine
 
     doc = {
-        "command": "sudo python benchmarks/hierarchy.py " + " ".join(sys.argv[1:]),
+        "command": command("hierarchy", python="sudo .venv/bin/python"),
         "machine": machine(),
         "rate": a.rate,
         "world": WORLD,

@@ -1,14 +1,14 @@
-"""examples/horovod_mnist.py with horovod.torch and with gradzip.horovod, 3 seeds (issue 22).
+"""examples/horovod_mnist.py with horovod.torch and with gradzip.horovod, 3 seeds.
 
-    python benchmarks/horovod_mnist.py [--seeds 0,1,2] [--epochs 10] [--np 2]
+    python -m benchmarks.horovod_mnist [--seeds 0,1,2] [--epochs 10] [--np 2]
 
 For each seed: Horovod's own run (``horovodrun --gloo``, ``horovod.torch``, Compression.none),
 then the same script with ``--hvd gradzip`` under horovodrun with TopK(0.01) and PowerSGD(rank=1);
 for the first seed also Identity, under horovodrun and under ``torchrun``. Writes
-benchmarks/results/horovod_mnist_<np>ranks[_<epochs>ep]_cpu.json (no suffix at the default 10 epochs): every run's test accuracy, final
-parameter hash and gradzip's byte stats, each method's mean accuracy minus Horovod's (in
-percentage points), whether Identity's parameters equal Horovod's bit for bit, the command
-and the machine.
+benchmarks/results/horovod_mnist_<np>ranks[_<epochs>ep]_cpu.json (no suffix at the default 10
+epochs): every run's test accuracy, final parameter hash and gradzip's byte stats, each
+method's mean accuracy minus Horovod's (in percentage points), whether Identity's parameters
+equal Horovod's bit for bit, the command and the machine.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks._common import command
 from gradzip.machine import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +96,7 @@ def write(a, argv, runs) -> None:
         r["params_sha256"] == ref[r["seed"]]["params_sha256"] for r in tr
     ]
     doc = {
-        "command": shlex.join(["python", "benchmarks/horovod_mnist.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command("horovod_mnist", argv),
         "machine": machine(),
         "note": "shared 2-core VM: seconds are not comparable between runs",
         "summary": summary,

@@ -1,6 +1,6 @@
 """Launch-parameter sweep for the kernels that miss their bandwidth goals (CUDA only).
 
-    python benchmarks/kernel_tune.py                 # prints a table, writes --out (JSON)
+    python -m benchmarks.kernel_tune                 # prints a table, writes --out (JSON)
 
 Times (``triton.testing.do_bench``, median, ms) and checks, on random data:
 
@@ -23,10 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from kernels import copy_bandwidth  # noqa: E402
+from benchmarks.kernels import copy_bandwidth
 
 
 def main(argv=None) -> int:
@@ -97,7 +94,7 @@ def main(argv=None) -> int:
                 "tern_onepass", bench(fn), 4 * n + n // 4 + 4 * (n // 1024), warps=warps, tile=tile, block=1024, ok=ok
             )
     Q.NUM_WARPS = saved
-    del x
+    x = None  # free the input before the top-k sizes
 
     # top-k: compaction block sizes, then the DGC stages
     m = args.topk_n

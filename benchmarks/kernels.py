@@ -1,8 +1,8 @@
 """Kernel benchmark: GB/s, fraction of copy bandwidth, and speed-ups.
 
-    python benchmarks/kernels.py                  # on a CUDA device, 1M .. 256M elements
-    python benchmarks/kernels.py --sizes 1M,64M   # a subset
-    python benchmarks/kernels.py --smoke          # tiny sizes; on the CPU through the Triton interpreter
+    python -m benchmarks.kernels                  # on a CUDA device, 1M .. 256M elements
+    python -m benchmarks.kernels --sizes 1M,64M   # a subset
+    python -m benchmarks.kernels --smoke          # tiny sizes; on the CPU through the Triton interpreter
 
 1. Measures the device's copy bandwidth: a large device-to-device ``copy_``, counting
    bytes read plus bytes written.
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     copy_elems = max(copy_elems, 1 << 20)
     copy_gbps, copy_bytes, copy_ms = copy_bandwidth(bench, device, copy_elems)
     print(
-        f"device: {dev_name}   copy bandwidth: {copy_gbps:.1f} GB/s ({copy_bytes / 1e9:.2f} GB moved in {copy_ms:.3f} ms)"
+        f"device: {dev_name}   copy bandwidth: {copy_gbps:.1f} GB/s "
+        f"({copy_bytes / 1e9:.2f} GB moved in {copy_ms:.3f} ms)"
     )
 
     results = []
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
                 nbytes,
                 count=count,
             )
-        del r
+        r = None  # drop the reference before the next size
 
         # decode-and-accumulate of P peers' bitmaps, gathered in one buffer
         nb = (n + 3) // 4
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
         ref_ms = bench(lambda: RT.decode_add_bitmap2_reference(out, bodies, taus))
         ker_ms = bench(lambda: decode_add_bitmap2_triton(out, bodies, taus))
         record("decode_add_bitmap2", n, "triton", ker_ms, ref_ms, 8 * n + args.peers * nb, peers=args.peers)
-        del gathered, bodies
+        gathered = bodies = None
 
         # scatter-add of P peers' index lists and top-k frames
         peers_idx = [torch.randperm(n, device=device, generator=g)[:k].sort().values for _ in range(args.peers)]
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
         ref_ms = bench(peers_loop(RT.scatter_add_sparse_reference, idx32, vals))
         ker_ms = bench(peers_loop(scatter_add_sparse_triton, idx32, vals))
         record("scatter_add_sparse", n, "triton", ker_ms, ref_ms, args.peers * 16 * k, peers=args.peers, k=k)
-        del peers_idx, words, vals, idx32, out
+        peers_idx = words = vals = idx32 = out = None
 
         # DGC top-k vs the eager reference and torch.topk
         s = min(args.sample, n)
@@ -319,14 +320,15 @@ def main(argv=None) -> int:
                 torch_topk_ms=topk_ms,
                 speedup_vs_torch_topk=topk_ms / ker_ms,
             )
-        del probe
+        probe = None
 
         # quantizer encoders: the one-pass route (blocks that fit a program) and the
         # two-pass route (the whole tensor as one block), timed separately
         r = torch.randn(n, device=device, generator=g) * 0.1
         sblk, qblk, tblk, seed = 1024, 64, 1024, 0x5EED
         words = 4 * triton.cdiv(n, 32)
-        encoders = (  # (row, one-pass block, kernel, reference, minimal bytes but the scales, the 2nd pass's extra bytes)
+        # (row, one-pass block, kernel, reference, minimal bytes but the scales, the 2nd pass's extra bytes)
+        encoders = (
             ("sign_ef", sblk, partial(sign_ef_triton, x, r), partial(R.sign_ef_reference, x, r), 12 * n + words, 8 * n),
             (
                 "sign_ef_nores",
@@ -360,7 +362,7 @@ def main(argv=None) -> int:
                 nbytes = fixed + 4 * (triton.cdiv(n, b) if b is not None else 1)  # + the float32 scales
                 moved = nbytes + (second if b is None else 0)
                 record(name, n, "triton", ker_ms, ref_ms, nbytes, route=route, block=b, moved_bytes=moved)
-        del r, encoders
+        r = encoders = None
 
         # decode-and-accumulate of P peers' quantizer frames, gathered in one buffer
         out = torch.zeros(n, device=device)
@@ -386,13 +388,13 @@ def main(argv=None) -> int:
                 8 * n + args.peers * (code_bytes + 4 * nbq),
                 peers=args.peers,
             )
-            del gathered, bodies
-        del x, out
+            gathered = bodies = None
+        x = out = None
         sync()
         if use_cuda:
             torch.cuda.empty_cache()
 
-    # Goals of issue 5, checked on what was measured (None where the size was not run).
+    # The kernels' goals, checked on what was measured (None where the size was not run).
     def best(kernel, pred):
         rows = [r for r in results if r["kernel"] == kernel and pred(r)]
         return rows
@@ -405,7 +407,7 @@ def main(argv=None) -> int:
         "fused_encode_ge_80pct_copy_at_64M": (min(r["fraction_of_copy"] for r in big) >= 0.8) if big else None,
         "fused_encode_ge_3x_eager": (min(r["speedup_vs_reference"] for r in big) >= 3.0) if big else None,
         "topk_100M_ge_10x_torch_topk": (max(r["speedup_vs_torch_topk"] for r in topk100) >= 10.0) if topk100 else None,
-        # issue 24: the approximate mode (exact mode above keeps the exact trim)
+        # the approximate mode (exact mode above keeps the exact trim)
         "topk_approx_100M_ge_10x_torch_topk": (
             max(r["speedup_vs_torch_topk"] for r in approx100) >= 10.0 if approx100 else None
         ),

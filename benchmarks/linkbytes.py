@@ -1,7 +1,7 @@
 """Link bytes per rank per step, measured on the wire, beside gradzip's own count.
 
-    sudo .venv/bin/python benchmarks/linkbytes.py            # N = 2, 4, 8; every method (rewrites the JSON)
-    sudo .venv/bin/python benchmarks/linkbytes.py --quick    # 2 ranks, 2 methods, 1 step (for a test)
+    sudo .venv/bin/python -m benchmarks.linkbytes            # N = 2, 4, 8; every method (rewrites the JSON)
+    sudo .venv/bin/python -m benchmarks.linkbytes --quick    # 2 ranks, 2 methods, 1 step (for a test)
 
 For each world size N, one fresh network namespace holds nothing but ``lo`` (brought up);
 N ranks (multiprocessing "spawn") enter it with setns(2) before they create a socket, and
@@ -27,7 +27,7 @@ retransmissions, their ratios, and the measured bytes as a fraction of plain DDP
 Plain DDP has no gradzip counter; its row gives the ring formula ``2(N-1)/N * 4 * params``.
 
 Needs root (ip netns) and iproute2. Writes benchmarks/results/linkbytes.json (``--out``);
-``benchmarks/linkbytes_report.py`` prints the README table from it.
+``benchmarks/linkbytes_report.py`` prints its tables (in docs/results.md).
 """
 
 from __future__ import annotations
@@ -37,17 +37,14 @@ import json
 import multiprocessing as mp
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import netns  # noqa: E402  (benchmarks/netns.py: the precondition check)
-from step_time import build_model  # noqa: E402
+from benchmarks import netns  # the lo-only namespace and its counters
+from benchmarks._common import RESULTS, command
+from benchmarks.step_time import build_model
 
 DDP = "DDP"  # plain DDP, no hook
 CODECS = [
@@ -326,7 +323,7 @@ def _rows(world: int, methods: list, cfg: dict, got: dict, snaps: dict) -> list:
 
 
 def targets(rows: list) -> dict:
-    """The issue's 'done when' checks, from the measured lo bytes (where the rows hold them)."""
+    """The link-byte targets, from the measured lo bytes (where the rows hold them)."""
     lo = {(r["N"], r["method"]): r["lo_bytes"] for r in rows}
     gz = {(r["N"], r["method"]): r.get("gradzip_bytes_link") for r in rows}
     out = {}
@@ -398,7 +395,7 @@ def main(argv=None) -> int:
         methods = QUICK_METHODS
     else:
         methods = [m.strip() for m in a.methods.split(";") if m.strip()] or METHODS
-    out = a.out or os.path.join(HERE, "results", "linkbytes_quick.json" if a.quick else "linkbytes.json")
+    out = a.out or str(RESULTS / ("linkbytes_quick.json" if a.quick else "linkbytes.json"))
     why = check()
     if why:
         print(f"linkbytes.py: {why}", file=sys.stderr)
@@ -416,10 +413,7 @@ def main(argv=None) -> int:
     }
     t0 = time.time()
     runs, rows = [], []
-    command = " ".join(
-        ["python", os.path.relpath(os.path.abspath(__file__))]
-        + [shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])]
-    )
+    cmd = command("linkbytes", argv, python="sudo .venv/bin/python")
     for world in [int(n) for n in a.ranks.split(",")]:
         run = run_world(world, methods, cfg, a.timeout)
         rows += run.pop("rows")
@@ -435,7 +429,7 @@ def main(argv=None) -> int:
             )
         print(f"N={world}: {run['wall_s']:.0f} s (empty region {run['empty_region_lo_bytes']} B)", flush=True)
         doc = _write(
-            out, command, a, cfg, runs, rows, time.time() - t0, machine
+            out, cmd, a, cfg, runs, rows, time.time() - t0, machine
         )  # after each N: a partial run keeps its rows
     for k, v in doc["targets"].items():
         print(f"target {k}: {v['value']:.3f} -> {'holds' if v['holds'] else 'FAILS'}")

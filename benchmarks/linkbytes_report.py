@@ -52,7 +52,8 @@ def table(doc: dict) -> str:
         frac = r.get("lo_fraction_of_ddp")
         gfrac = r.get("gradzip_fraction_of_ddp")
         lines.append(
-            f"| {r['N']} | {r['method']} | {r['protocol']} | {_mb(r['lo_bytes'])} | {gz_s} | {r['lo_over_gradzip']:.3f} "
+            f"| {r['N']} | {r['method']} | {r['protocol']} | {_mb(r['lo_bytes'])} | {gz_s} "
+            f"| {r['lo_over_gradzip']:.3f} "
             f"| {'—' if frac is None else f'{100 * frac:.2f}%'} | {'—' if gfrac is None else f'{100 * gfrac:.2f}%'} "
             f"| {_kb(r.get('tcp_retrans'))} |"
         )

@@ -1,6 +1,6 @@
 """Hook overhead against plain DDP, measured step by step in pairs (needs root, as step_time.py).
 
-    sudo python benchmarks/overhead.py --ranks 4 --steps 40
+    sudo .venv/bin/python -m benchmarks.overhead --ranks 4 --steps 40
 
 step_time.py starts a fresh set of ranks for each method and times a few steps. On a small,
 shared machine two such runs of the *same* method differ by 5-10%, which is the size of
@@ -9,9 +9,9 @@ unshaped), and each builds one DDP model per method (same initial weights, same 
 Every cycle runs one step of each model, in a random order drawn afresh each cycle, so
 that the methods share the machine's state (caches, scheduler, other load), and every
 position and every predecessor alike. (A fixed rotation is not enough: a step runs
-measurably slower after some methods' steps than after others'.) For each method and cycle the step time is divided by plain DDP's in the
-same cycle; the script reports the median of those ratios and a bootstrap 95% interval
-of that median.
+measurably slower after some methods' steps than after others'.) For each method and cycle
+the step time is divided by plain DDP's in the same cycle; the script reports the median of
+those ratios and a bootstrap 95% interval of that median.
 
 ``allreduce'`` is a second, identical plain DDP model: its ratio to ``allreduce`` is what
 the measurement reads when there is nothing to find (the A/A check of bias and noise).
@@ -32,10 +32,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import step_time as st  # noqa: E402
+from benchmarks import step_time as st
+from benchmarks._common import RESULTS, module_argv
 
 AA = "allreduce'"  # the second plain DDP model
 TORCH_HOOK = "torch allreduce_hook"  # PyTorch's own Python comm hook doing DDP's allreduce
@@ -148,7 +146,7 @@ def main(argv=None) -> int:
         p.error("--methods must include allreduce: the others are compared with it")
     names[1:1] = [AA, TORCH_HOOK]
 
-    import netns as net
+    from benchmarks import netns as net
 
     why = net.check()
     if why:
@@ -158,8 +156,7 @@ def main(argv=None) -> int:
         result = f.name
     port = 29000 + int(time.time() * 1000) % 20000
     argv = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *module_argv("overhead"),
         "--worker",
         "--world",
         str(a.ranks),
@@ -200,7 +197,7 @@ def main(argv=None) -> int:
     with open(result) as f:
         res = json.load(f)
     os.unlink(result)
-    from gradzip.bench import machine
+    from gradzip.machine import machine
 
     rows = summarize(res["times"])
     print(f"plain DDP: median step {statistics.median(res['times']['allreduce']):.3f}s over {a.steps} cycles")
@@ -228,7 +225,7 @@ def main(argv=None) -> int:
         "doing DDP's allreduce",
         "rows": rows,
     }
-    out = a.out or os.path.join(HERE, "results", f"overhead_{a.ranks}ranks.json")
+    out = a.out or str(RESULTS / f"overhead_{a.ranks}ranks.json")
     with open(out, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"wrote {out}")

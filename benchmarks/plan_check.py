@@ -1,6 +1,6 @@
 """Validate ``gradzip plan`` against measured step times.
 
-    python benchmarks/plan_check.py benchmarks/results/step_time.json benchmarks/results/step_time_2ranks.json
+    python -m benchmarks.plan_check benchmarks/results/step_time.json benchmarks/results/step_time_2ranks.json
 
 For every (rate, method) row of each ``benchmarks/step_time.py`` result, the plan's
 cost model (:func:`gradzip.costmodel.step_cost`, the function behind ``gradzip plan``)
@@ -26,8 +26,7 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchmarks._common import RESULTS
 
 
 def main() -> int:
@@ -36,14 +35,14 @@ def main() -> int:
     p.add_argument("--cpu-share", default="auto", help="'auto' (max(1, ranks / cores)) or a number")
     p.add_argument("--cores", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=3, help="profile: fastest of this many timings")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "plan_check.json"))
+    p.add_argument("--out", default=str(RESULTS / "plan_check.json"))
     a = p.parse_args()
 
     import torch
-    from step_time import LATENCY_S, build_model, methods
 
-    from gradzip.bench import machine
+    from benchmarks.step_time import LATENCY_S, build_model, methods
     from gradzip.costmodel import CodecProfile, Link, step_cost
+    from gradzip.machine import machine
 
     torch.set_num_threads(1)
     profile = CodecProfile(repeats=a.repeats, threads=1)

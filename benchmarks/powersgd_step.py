@@ -1,7 +1,7 @@
 """Step time of gradzip's PowerSGD against torch's ``powerSGD_hook``, same model, same run.
 
-    python benchmarks/powersgd_step.py                    # gloo/CPU, 2 ranks
-    python benchmarks/powersgd_step.py --device cuda      # NCCL, one rank per GPU
+    python -m benchmarks.powersgd_step                    # gloo/CPU, 2 ranks
+    python -m benchmarks.powersgd_step --device cuda      # NCCL, one rank per GPU
 
 Every rank builds three DDP replicas of one MLP from the same weights: plain DDP
 (no hook, for reference), torch's ``powerSGD_hook`` and gradzip's ``PowerSGD``
@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tph
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.bench import free_port
-from gradzip.bench import machine as bench_machine
-from gradzip.compressors.powersgd import PowerSGD
+from benchmarks._common import RESULTS, free_port
+from gradzip import PowerSGD
 from gradzip.hooks import register_hook
+from gradzip.machine import machine as bench_machine
 
 METHODS = ("ddp", "torch_powersgd", "gradzip_powersgd")
 
@@ -174,7 +174,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             rows.append(row)
             for m in METHODS:
                 replicas[m][0].module.zero_grad(set_to_none=True)
-            del replicas
+            replicas = None  # free the models before the next width
         if rank == 0:
             queue.put(("ok", rows))
         dist.barrier()
@@ -236,7 +236,8 @@ def main(argv=None) -> int:
     )
     print("median step time (wall) and, in brackets, median CPU time of rank 0's process per step")
     print(
-        f"{'width':>6}{'params':>11}{'ddp ms':>16}{'torch ms':>16}{'gradzip ms':>16}{'ratio':>14}{'torch B':>9}{'gradzip B':>11}"
+        f"{'width':>6}{'params':>11}{'ddp ms':>16}{'torch ms':>16}{'gradzip ms':>16}{'ratio':>14}"
+        f"{'torch B':>9}{'gradzip B':>11}"
     )
     for r in rows:
         cells = [f"{r[m]['median_ms']:.2f} ({r[m]['cpu_median_ms']:.2f})" for m in METHODS]
@@ -245,9 +246,7 @@ def main(argv=None) -> int:
             f"{r['width']:>6}{r['params']:>11,}{cells[0]:>16}{cells[1]:>16}{cells[2]:>16}{ratio:>14}"
             f"{r['torch_bytes_per_step']:>9,.0f}{r['gradzip_bytes_per_step']:>11,.0f}"
         )
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", f"powersgd_{args.device}_{backend}.json"
-    )
+    out = args.out or str(RESULTS / f"powersgd_{args.device}_{backend}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
     cfg.update(world=world, backend=backend)

@@ -1,6 +1,6 @@
 """Where one rank's training step spends its time, for one method (cProfile; CPU, no root).
 
-    python benchmarks/profile_step.py "Policy(auto)" [--steps 5] [--top 18]
+    python -m benchmarks.profile_step "Policy(auto)" [--steps 5] [--top 18]
 
 One gloo rank (world size 1), the step_time.py model (25.2M parameters) under DDP with
 ``gradient_as_bucket_view=True`` and gradzip's hook for the method (``allreduce``: no hook).
@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
-import socket
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import step_time as st  # noqa: E402
+from benchmarks import step_time as st
+from benchmarks._common import free_port
 
 
 def main(argv=None) -> int:
@@ -46,9 +42,7 @@ def main(argv=None) -> int:
 
     from gradzip.hooks import register_hook
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.set_num_threads(1)
     try:

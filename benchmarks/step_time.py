@@ -1,8 +1,8 @@
 """Step time per method on emulated links, against a cost model.
 
-    sudo python benchmarks/step_time.py [--ranks 4] [--rates 100mbit,1gbit,none]
+    sudo .venv/bin/python -m benchmarks.step_time [--ranks 4] [--rates 100mbit,1gbit,none]
 
-N ranks run in network namespaces (benchmarks/netns.py) whose links are shaped
+N ranks run in network namespaces (``benchmarks/netns.py``) whose links are shaped
 with tc tbf; each trains a communication-bound MLP (>= 20M parameters) through
 the gradzip DDP hook for every method, and reports the median step time. The
 cost model predicts
@@ -42,8 +42,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchmarks._common import RESULTS, child_env, module_argv
 
 RATES = {"100mbit": 100e6, "1gbit": 1e9, "none": None}
 LATENCY_S = 50e-6  # per message between namespaces (veth + bridge; not shaped)
@@ -250,7 +249,7 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
 def launch(net, world: int, argv: list, timeout: float, what: str) -> None:
     """Run ``argv`` as ranks 0..world-1 (``--rank i`` appended), each in its namespace; raise
     RuntimeError naming ``what`` if one fails or they are not all done within ``timeout`` s."""
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     procs = [
         subprocess.Popen(
             net.command(i, argv + ["--rank", str(i)], env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -267,7 +266,7 @@ def launch(net, world: int, argv: list, timeout: float, what: str) -> None:
                 q.kill()
             raise RuntimeError(f"{what}: ranks did not finish in {timeout:.0f}s") from None
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"{what} failed:\n" + "\n".join(l[-2000:] for l in logs))
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(log[-2000:] for log in logs))
 
 
 def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
@@ -276,8 +275,7 @@ def run_method(net, world, method, a, rate_name, calibrate, bps) -> dict:
         result = f.name
     argv = (
         [
-            sys.executable,
-            os.path.abspath(__file__),
+            *module_argv("step_time"),
             "--worker",
             "--method",
             method,
@@ -365,7 +363,7 @@ def main() -> int:
     p.add_argument("--rates", default="100mbit,1gbit,none")
     p.add_argument("--methods", default="", help="comma-separated subset")
     add_run_args(p, steps=5)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
+    p.add_argument("--out", default=str(RESULTS / "step_time.json"))
     p.add_argument(
         "--update", action="store_true", help="replace the measured (rate, method) rows in --out, keep the rest"
     )
@@ -390,7 +388,7 @@ def main() -> int:
             rows.update({(r["rate"], r["method"]): r for r in doc["rows"]})
         return write(a, list(rows.values()), list(dict.fromkeys(rate for rate, _ in rows)))
 
-    import netns as net
+    from benchmarks import netns as net
 
     why = net.check()
     if why:
@@ -440,7 +438,7 @@ def main() -> int:
 
 def write(a, rows: list, rates: list) -> int:
     """Write ``rows`` (merged into --out's with --update) with their speed-ups to --out and its plot."""
-    from gradzip.bench import machine
+    from gradzip.machine import machine
 
     if a.update and os.path.exists(a.out):
         with open(a.out) as f:

@@ -1,10 +1,10 @@
 """Streaming DiLoCo against DiLoCo and against compute alone, on an emulated 100 Mbit/s link.
 
-    sudo .venv/bin/python benchmarks/streaming.py                 # the committed run
-    sudo .venv/bin/python benchmarks/streaming.py --quick         # a smoke run (small model, few steps)
+    sudo .venv/bin/python -m benchmarks.streaming                 # the committed run
+    sudo .venv/bin/python -m benchmarks.streaming --quick         # a smoke run (small model, few steps)
 
 N ranks (default 2) run in network namespaces joined by veth links through a bridge
-(benchmarks/netns.py, under names of its own: ``gzs*``), every link shaped with tc tbf to
+(``benchmarks/netns.py``, under names of its own: ``gzs*``), every link shaped with tc tbf to
 ``--rate`` both ways. Each rank trains the same MLP (``--width``/``--depth``: 8.4M
 parameters by default, 33.6 MB in float32) with an inner AdamW on its own random data
 (one thread per rank), three ways, in interleaved blocks of ``--block`` steps (a multiple
@@ -28,10 +28,10 @@ the machine's CPUs busy, ours and other processes' alike.
 
 Reported per method: step time (median, mean = wall time per step over whole periods,
 p90, max) against the compute step, CPU time per step, bytes per step (mean and peak over
-steps), and the two targets of issue 20: streaming's peak per-step transfer <= 1/F of
+steps), and its two targets: streaming's peak per-step transfer <= 1/F of
 DiLoCo's, and its step time within 15% of the compute step.
 
-Writes benchmarks/results/streaming.json (``--out``); benchmarks/streaming_report.py prints
+Writes benchmarks/results/streaming.json (``--out``); ``benchmarks/streaming_report.py`` prints
 the tables. Needs root (ip netns, tc) and iproute2.
 """
 
@@ -41,15 +41,13 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchmarks._common import RESULTS, command, module_argv
 
 METHODS = ("compute", "diloco", "streaming")
 
@@ -58,7 +56,7 @@ METHODS = ("compute", "diloco", "streaming")
 def netns_module():
     """benchmarks/netns.py with its namespaces renamed ``gzs*`` (10.79.0.0/24), so that this
     benchmark neither sees nor tears down the ``gzn*`` namespaces of a step_time.py run."""
-    import netns as net
+    from benchmarks import netns as net
 
     net.PREFIX, net.BRIDGE_NS, net.BRIDGE = "10.79.0", "gzsbr", "gzsbr0"
     net.node = lambda i: f"gzs{i}"
@@ -359,7 +357,7 @@ def main() -> int:
     p.add_argument("--pg-timeout", type=float, default=600.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="the whole run (s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: width 256, period 8, 1 round")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "streaming.json"))
+    p.add_argument("--out", default=str(RESULTS / "streaming.json"))
     a = p.parse_args()
     if a.quick:
         a.width, a.period, a.fragments, a.delay, a.rounds, a.batch = 256, 8, 4, 1, 1, 8
@@ -375,16 +373,14 @@ def main() -> int:
     if why:
         print(f"streaming.py: {why}", file=sys.stderr)
         return 2
-    from step_time import launch
-
+    from benchmarks.step_time import launch
     from gradzip.machine import machine
 
     port = 29000 + int(time.time() * 1000) % 20000
     fd, result = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     argv = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *module_argv("streaming"),
         "--worker",
         "--world",
         str(a.ranks),
@@ -448,7 +444,7 @@ def main() -> int:
     }
     doc = {
         "machine": {**machine(), "name": "the 2-core development VM"},
-        "command": "sudo .venv/bin/python benchmarks/streaming.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+        "command": command("streaming", python="sudo .venv/bin/python"),
         "config": cfg,
         "params": ranks[0]["params"],
         "elapsed_s": elapsed,
@@ -461,7 +457,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
-    from streaming_report import report
+    from benchmarks.streaming_report import report
 
     print(report(doc))
     print(f"wrote {a.out}")

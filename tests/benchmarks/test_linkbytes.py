@@ -1,10 +1,9 @@
-"""benchmarks/linkbytes.py --quick: bytes on a namespace's lo against gradzip's own count.
+"""python -m benchmarks.linkbytes --quick: bytes on a namespace's lo against gradzip's own count.
 
 Runs only as root where ``ip netns`` works (2 ranks, plain DDP and TwoPhase(TopK(0.01)),
 one measured step).
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,24 +12,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "linkbytes.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gz_bench_linkbytes", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.timeout(180)
 def test_quick_measures_lo_beside_bytes_link(tmp_path):
-    why = _module().check()
+    from benchmarks import linkbytes
+
+    why = linkbytes.check()
     if why:
         pytest.skip(f"needs network namespaces: {why}")
     out = tmp_path / "quick.json"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.linkbytes", "--quick", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

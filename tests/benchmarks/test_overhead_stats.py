@@ -1,24 +1,13 @@
 """benchmarks/overhead.py's statistics: paired ratios per cycle and the bootstrap interval."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def overhead():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("gz_bench_overhead", ROOT / "benchmarks" / "overhead.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks import overhead
+
+    return overhead
 
 
 def test_ratios_are_paired_by_cycle(overhead):

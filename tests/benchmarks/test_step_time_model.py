@@ -1,21 +1,16 @@
 """benchmarks/step_time.py: its model on hand-computed rows, and --merge."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def st():
-    spec = importlib.util.spec_from_file_location("gz_bench_step_time", ROOT / "benchmarks" / "step_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import step_time
+
+    return step_time
 
 
 def _row(**kw):
