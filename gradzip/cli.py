@@ -25,13 +25,25 @@ def config_from_args(args):
         seeds = (args.seed,)
     else:
         seeds = (bench.DEFAULT_SEEDS[0],) if args.quick else bench.DEFAULT_SEEDS
-    epochs = args.epochs
-    if args.quick and epochs is None:
+    epochs, steps = args.epochs, args.steps
+    lm = args.dataset in options.LM_DATASETS
+    if lm and epochs is not None:
+        raise ValueError(f"--epochs is for the image tasks; the {args.dataset} language model takes --steps")
+    if not lm and (steps is not None or args.eval_every is not None):
+        raise ValueError("--steps and --eval-every are for the language model (--dataset shakespeare); use --epochs")
+    if args.quick and epochs is None and not lm:
         epochs = bench.QUICK_EPOCHS[args.dataset]
+    if args.quick and steps is None and lm:
+        steps = bench.QUICK_STEPS[args.dataset]
     return bench.BenchConfig(
         dataset=args.dataset,
         workers=args.workers,
         epochs=epochs,
+        steps=steps,
+        lm_size=args.lm_size,
+        eval_every=args.eval_every,
+        warmup_steps=args.warmup_steps,
+        clip_mode=args.clip_mode,
         batch_size=args.batch_size,
         optimizer=args.optimizer,
         lr=args.lr,
@@ -92,10 +104,12 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
         print(f"gradzip bench: {exc}", file=sys.stderr)
         return None, None, 2
     print(
-        f"gradzip bench: {cfg.dataset}, {cfg.workers} {'nccl' if cfg.device == 'cuda' else 'gloo'} ranks, "
-        f"{cfg.resolved_epochs()} epochs, batch {cfg.batch_size}/rank, {cfg.optimizer} lr {cfg.lr:g} "
+        f"gradzip bench: {cfg.dataset}"
+        f"{f' (a {cfg.lm_size} byte-level transformer)' if cfg.is_lm else ''}, "
+        f"{cfg.workers} {'nccl' if cfg.device == 'cuda' else 'gloo'} ranks, "
+        f"{cfg.length()}, batch {cfg.batch_size}/rank, {cfg.optimizer} lr {cfg.lr:g} "
         f"momentum {cfg.momentum:g} weight decay {cfg.weight_decay:g}, {cfg.lr_schedule} schedule"
-        f"{f' after {cfg.warmup_epochs:g} warm-up epochs' if cfg.warmup_epochs else ''}"
+        f"{f' after {cfg.resolved_warmup()} warm-up steps' if cfg.resolved_warmup() else ''}"
         f"{cfg.hook_extras()}, "
         f"seeds {','.join(map(str, cfg.seeds))}; {len(methods)} methods: {', '.join(methods)}",
         flush=True,
@@ -114,10 +128,11 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
             bar.update(1)
 
     def progress(r):
-        msg = (
-            f"  {r['method']:<16} seed {r['seed']:<3} acc {100 * r['accuracy']:.2f}%  "
-            f"last-3 {100 * r['accuracy_last3']:.2f}%  link ratio {r['ratio']:.1f}x"
-        )
+        if "val_loss" in r:
+            score = f"val loss {r['val_loss']:.4f} ({r['bits_per_byte']:.4f} bits/byte)"
+        else:
+            score = f"acc {100 * r['accuracy']:.2f}%  last-3 {100 * r['accuracy_last3']:.2f}%"
+        msg = f"  {r['method']:<16} seed {r['seed']:<3} {score}  link ratio {r['ratio']:.1f}x"
         (bar.write if bar is not None else print)(msg)
 
     rows = bench.run(methods, cfg, progress=progress, tick=tick)

