@@ -23,156 +23,83 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
     _install(_os.path.dirname(__path__[0]))
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from . import _names
 
 __version__ = "0.2.0"
 
 # The public names load on first use (PEP 562), all at once: ``import gradzip`` alone does
 # not import torch, so ``gradzip --help`` answers before torch loads. The first ``gz.<name>``
-# imports every module below, as the eager imports did, which also registers every method
-# of the grammar (``gz.parse``). Keep this list and the TYPE_CHECKING imports in step.
-_EAGER = (
-    "checkpoint",
-    "momentum",
-    "schedules",
-    "warmup",
-    "codecs",
-    "costmodel",
-    "engine",
-    "local_sgd",
-    "optim",
-    "policy",
-    "protocols",
-    "registry",
-    "stats",
-    "sync",
-    "wire",
-)
-_EXPORTS = {
-    "codecs": (
-        "BF16",
-        "FP16",
-        "QSGD",
-        "Codec",
-        "Identity",
-        "Int8",
-        "RandomK",
-        "SignSGD",
-        "TensorContext",
-        "TernGrad",
-        "Threshold",
-        "TopK",
-    ),
-    "costmodel": ("Link",),
-    "engine": ("Engine",),
-    "local_sgd": ("DiLoCo", "LocalSGD"),
-    "optim": ("DistributedOptimizer",),
-    "policy": ("Policy",),
-    "protocols": (
-        "AllGather",
-        "Allreduce",
-        "Filter",
-        "Hierarchical",
-        "Int8Allreduce",
-        "PowerSGD",
-        "Protocol",
-        "TwoPhase",
-    ),
-    "registry": ("parse",),
-    "checkpoint": ("reshard",),
-    "stats": ("Stats", "log_every"),
-    "sync": ("broadcast_parameters", "check_parameters_agree"),
-    "wire": ("Payload",),
-}
-_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+# imports every module of the table (gradzip/_names.py), which also registers every method
+# of the grammar (``gz.parse``). The names, their modules and ``__all__`` come from that table.
+__all__ = _names.public()
+_PUBLIC = frozenset(__all__)
 
-if TYPE_CHECKING:  # what static tools see; at run time, __getattr__ below
-    from . import checkpoint, momentum, schedules, warmup
-    from .checkpoint import reshard
-    from .codecs import (
-        BF16,
-        FP16,
-        QSGD,
-        Codec,
-        Identity,
-        Int8,
-        RandomK,
-        SignSGD,
-        TensorContext,
-        TernGrad,
-        Threshold,
-        TopK,
-    )
-    from .costmodel import Link
-    from .engine import Engine
-    from .local_sgd import DiLoCo, LocalSGD
-    from .optim import DistributedOptimizer
-    from .policy import Policy
-    from .protocols import AllGather, Allreduce, Filter, Hierarchical, Int8Allreduce, PowerSGD, Protocol, TwoPhase
-    from .registry import parse
-    from .stats import Stats, log_every
-    from .sync import broadcast_parameters, check_parameters_agree
-    from .wire import Payload
+if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (tests/project/test_names.py checks them)
+    from . import checkpoint as checkpoint
+    from . import momentum as momentum
+    from . import schedules as schedules
+    from . import warmup as warmup
+    from .checkpoint import reshard as reshard
+    from .codecs.base import Codec as Codec
+    from .codecs.base import TensorContext as TensorContext
+    from .codecs.cast import BF16 as BF16
+    from .codecs.cast import FP16 as FP16
+    from .codecs.cast import Identity as Identity
+    from .codecs.quant import QSGD as QSGD
+    from .codecs.quant import Int8 as Int8
+    from .codecs.quant import SignSGD as SignSGD
+    from .codecs.quant import TernGrad as TernGrad
+    from .codecs.sparse import RandomK as RandomK
+    from .codecs.sparse import TopK as TopK
+    from .codecs.threshold import Threshold as Threshold
+    from .costmodel.link import Link as Link
+    from .engine import Engine as Engine
+    from .local_sgd import DiLoCo as DiLoCo
+    from .local_sgd import LocalSGD as LocalSGD
+    from .optim import DistributedOptimizer as DistributedOptimizer
+    from .policy import Policy as Policy
+    from .protocols.allgather import AllGather as AllGather
+    from .protocols.allreduce import Allreduce as Allreduce
+    from .protocols.base import Protocol as Protocol
+    from .protocols.filter import Filter as Filter
+    from .protocols.hierarchical import Hierarchical as Hierarchical
+    from .protocols.int8_allreduce import Int8Allreduce as Int8Allreduce
+    from .protocols.powersgd import PowerSGD as PowerSGD
+    from .protocols.twophase import TwoPhase as TwoPhase
+    from .registry import parse as parse
+    from .stats import Stats as Stats
+    from .stats import log_every as log_every
+    from .sync import broadcast_parameters as broadcast_parameters
+    from .sync import check_parameters_agree as check_parameters_agree
+    from .wire import Payload as Payload
+
+
+def _import(modules: list[str]) -> None:
+    """Import ``gradzip.<module>`` for each of ``modules`` (the loader of the table)."""
+    for mod in modules:
+        importlib.import_module(f".{mod}", __name__)
+
+
+_names.install_loader(_import)
 
 
 def _load() -> None:
-    """Import every module the public names come from (the former eager imports)."""
-    for mod in _EAGER:
-        importlib.import_module(f".{mod}", __name__)
-    for name, mod in _WHERE.items():
+    """Import every module of the table and bind its public names here."""
+    _import(_names.modules())
+    for name, mod in _names.exports().items():
         globals()[name] = getattr(importlib.import_module(f".{mod}", __name__), name)
 
 
-def __getattr__(name: str):
-    if name in _WHERE or name in ("checkpoint", "momentum", "schedules", "warmup"):
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
         _load()
         return globals()[name]
-    # gradzip.fsdp on first use: importing torch.distributed.fsdp takes seconds.
-    if name == "fsdp":
-        return importlib.import_module(".fsdp", __name__)
+    if name in _names.ON_FIRST_USE:  # gradzip.fsdp: importing torch.distributed.fsdp takes seconds
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE) | {"checkpoint", "momentum", "schedules", "warmup"})
-
-
-__all__ = [
-    "Codec",
-    "Protocol",
-    "TensorContext",
-    "Payload",
-    "Identity",
-    "FP16",
-    "BF16",
-    "Threshold",
-    "TopK",
-    "RandomK",
-    "SignSGD",
-    "QSGD",
-    "TernGrad",
-    "Int8",
-    "Allreduce",
-    "AllGather",
-    "TwoPhase",
-    "Int8Allreduce",
-    "Filter",
-    "Hierarchical",
-    "PowerSGD",
-    "Policy",
-    "Engine",
-    "Stats",
-    "DistributedOptimizer",
-    "LocalSGD",
-    "DiLoCo",
-    "schedules",
-    "warmup",
-    "momentum",
-    "Link",
-    "parse",
-    "checkpoint",
-    "reshard",
-    "broadcast_parameters",
-    "check_parameters_agree",
-    "log_every",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _PUBLIC)

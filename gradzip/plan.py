@@ -40,11 +40,12 @@ import torch
 
 import gradzip.args as args
 
-# Registering is defining: import every module that defines a method of the grammar.
-from . import codecs, local_sgd, options, policy, protocols, schedules  # noqa: F401
+from . import options
 from .costmodel import CodecProfile, Link, WireCache, step_cost
 from .costmodel.periodic import periodic_step_cost
-from .registry import Spec, parse_list, register_value
+from .registry import Spec, load_methods, parse_list, register_value
+
+load_methods()  # registering is defining: every module of gradzip's table that defines a method
 
 DEFAULT_METHODS = options.PLAN_METHODS
 DEFAULT_WORLDS = options.DEFAULT_WORLDS

@@ -5,7 +5,9 @@ Defining the class registers it under its name (``__init_subclass__``), and with
 it the wire format codes it declares (``formats = {"NAME": code}``; a code taken
 by another class raises). So a new method is its own file: the config check,
 ``state_dict()``, ``gradzip plan --methods`` and ``gradzip bench --methods`` know
-it as soon as its module is imported.
+it as soon as its module is imported. gradzip's own methods are imported when first
+looked up (:func:`load_methods`), from the table of ``gradzip/_names.py``: an in-tree
+method is its file and one entry there.
 
 **Configuration.** A registered object's configuration is its constructor's
 arguments, read back from attributes of the same names: :meth:`Registered.config`
@@ -33,6 +35,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from . import _names
 from .wire import register_format
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "Spec",
     "register_value",
     "register_frontend",
+    "load_methods",
     "lookup",
     "names",
     "parse",
@@ -142,17 +146,19 @@ def register_value(name: str, value) -> None:
         raise TypeError(f"{name!r} is already a registered value")
 
 
-def _load_builtins() -> None:
-    """Register gradzip's own methods: ``import gradzip`` loads its modules lazily, so a
-    process that imported only ``gradzip.registry`` (or another submodule) has not yet."""
-    import importlib
-
-    importlib.import_module("gradzip")._load()
+def load_methods() -> None:
+    """Register every method gradzip ships: import the modules that define them, as the
+    table lists them (:func:`gradzip._names.method_modules`). ``import gradzip`` loads its
+    modules lazily, so a process that imported only ``gradzip.registry`` (or another
+    submodule) has not yet. The package imports them (the loader ``gradzip/__init__.py``
+    installs in the table), not this module, which sits below them."""
+    _names.load(_names.method_modules())
 
 
 def lookup(name: str) -> type:
+    """The class (or front end) registered as ``name``; ``ValueError`` naming the choices."""
     if name not in _CLASSES:
-        _load_builtins()
+        load_methods()
     try:
         return _CLASSES[name]
     except KeyError:
@@ -161,7 +167,7 @@ def lookup(name: str) -> type:
 
 def names(kind: str | None = None) -> list[str]:
     """Registered method names (of one kind, or all), sorted."""
-    _load_builtins()
+    load_methods()
     return sorted(n for n, c in _CLASSES.items() if kind is None or _kind(c) == kind)
 
 

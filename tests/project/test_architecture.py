@@ -4,6 +4,11 @@ Every ``import`` statement of every module under gradzip/, kernels/ (gradzip.ker
 hooks/ (gradzip.hooks) is read with ``ast``, those inside functions included. An import
 of a package is an edge to its ``__init__``; ``from pkg import sub`` of a submodule is an
 edge to the submodule. The tools (cli, plan, bench) sit on top: nothing else imports them.
+
+Modules loaded by name (``importlib.import_module``) are seen too: the package's lazy
+``gz.<name>`` and the registry's load of gradzip's methods import the modules of the table
+in ``gradzip/_names.py``, which this test reads; no other module of the library loads
+modules by name, except the kernels, inside their own floor.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"gradzip": ROOT / "gradzip", "gradzip.kernels": ROOT / "kernels", "gradzip.hooks": ROOT / "hooks"}
 TOOLS = {"gradzip.cli", "gradzip.plan", "gradzip.bench", "gradzip.__main__"}
+
+
+def _is_tool(mod: str) -> bool:
+    return any(mod == t or mod.startswith(t + ".") for t in TOOLS)
 
 
 def _modules() -> dict[str, Path]:
@@ -96,7 +105,8 @@ def test_no_import_cycles():
 
 def test_the_library_never_imports_the_tools():
     edges = _edges(_modules())
-    bad = sorted((m, t) for m, ts in edges.items() for t in ts if t in TOOLS and m not in TOOLS)
+
+    bad = sorted((m, t) for m, ts in edges.items() for t in ts if _is_tool(t) and not _is_tool(m))
     assert bad == []
 
 
@@ -170,3 +180,70 @@ def test_the_floors_diagram_matches_the_imports():
         (m, t) for m, ts in edges.items() for t in ts if m not in packages and t not in packages and floor(t) > floor(m)
     )
     assert up == [], f"imports of a higher floor: {up}"
+
+
+# -- loads by name --------------------------------------------------------------------------
+
+
+def _loaders(mods: dict[str, Path]) -> set[str]:
+    """The modules that call ``importlib.import_module`` (or ``__import__``)."""
+    out = set()
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in ("import_module", "__import__"):
+                    out.add(mod)
+    return out
+
+
+def _table_loads() -> dict[str, set[str]]:
+    """What the package loads by name, from the table: every ``gz.<name>``'s module (and the
+    modules of the methods, which the registry has it load), and ``gradzip.fsdp`` on first use."""
+    from gradzip import _names
+
+    mods = _names.modules() + _names.method_modules() + list(_names.ON_FIRST_USE)
+    return {"gradzip": {f"gradzip.{m}" for m in mods}}
+
+
+def test_only_the_package_the_tools_and_the_kernels_load_modules_by_name():
+    mods = _modules()
+    loaders = {m for m in _loaders(mods) if not _is_tool(m) and not m.startswith("gradzip.kernels")}
+    assert loaders == set(_table_loads()), (
+        f"modules that load others by name, out of the architecture test's sight: {sorted(loaders)}"
+    )
+
+
+def test_the_registry_loads_methods_through_the_table():
+    """The registry sits on the ground floor and never imports the floors above it: it asks
+    the table, whose loader the package installs, to import the methods' modules."""
+    from gradzip import _names
+
+    edges = _edges(_modules())
+    assert "gradzip._names" in edges["gradzip.registry"]
+    assert edges["gradzip._names"] == set()  # the table imports nothing of gradzip's
+    registry = (ROOT / "gradzip" / "registry.py").read_text()
+    assert "_names.load(_names.method_modules())" in registry
+    assert set(_names.method_modules()) <= set(_names.modules())
+
+
+def test_the_loads_by_name_land_on_floors_below_the_tools():
+    floors, mods = _floors(), _modules()
+    for loader, targets in _table_loads().items():
+        missing = sorted(t for t in targets if t not in mods)
+        assert missing == [], f"{loader} loads modules that do not exist: {missing}"
+        tools = sorted(t for t in targets if _is_tool(t))
+        assert tools == [], f"{loader} loads tools: {tools}"
+        packages = {m for m, p in mods.items() if _is_package(p)}
+        off = sorted(t for t in targets if t not in packages and floors.get(t) is None)
+        assert off == [], f"{loader} loads modules on no floor of docs/architecture.md: {off}"
+
+
+def test_the_table_loads_close_no_import_cycle():
+    """With the package's loads by name as edges too, there is still no cycle: nothing below
+    imports the package itself."""
+    edges = _edges(_modules())
+    for loader, targets in _table_loads().items():
+        edges[loader] = edges[loader] | targets
+    assert _cycles(edges) == []
