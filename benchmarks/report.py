@@ -1,28 +1,39 @@
-"""Print the README's results tables (markdown) from the committed result files.
+"""The results tables (markdown), from the committed files under ``benchmarks/results/``.
 
-    python benchmarks/report.py
+    python -m benchmarks.report --page docs/results.md   # write the results page
+    python -m benchmarks.report --headline               # print the README's headline tables
+    python -m benchmarks.report                          # print every table of the top-level results
 
-Reads benchmarks/results/accuracy_*.json and diloco_*.json (``gradzip bench`` results, any schema), step_time.json,
-step_time_2ranks.json, plan_check.json, powersgd_cpu_gloo.json,
-overhead_2ranks.json, overhead_4ranks.json and kernels_nvidia-h100-80gb-hbm3.json,
-whichever exist; every number in the README's results section comes from here.
+The page is ``benchmarks/report_page.md`` with each ``{{ KIND FILE ... }}`` line replaced by
+the table of that result file (``KIND`` names a renderer of :data:`RENDERERS`); every
+number on it comes from a file under ``benchmarks/results/``. ``tests/benchmarks`` checks
+that the committed ``docs/results.md`` is what this writes, and that the README's headline
+tables are :func:`headline`'s.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import statistics
+import sys
+from pathlib import Path
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks import linkbytes_report, streaming_report
+from benchmarks._common import RESULTS, ROOT
+
+TEMPLATE = ROOT / "benchmarks" / "report_page.md"
+#: Where the page's links to result files point from: the page lives in docs/.
+LINK = "../benchmarks/results/"
 
 
 def _load(name: str):
-    path = os.path.join(HERE, name)
-    if not os.path.exists(path):
+    path = RESULTS / name
+    if not path.exists():
         return None
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(path.read_text())
 
 
 def _machine(m: dict) -> str:
@@ -30,15 +41,28 @@ def _machine(m: dict) -> str:
     return f"{m['cpu']}, {m['cores']} cores{extra}, torch {m['torch']}, {m['date']}"
 
 
+def _short_machine(m: dict) -> str:
+    """``Intel Xeon, 2 cores`` from a ``machine()`` record."""
+    cpu = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b", "", m["cpu"])
+    return f"{' '.join(cpu.split())}, {m['cores']} cores"
+
+
+def _cmd(command: str) -> str:
+    """A recorded command line in the form the scripts run in today: ``python -m benchmarks.X``
+    for ``python benchmarks/X.py`` (the result files keep the form that was typed)."""
+    return re.sub(r"(\S*python3?) benchmarks/(\w+)\.py\b", r"\1 -m benchmarks.\2", command).rstrip()
+
+
 def _pm(r: dict, key: str, signed: bool = False) -> str:
     """``mean ± std [min..max]`` in percent (points) of ``r[key]``, ``r[key + "_std"]``, ..."""
-    f = (lambda v: f"{100 * v:+.2f}") if signed else (lambda v: f"{100 * v:.2f}")  # noqa: E731
+    f = (lambda v: f"{100 * v:+.2f}") if signed else (lambda v: f"{100 * v:.2f}")
     std = r.get(f"{key}_std")
     if std is None:  # one seed: no spread
         return f(r[key])
     return f"{f(r[key])} ± {100 * std:.2f} [{f(r[f'{key}_min'])}..{f(r[f'{key}_max'])}]"
 
 
+# -- accuracy runs (gradzip bench, benchmarks/accuracy.py) -----------------------------------------
 def accuracy(doc: dict) -> str:
     """The table of ``gradzip bench`` / ``benchmarks/accuracy.py``: results.json, schema 2
     (per-method rows aggregated over seeds), or the first one-seed layout."""
@@ -46,15 +70,16 @@ def accuracy(doc: dict) -> str:
         return _accuracy_v1(doc)
     cfg = doc["config"]
     n = len(cfg["seeds"])
+    backend = "nccl" if cfg["device"] == "cuda" else "gloo"
+    warmup = f", warm-up {cfg['warmup_epochs']:g} epochs" if cfg.get("warmup_epochs") else ""
+    clip = f", local clipping {cfg['clip']:g}" if cfg.get("clip") is not None else ""
+    pre = ", Adam moments per rank before compression (--precondition)" if cfg.get("precondition") else ""
     lines = [
-        f"`{doc['command']}`" if doc.get("command") else "`gradzip bench`",
+        f"`{_cmd(doc['command'])}`" if doc.get("command") else "`gradzip bench`",
         "",
-        f"({cfg['dataset']}, {cfg['workers']} {'nccl' if cfg['device'] == 'cuda' else 'gloo'} ranks, {cfg['epochs']} "
-        f"epochs of {cfg['steps_per_epoch']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} "
-        f"momentum {cfg['momentum']:g} weight decay {cfg['weight_decay']:g}, {cfg['lr_schedule']} schedule"
-        f"{', warm-up ' + format(cfg['warmup_epochs'], 'g') + ' epochs' if cfg.get('warmup_epochs') else ''}"
-        f"{', local clipping ' + format(cfg['clip'], 'g') if cfg.get('clip') is not None else ''}"
-        f"{', Adam moments per rank before compression (--precondition)' if cfg.get('precondition') else ''}; "
+        f"({cfg['dataset']}, {cfg['workers']} {backend} ranks, {cfg['epochs']} epochs of {cfg['steps_per_epoch']} "
+        f"steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} momentum {cfg['momentum']:g} "
+        f"weight decay {cfg['weight_decay']:g}, {cfg['lr_schedule']} schedule{warmup}{clip}{pre}; "
         f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
         "",
         f"Link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's (`stats()[\"ratio\"]`); "
@@ -108,10 +133,10 @@ def _per_seed_deltas(doc: dict) -> list[str]:
 
 def _accuracy_v1(doc: dict) -> str:
     cfg = doc["config"]
+    epochs = cfg.get("epochs") or {"mnist": 4, "digits": 20}[cfg["dataset"]]
     lines = [
-        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, "
-        f"{cfg.get('epochs') or {'mnist': 4, 'digits': 20}[cfg['dataset']]} epochs, batch {cfg['batch_size']}/rank, "
-        f"SGD lr {cfg['lr']} momentum {cfg['momentum']}; "
+        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, {epochs} epochs, batch "
+        f"{cfg['batch_size']}/rank, SGD lr {cfg['lr']} momentum {cfg['momentum']}; "
         f"machine: {_machine(doc['machine'])})",
         "",
         "| method | ratio | wire MB/step | test acc | Δ acc (pp) | ms/step |",
@@ -125,10 +150,219 @@ def _accuracy_v1(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _seed_means(doc: dict, seeds) -> dict:
+    """Each method's mean Δ against Identity over ``seeds`` (points), from the per-seed rows."""
+    rows = doc["rows"]
+    ref = {s["seed"]: s["accuracy"] for s in next(r for r in rows if r["method"] == "Identity")["per_seed"]}
+    out = {}
+    for r in rows:
+        ds = [100 * (s["accuracy"] - ref[s["seed"]]) for s in r["per_seed"] if s["seed"] in seeds]
+        out[r["method"]] = statistics.mean(ds)
+    return out
+
+
+def _cell(doc: dict, method: str, first: tuple) -> str:
+    """``309×, −0.24 pp (median −0.35; seeds 0–2 −0.53)`` for one method of a many-seed run."""
+    r = next(r for r in doc["rows"] if r["method"] == method)
+    ref = {s["seed"]: s["accuracy"] for s in next(x for x in doc["rows"] if x["method"] == "Identity")["per_seed"]}
+    ds = [100 * (s["accuracy"] - ref[s["seed"]]) for s in r["per_seed"]]
+    few = _seed_means(doc, first)[method]
+    below = sum(d < 0 for d in ds)
+    note = f"; {below} of {len(ds)} seeds below Identity" if below == len(ds) else ""
+    return (
+        f"{r['ratio']:.0f}×, {_pp(100 * r['delta_accuracy'])} (median {_pp(statistics.median(ds))}; "
+        f"seeds {first[0]}–{first[-1]} {_pp(few)}{note})"
+    )
+
+
+def _pp(v: float) -> str:
+    return f"{v:+.2f} pp".replace("-", "−")
+
+
+_OPTIMIZERS = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+def verdicts(*names: str) -> str:
+    """One row per compressing method of the many-seed runs ``names`` (one column each):
+    link ratio, mean Δ against Identity, its median and the mean over the first three seeds."""
+    docs = [_load(n) for n in names]
+    methods = [r["method"] for r in docs[0]["rows"] if r["method"] != "Identity"]
+    heads = []
+    for d in docs:
+        c = d["config"]
+        extra = (f", `--clip {c['clip']:g}`" if c.get("clip") is not None else "") + (
+            ", `--precondition`" if c.get("precondition") else ""
+        )
+        heads.append(f"{_OPTIMIZERS.get(c['optimizer'], c['optimizer'])}{extra}, {len(c['seeds'])} seeds")
+    lines = [
+        "| method | " + " | ".join(heads) + " |",
+        "|---|" + "---|" * len(docs),
+    ]
+    for m in methods:
+        lines.append(f"| `{m}` | " + " | ".join(_cell(d, m, (0, 1, 2)) for d in docs) + " |")
+    lines += ["", "Result files: " + ", ".join(_link(n) for n in names) + "."]
+    return "\n".join(lines)
+
+
+# -- the README's headline ------------------------------------------------------------------------
+#: The README's headline: the 8-seed accuracy runs with clipping (SGD, AdamW, AdamW preconditioned).
+HEADLINE_RUNS = (
+    "accuracy_mnist_4ranks_sgd_clip2_8seeds_cpu.json",
+    "accuracy_mnist_4ranks_adamw_clip2_8seeds_cpu.json",
+    "accuracy_mnist_4ranks_adamw_clip2_precondition_8seeds_cpu.json",
+)
+
+
+def headline() -> str:
+    """The README's two short tables: the DDP hook's accuracy against link bytes (8 seeds), then
+    one line per other front end. Every number is read here from the file named beside it."""
+    sgd, adamw, pre = (_load(n) for n in HEADLINE_RUNS)
+
+    def row(doc, method):
+        return next(r for r in doc["rows"] if r["method"] == method)
+
+    c = sgd["config"]
+    lines = [
+        f"The DDP hook on the bench's MNIST CNN, {c['workers']} gloo ranks, {c['epochs']} epochs, mean of "
+        f"{len(c['seeds'])} seeds, local clipping {c['clip']:g}; Δ: test accuracy against uncompressed DDP "
+        f"(Identity) on the same seed ({_short_machine(sgd['machine'])}; "
+        + ", ".join(f"`{n}`" for n in HEADLINE_RUNS)
+        + "):",
+        "",
+        "| method | link bytes, fewer than DDP (SGD / AdamW) | Δ, SGD momentum 0.9 | Δ, AdamW |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in sgd["rows"]:
+        m = r["method"]
+        if m == "Identity":
+            continue
+        a = row(adamw, m)
+        ad = _pp(100 * a["delta_accuracy"])
+        if m == "SignSGD":
+            p = row(pre, m)
+            ad = f"{_pp(100 * p['delta_accuracy'])} with `precondition=True` ({_pp(100 * a['delta_accuracy'])} without)"
+        lines.append(f"| `{m}` | {r['ratio']:.0f}× / {a['ratio']:.0f}× | {_pp(100 * r['delta_accuracy'])} | {ad} |")
+
+    lines += ["", "| front end | method | result | file (machine) |", "|---|---|---|---|"]
+    for name, text in _other_front_ends():
+        doc = _load(name)
+        lines.append(f"| {text} | `{name}` ({_short_machine(_as_machine(doc))}) |")
+    return "\n".join(lines)
+
+
+def _as_machine(doc: dict) -> dict:
+    """A ``machine()`` record, also from the FSDP files (``description``, ``cpus``)."""
+    m = doc["machine"]
+    if "cores" in m:
+        return m
+    return {"cpu": m.get("cpu", "CPU"), "cores": m.get("cpus") or int(re.search(r"(\d+)-core", m["description"])[1])}
+
+
+def _other_front_ends() -> list[tuple[str, str]]:
+    out = []
+    d = _load("diloco_mnist_4ranks_sgd_cpu.json")
+    m = "DiLoCo(period=32, compression=Int8(), outer_kwargs={'momentum': 0.5})"
+    r = next(x for x in d["rows"] if x["method"] == m)
+    out.append(
+        (
+            "diloco_mnist_4ranks_sgd_cpu.json",
+            f"`gz.DiLoCo`, MNIST CNN, {d['config']['workers']} ranks, {len(d['config']['seeds'])} seeds | `{m}` "
+            f"| {r['ratio']:.0f}× fewer link bytes than DDP, {_pp(100 * r['delta_accuracy'])}",
+        )
+    )
+    h = _load("horovod_mnist_2ranks_30ep_cpu.json")
+    s = h["summary"]["TopK(0.01)"]
+    out.append(
+        (
+            "horovod_mnist_2ranks_30ep_cpu.json",
+            '`gradzip.horovod`, Horovod\'s MNIST example, 2 ranks, 30 epochs, 3 seeds | `compression="TopK(0.01)"` '
+            f"| {s['link_ratio']:.0f}× fewer link bytes, {_pp(s['delta_pp'])} against Horovod",
+        )
+    )
+    f = _load("fsdp_bytes.json")
+    r = next(x for x in f["summary"] if x["model"] == "small" and x["layout"] == "fsdp" and x["rs"] == "Int8()")
+    out.append(
+        (
+            "fsdp_bytes.json",
+            f"`gz.fsdp`, FSDP2 reduce-scatter, {r['params'] / 1e3:.0f}k parameters, {r['world']} ranks | "
+            f"`reduce_scatter=gz.Int8()` | {r['ratio_vs_plain_fsdp2']:.2f} of plain FSDP2's bytes on the wire",
+        )
+    )
+    lb = _load("linkbytes.json")
+    r = next(x for x in lb["rows"] if x["N"] == 8 and x["method"] == "TwoPhase(TopK(0.01))")
+    out.append(
+        (
+            "linkbytes.json",
+            f"DDP hook, bytes read on the wire at {r['N']} ranks | `TwoPhase(TopK(0.01))` "
+            f"| {100 * r['lo_fraction_of_ddp']:.2f}% of plain DDP's bytes",
+        )
+    )
+    return out
+
+
+# -- AdamW's step sizes (benchmarks/adam_steps.py) -------------------------------------------------
+def adam_steps(doc: dict) -> str:
+    c = doc["config"]
+    lines = [
+        f"`{_cmd(doc['command'])}` ({c['workers']} gloo ranks, {c['optimizer']}, momentum correction "
+        f"{c['momentum_correction']}{', --precondition' if c.get('precondition') else ''}, seed {c['seed']}, "
+        f"{c['epochs']} epochs; the last epoch's steps; machine: {_machine(doc['machine'])})",
+        "",
+        "| method | link ratio | test acc (%) | mean step / lr | median step / lr | coordinates > 0.1·lr | > 0.5·lr |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['ratio']:.1f}× | {100 * r['accuracy']:.2f} | {r['mean_normalized_step']:.3f} "
+            f"| {r['median_normalized_step']:.3f} | {100 * r['fraction_above_0.1']:.1f}% "
+            f"| {100 * r['fraction_above_0.5']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+# -- the Horovod example (benchmarks/horovod_mnist.py) ---------------------------------------------
+def horovod(*names: str) -> str:
+    """Mean test accuracy of Horovod's MNIST example, Horovod against gradzip.horovod, per file."""
+    docs = [_load(n) for n in names]
+    methods = [m for m in docs[0]["summary"] if isinstance(docs[0]["summary"][m], dict) and m != "Identity()"]
+    lines = [
+        "| epochs | Horovod | " + " | ".join(methods) + " | command |",
+        "|---:|---:|" + "---:|" * len(methods) + "---|",
+    ]
+    for d in docs:
+        s = d["summary"]
+        base = s[methods[0]]["horovod_mean_test_accuracy"]
+        cells = [
+            f"{100 * s[m]['mean_test_accuracy']:.2f}% ({_pp(s[m]['delta_pp'])}), {s[m]['link_ratio']:.1f}×"
+            for m in methods
+        ]
+        epochs = d["runs"][0]["epochs"]
+        lines.append(f"| {epochs} | {100 * base:.2f}% | " + " | ".join(cells) + f" | `{_cmd(d['command'])}` |")
+    d = docs[-1]
+    hv = [r["test_accuracy"] for r in d["runs"] if r["hvd"] == "horovod"]
+    under_hvd = [f for x in docs for f in x["summary"]["Identity()"]["params_equal_horovod"]]
+    under_torchrun = [f for x in docs for f in x["summary"]["torchrun_identity_params_equal_horovod"]]
+    lines += [
+        "",
+        f"Each cell: mean test accuracy over the seeds (Δ against Horovod's mean), then the link ratio gradzip "
+        f"counted. Identity (seed 0) ends with Horovod's parameters bit for bit in {_yes(under_hvd)} under "
+        f"horovodrun and {_yes(under_torchrun)} under torchrun. Horovod's own seeds span "
+        f"{100 * min(hv):.1f}–{100 * max(hv):.1f}% at {d['runs'][0]['epochs']} epochs. "
+        f"Machine: {', '.join(sorted({_machine(x['machine']) for x in docs}))}.",
+    ]
+    return "\n".join(lines)
+
+
+def _yes(flags: list) -> str:
+    return f"{sum(bool(f) for f in flags)} of {len(flags)} runs"
+
+
+# -- step time, overhead, plan, PowerSGD, kernels --------------------------------------------------
 def step_time(doc: dict) -> str:
+    steps = "/".join(map(str, doc["steps"])) if isinstance(doc["steps"], list) else doc["steps"]
     lines = [
         f"`benchmarks/step_time.py` ({doc['ranks']} ranks in network namespaces, MLP of "
-        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {'/'.join(map(str, doc['steps'])) if isinstance(doc['steps'], list) else doc['steps']} steps"
+        f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {steps} steps"
         f"{' after ' + str(doc['warmup']) + ' warm-up' if 'warmup' in doc else ''}"
         f"{', DDP gradient_as_bucket_view' if doc.get('gradient_as_bucket_view') else ''}; "
         f"machine: {_machine(doc['machine'])})",
@@ -144,8 +378,9 @@ def step_time(doc: dict) -> str:
             else ""
         )
         lines.append(
-            f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} | {100 * r['model_error']:+.1f}% "
-            f"| {r['bytes_sent_per_step'] / 1e6:.3f} | {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {cpu} |"
+            f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} "
+            f"| {100 * r['model_error']:+.1f}% | {r['bytes_sent_per_step'] / 1e6:.3f} "
+            f"| {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {cpu} |"
         )
     return "\n".join(lines)
 
@@ -174,16 +409,18 @@ def plan_check(doc: dict) -> str:
 
 def powersgd(doc: dict) -> str:
     lines = [
-        f"`benchmarks/powersgd_step.py` (2 gloo ranks, rank {doc['config'].get('rank', 2)}, one bucket, methods "
-        f"alternating in one run; machine: {_machine(doc['machine'])})",
+        f"`benchmarks/powersgd_step.py` ({doc['config']['world']} gloo ranks, rank {doc['config'].get('rank', 2)}, one "
+        f"bucket, methods alternating in one run; median wall time per step; machine: {_machine(doc['machine'])})",
         "",
-        "| width (params) | plain DDP ms | torch powerSGD_hook ms | gradzip PowerSGD ms | gradzip / torch |",
-        "|---|---:|---:|---:|---:|",
+        "| width (params) | plain DDP ms | torch powerSGD_hook ms | gradzip PowerSGD ms | gradzip / torch "
+        "| bytes/step: torch, gradzip |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         lines.append(
             f"| {r['width']} ({r['params']:,}) | {r['ddp']['median_ms']:.2f} | {r['torch_powersgd']['median_ms']:.2f} "
-            f"| {r['gradzip_powersgd']['median_ms']:.2f} | {r['ratio_gradzip_over_torch']:.3f} |"
+            f"| {r['gradzip_powersgd']['median_ms']:.2f} | {r['ratio_gradzip_over_torch']:.3f} "
+            f"| {r['torch_bytes_per_step']:,.0f}, {r['gradzip_bytes_per_step']:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -191,7 +428,7 @@ def powersgd(doc: dict) -> str:
 def overhead(doc: dict) -> str:
     """Hook overhead against plain DDP, step by step in pairs (benchmarks/overhead.py)."""
     lines = [
-        f"`sudo python benchmarks/overhead.py --ranks {doc['ranks']} --steps {doc['cycles']}` "
+        f"`sudo .venv/bin/python -m benchmarks.overhead --ranks {doc['ranks']} --steps {doc['cycles']}` "
         f"({doc['ranks']} ranks, link {doc['rate']}, {doc['cycles']} cycles of one step per model in random order "
         f"after {doc['warmup']} warm-up, MLP width {doc['width']}; machine: {_machine(doc['machine'])})",
         "",
@@ -212,7 +449,7 @@ def kernels(doc: dict) -> str:
     """The GPU kernel benchmark at its largest size: time, GB/s over minimal bytes, share of copy."""
     n = max(r["n"] for r in doc["results"])
     lines = [
-        f"`python benchmarks/kernels.py` on {doc['device']} (torch {doc['torch']}, triton {doc['triton']}, "
+        f"`python -m benchmarks.kernels` on {doc['device']} (torch {doc['torch']}, triton {doc['triton']}, "
         f"cupy {doc['cupy']}; {doc['date'][:10]}); copy bandwidth {doc['copy_bandwidth_gbps']:.0f} GB/s "
         f"(read + write); n = {n:,} float32 elements, GB/s over the minimal bytes of each op",
         "",
@@ -228,8 +465,7 @@ def kernels(doc: dict) -> str:
         )
     lines += [
         "",
-        "Goals (issue 5): "
-        + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in doc["goals"].items() if v is not None),
+        "Goals: " + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in doc["goals"].items() if v is not None),
     ]
     return "\n".join(lines)
 
@@ -237,9 +473,10 @@ def kernels(doc: dict) -> str:
 def hierarchy(doc: dict) -> str:
     """benchmarks/hierarchy.py: step time per method on 2 emulated nodes of 2 ranks, beside the cost model."""
     lines = [
-        f"`{doc['command']}` ({doc['world']} ranks as {doc['world'] // doc['local_size']} nodes of "
+        f"`{_cmd(doc['command'])}` ({doc['world']} ranks as {doc['world'] // doc['local_size']} nodes of "
         f"{doc['local_size']}, inter-node link {doc['rate']}, MLP width {doc['width']} depth {doc['depth']}, batch "
-        f"{doc['batch']}/rank, median of {doc['steps']} steps after {doc['warmup']}; machine: {_machine(doc['machine'])})",
+        f"{doc['batch']}/rank, median of {doc['steps']} steps after {doc['warmup']}; "
+        f"machine: {_machine(doc['machine'])})",
         "",
         "| method | step (s) | model (s) | model error | compute (s) | codec (s) | wire (s) |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -253,14 +490,199 @@ def hierarchy(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    accuracy_files = (
-        sorted(f for f in os.listdir(HERE) if f.startswith(("accuracy_", "diloco_")) and f.endswith(".json"))
-        if os.path.isdir(HERE)
-        else []
-    )
+def plan(doc: dict) -> str:
+    """A ``gradzip plan --json`` result: predicted step time (scaling efficiency) per method and world."""
+    inp = doc["inputs"]
+    worlds, methods = inp["worlds"], inp["methods"]
+    cell = {(r["method"], r["world"]): r for r in doc["rows"]}
+    link, intra = inp["link"], inp.get("intra_link")
+    lines = [
+        f"Model: {inp['model']} ({inp['tensors']} tensors, {inp['dtype']}), {1e3 * inp['compute_s']:g} ms of compute "
+        f"a step; link {link['bandwidth_bps'] / 1e9:g} Gbit/s, {1e6 * link['latency_s']:g} µs"
+        + (
+            f" per node of {inp['local_size']} ranks, {intra['bandwidth_bps'] / 1e9:g} Gbit/s, "
+            f"{1e6 * intra['latency_s']:g} µs inside a node"
+            if intra and inp.get("local_size")
+            else ""
+        )
+        + f". Codec profile: {doc['profile']['source']}; profiled {doc['profile']['machine']['date']}.",
+        "",
+        "Predicted step time in ms (scaling efficiency = compute / step):",
+        "",
+        "| method | " + " | ".join(f"N = {n}" for n in worlds) + " |",
+        "|---|" + "---:|" * len(worlds),
+    ]
+    for m in methods:
+        cells = []
+        for n in worlds:
+            r = cell.get((m, n))
+            cells.append("—" if r is None else f"{1e3 * r['total_s']:.1f} ({100 * r['efficiency']:.0f}%)")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", f"Best per world size: {', '.join(f'N = {n}: {m}' for n, m in doc['best'].items())}."]
+    lines += ["", doc["recommendation"]]
+    for note in doc.get("notes", []):
+        lines += ["", f"Note: {note}."]
+    return "\n".join(lines)
+
+
+# -- FSDP2 (benchmarks/fsdp_bytes.py, benchmarks/fsdp_acceptance.py) -------------------------------
+def fsdp_bytes(doc: dict) -> str:
+    """Reduction bytes per rank per step on ``lo``, plain FSDP2 against gradzip.fsdp."""
+    by = {}
+    for s in doc["summary"]:
+        by.setdefault((s["model"], s["layout"] == "fsdp", s["world"]), []).append(s)
+    lines = [
+        f"`{_cmd(doc['command'])}` ({doc['machine']['description']}, torch {doc['machine']['torch']}). "
+        f"{doc['method']}. Per rank per step, kB.",
+        "",
+        "| model | layout | ranks | plain | gradzip Identity | gradzip Int8 | Int8 / plain | Int8 / textbook RS |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    layouts = {
+        "fsdp": "FSDP2",
+        "hsdp": "HSDP 2×2: Int8 reduce-scatter, FSDP2's own replica all-reduce",
+        "hsdp_shard": "HSDP 2×2: Int8 reduce-scatter and Int8 replica average",
+    }
+    for s in doc["summary"]:
+        if s["rs"] != "Int8()":
+            continue
+        ident = next((x for x in by[(s["model"], s["layout"] == "fsdp", s["world"])] if x["rs"] == "Identity()"), None)
+        ident_kb = "" if ident is None else f"{ident['gradzip_lo_bytes_per_rank_step'] / 1e3:,.0f}"
+        textbook = s["ratio_vs_textbook_reduce_scatter"]
+        lines.append(
+            f"| {s['model']}, {s['params']:,} params | {layouts[s['layout']]} | {s['world']} "
+            f"| {s['plain_lo_bytes_per_rank_step'] / 1e3:,.0f} | {ident_kb} "
+            f"| {s['gradzip_lo_bytes_per_rank_step'] / 1e3:,.0f} | {s['ratio_vs_plain_fsdp2']:.2f} "
+            f"| {'' if textbook is None else f'{textbook:.2f}'} |"
+        )
+    lines += [
+        "",
+        "*Textbook RS*: a reduce-scatter sending `(N-1)/N` of the gradient, as NCCL's ring does; gloo runs "
+        "`reduce_scatter` as a full ring allreduce.",
+    ]
+    return "\n".join(lines)
+
+
+def fsdp_acceptance(doc: dict) -> str:
+    lines = [
+        f"`{_cmd(doc['command'])}` ({doc['machine']['description']}, torch {doc['machine']['torch']}); model: "
+        f"{doc['model']}.",
+        "",
+        "| layout | ranks | steps | Identity = plain, bit for bit | Identity's largest parameter difference "
+        "| Int8's largest loss difference | plain's loss std, last 20 steps | Int8's link ratio |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['layout']} | {r['world']} | {r['steps']} | {'yes' if r['identity_bit_identical'] else 'no'} "
+            f"| {r['identity_max_param_diff']:.1e} | {r['int8_max_loss_diff']:.1e} | {r['plain_loss_std_last20']:.3f} "
+            f"| {r['int8_stats']['ratio']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+# -- the page --------------------------------------------------------------------------------------
+def _link(name: str) -> str:
+    return f"[`{name}`]({LINK}{name})"
+
+
+def _files(name: str) -> str:
+    """``Result files: ...`` naming the JSON and the CSV/PNG written beside it."""
+    stem = name[: -len(".json")] if name.endswith(".json") else name
+    names = [name] + [f"{stem}.{ext}" for ext in ("csv", "png") if (RESULTS / f"{stem}.{ext}").exists()]
+    return "Result files: " + ", ".join(_link(n) for n in names) + "."
+
+
+def _with_files(render):
+    def run(name: str) -> str:
+        out = render(_load(name)) + "\n\n" + _files(name)
+        png = RESULTS / (name[: -len(".json")] + ".png")
+        if render is accuracy and png.exists():
+            out += f"\n\n![Pareto plot: {name[: -len('.json')]}]({LINK}{png.relative_to(RESULTS)})"
+        return out
+
+    return run
+
+
+def _linkbytes(name: str) -> str:
+    doc = _load(name)
+    doc["command"] = _cmd(doc["command"])
+    return linkbytes_report.table(doc) + "\n\n" + linkbytes_report.scaling(doc) + "\n\n" + _files(name)
+
+
+def _streaming(name: str) -> str:
+    doc = _load(name)
+    doc["command"] = _cmd(doc["command"])
+    return streaming_report.report(doc) + "\n\n" + _files(name)
+
+
+def _explore(*, shown: frozenset = frozenset()) -> str:
+    """Every exploratory run under ``explore/`` but those ``shown`` elsewhere on the page, one table each."""
+    out = []
+    for path in sorted((RESULTS / "explore").glob("*.json")):
+        name = str(path.relative_to(RESULTS))
+        if name in shown:
+            out += [f"### `{path.stem}`", "", f"Shown above; {_files(name)[0].lower()}{_files(name)[1:]}", ""]
+            continue
+        out += [f"### `{path.stem}`", "", _with_files(accuracy)(name), ""]
+    return "\n".join(out).rstrip()
+
+
+def _horovod(*names: str) -> str:
+    return horovod(*names) + "\n\nResult files: " + ", ".join(_link(n) for n in names) + "."
+
+
+RENDERERS = {
+    "accuracy": _with_files(accuracy),
+    "adam_steps": _with_files(adam_steps),
+    "verdicts": verdicts,
+    "headline": lambda: headline(),
+    "horovod": _horovod,
+    "streaming": _streaming,
+    "linkbytes": _linkbytes,
+    "hierarchy": _with_files(hierarchy),
+    "plan": _with_files(plan),
+    "fsdp_bytes": _with_files(fsdp_bytes),
+    "fsdp_acceptance": _with_files(fsdp_acceptance),
+    "step_time": _with_files(step_time),
+    "overhead": _with_files(overhead),
+    "plan_check": _with_files(plan_check),
+    "powersgd": _with_files(powersgd),
+    "kernels": _with_files(kernels),
+    "explore": _explore,
+}
+
+_DIRECTIVE = re.compile(r"^\{\{\s*(\w+)((?:\s+\S+)*)\s*\}\}$")
+
+
+def page(template: str | None = None) -> str:
+    """The results page: the template with every ``{{ KIND ARGS }}`` line rendered."""
+    text = TEMPLATE.read_text() if template is None else template
+    out = [
+        "<!-- Written by `python -m benchmarks.report --page docs/results.md` from benchmarks/report_page.md and "
+        "the files under benchmarks/results/: edit those, then rerun it. -->",
+        "",
+    ]
+    lines = [line for line in text.splitlines() if not (line.startswith("<!--") and line.endswith("-->"))]
+    directives = [(i, _DIRECTIVE.match(line.strip())) for i, line in enumerate(lines)]
+    shown = frozenset(arg for _, m in directives if m for arg in m[2].split())
+    for line, (_, m) in zip(lines, directives):
+        if m is None:
+            out.append(line)
+            continue
+        kind, args = m[1], m[2].split()
+        if kind not in RENDERERS:
+            raise ValueError(f"unknown table kind {kind!r} in {line!r}; known: {sorted(RENDERERS)}")
+        out.append(_explore(shown=shown) if kind == "explore" else RENDERERS[kind](*args))
+    return "\n".join(out).strip() + "\n"
+
+
+def tables() -> str:
+    """Every table of the top-level result files this script knows, in a fixed order."""
+    names = sorted(p.name for p in RESULTS.glob("*.json") if p.name.startswith(("accuracy_", "diloco_")))
+    out = []
     for name, fn in (
-        *((f, accuracy) for f in accuracy_files),
+        *((n, accuracy) for n in names),
         ("hierarchy.json", hierarchy),
         ("step_time.json", step_time),
         ("step_time_2ranks.json", step_time),
@@ -272,9 +694,25 @@ def main() -> None:
     ):
         doc = _load(name)
         if doc is not None:
-            print(fn(doc))
-            print()
+            out += [fn(doc), ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--page", metavar="PATH", help="write the results page (docs/results.md) to PATH")
+    p.add_argument("--headline", action="store_true", help="print the README's headline tables")
+    a = p.parse_args(argv)
+    if a.page:
+        os.makedirs(os.path.dirname(os.path.abspath(a.page)), exist_ok=True)
+        Path(a.page).write_text(page())
+        print(f"wrote {a.page}")
+    elif a.headline:
+        print(headline())
+    else:
+        print(tables())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,7 @@
-"""README.md's examples run, and its command lines name real flags.
+"""README.md is a short guide whose examples run and whose command lines name real flags.
+
+* It stays a guide a newcomer reads in one sitting: at most :data:`MAX_LINES` lines (the
+  results tables live on docs/results.md, written by ``python -m benchmarks.report``).
 
 * Every ```python block of README.md runs. The blocks form one script (later blocks use what
   earlier ones define, as the README says), so they run in order, in one namespace, on 2 gloo
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 WORLD = 2
 TIMEOUT_S = 240
+MAX_LINES = 500
 
 
 def fenced_blocks(text: str, lang: str) -> list[tuple[int, str]]:
@@ -93,10 +98,10 @@ BLOCKS = python_blocks()
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    from gradzip.bench import free_port
-
     work = tmp_path_factory.mktemp("readme")
-    port = free_port()
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs, outs = [], []
     for r in range(WORLD):
         env = dict(os.environ)
@@ -144,6 +149,11 @@ def readme_run(tmp_path_factory):
 
 def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 10
+
+
+def test_the_readme_is_short():
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_LINES, f"README.md has {lines} lines; results tables belong on docs/results.md"
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
