@@ -1,10 +1,10 @@
-"""Print the README's link-bytes table (markdown) from benchmarks/results/linkbytes.json.
+"""Print the link-bytes tables (markdown, in docs/results.md) from benchmarks/results/linkbytes.json.
 
-    python benchmarks/linkbytes_report.py [path/to/linkbytes.json]
+    python -m benchmarks.linkbytes_report [path/to/linkbytes.json]
 
 First table: N x method x protocol. Columns, per rank per step: the bytes measured on the
 namespace's ``lo`` (benchmarks/linkbytes.py), gradzip's own ``bytes_link``, their ratio,
-and the measured bytes as a fraction of plain DDP's at the same N; then the issue's targets.
+and the measured bytes as a fraction of plain DDP's at the same N; then the targets.
 Second table: method x N, and each method's growth from the smallest to the largest N.
 """
 
@@ -59,7 +59,7 @@ def table(doc: dict) -> str:
         )
     t = doc.get("targets") or {}
     if t:
-        lines += ["", "Issue targets (measured lo bytes):", ""]
+        lines += ["", "Targets (measured lo bytes):", ""]
         for k, v in t.items():
             extra = ""
             if "gradzip_bytes_link_8_over_2" in v:

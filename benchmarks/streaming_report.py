@@ -1,6 +1,8 @@
 """Print the markdown tables of a benchmarks/streaming.py result.
 
-python benchmarks/streaming_report.py [benchmarks/results/streaming.json]
+    python -m benchmarks.streaming_report [benchmarks/results/streaming.json]
+
+``benchmarks/report.py`` puts them on docs/results.md.
 """
 
 from __future__ import annotations
