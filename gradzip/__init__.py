@@ -35,6 +35,7 @@ __version__ = "0.2.0"
 # of the grammar (``gz.parse``). The names, their modules and ``__all__`` come from that table.
 __all__ = _names.public()
 _PUBLIC = frozenset(__all__)
+_SUBMODULES = _names.submodules()
 
 if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (tests/project/test_names.py checks them)
     from . import checkpoint as checkpoint
@@ -93,11 +94,14 @@ def _load() -> None:
 
 
 def __getattr__(name: str) -> Any:
+    # A module (gz.checkpoint, gradzip.fsdp on first use: importing torch.distributed.fsdp
+    # takes seconds) loads alone, so that ``from . import checkpoint`` inside the package,
+    # which asks the package first, imports that module and nothing else.
+    if name in _SUBMODULES or name in _names.ON_FIRST_USE:
+        return importlib.import_module(f".{_SUBMODULES.get(name, name)}", __name__)
     if name in _PUBLIC:
         _load()
         return globals()[name]
-    if name in _names.ON_FIRST_USE:  # gradzip.fsdp: importing torch.distributed.fsdp takes seconds
-        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
 
 

@@ -128,9 +128,9 @@ def exports() -> dict[str, str]:
     return {n.name: n.module for n in PUBLIC if n.kind != "module"}
 
 
-def submodules() -> list[str]:
-    """The modules that are public names themselves (``gz.checkpoint``, ...)."""
-    return [n.module for n in PUBLIC if n.kind == "module"]
+def submodules() -> dict[str, str]:
+    """``{name: module}`` of the public names that are modules themselves (``gz.checkpoint``, ...)."""
+    return {n.name: n.module for n in PUBLIC if n.kind == "module"}
 
 
 def methods(kind: str | None = None) -> list[str]:

@@ -543,7 +543,10 @@ class Engine:
             "stats": self.stats_.state_dict(),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def check_state(self, sd: dict) -> None:
+        """Refuse, with ``ValueError`` and before anything changes, a state this engine cannot
+        load: another state version, another rank or world size (:func:`check_owner`),
+        another method config or error feedback, momentum buffers without momentum correction."""
         if sd.get("version") != STATE_VERSION:
             raise ValueError(
                 f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}); "
@@ -554,18 +557,25 @@ class Engine:
         for key in sorted(set(saved) | set(mine)):
             if saved.get(key) != mine.get(key):
                 raise ValueError(
-                    f"method config differs from the checkpoint in {key!r}: saved {saved.get(key)!r}, now {mine.get(key)!r}"
+                    f"method config differs from the checkpoint in {key!r}: "
+                    f"saved {saved.get(key)!r}, now {mine.get(key)!r}"
                 )
         if bool(sd["error_feedback"]) != self.error_feedback:
             raise ValueError(
                 f"error_feedback differs from the checkpoint: saved {sd['error_feedback']}, now {self.error_feedback}"
             )
+        if self.moments is None and sd.get("momentum"):
+            raise ValueError("the checkpoint holds momentum buffers of momentum correction: pass the optimizer again")
+
+    def load_state_dict(self, sd: dict, *, checked: bool = False) -> None:
+        """Load what :meth:`state_dict` saved, after :meth:`check_state` (``checked=True``: the
+        caller has run it on ``sd`` already)."""
+        if not checked:
+            self.check_state(sd)
         self.step = int(sd["step"])
         if self.memory is not None:
             self.memory.load_state_dict(sd["residuals"])
         if self.moments is not None:
             self.moments.load_state_dict(sd.get("momentum", {}))
-        elif sd.get("momentum"):
-            raise ValueError("the checkpoint holds momentum buffers of momentum correction: pass the optimizer again")
         self.tensor_state = {k: dict(v) for k, v in sd["tensor_state"].items()}
         self.stats_.load_state_dict(sd["stats"])

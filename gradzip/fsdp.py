@@ -63,11 +63,14 @@ still owed, whatever the new number of ranks.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
@@ -76,6 +79,7 @@ from torch.distributed.tensor import DTensor
 
 from .codecs.base import Codec
 from .engine import Engine, check_real, layout_of
+from .frontend import FrontEnd
 from .protocols import Protocol, ReduceScatter
 from .protocols.twophase import piece_bounds
 
@@ -213,41 +217,88 @@ def _group_of(g) -> dist.ProcessGroup:
     raise TypeError(f"replicate_group must be a ProcessGroup or a 1-D DeviceMesh, got {type(g).__name__}")
 
 
-class FSDPState:
-    """What :func:`compress` returns: stats, the engines, and a DCP-ready state.
+class FSDPState(FrontEnd):
+    """What :func:`compress` returns: the front-end surface (:class:`gradzip.frontend.FrontEnd`)
+    over one or two engines, and a DCP-ready state.
+
+    With HSDP both collectives are compressed, each by its engine (``engine``: the
+    reduce-scatter's, ``replicate_engine``: the replica all-reduce's); the surface reports them
+    together. ``stats()`` sums their counts (bytes, collectives, seconds; ``steps`` is the
+    number of backward passes that reduced, which both count) and derives the ratios from the
+    sums: ``ratio`` is then the link bytes FSDP's own reduce-scatter and all-reduce would send
+    over what gradzip sent for both. ``stats(which="reduce_scatter")`` or ``"replicate"`` is one
+    engine's alone. ``routes()`` lists both engines' rows, each with ``"collective"``
+    (``"reduce_scatter"`` or ``"replicate"``). ``log_every`` calls ``fn`` once per step with
+    the summed interval.
 
     ``state_dict()`` / ``load_state_dict()`` make it ``Stateful``: put the object itself in
-    the dict handed to ``torch.distributed.checkpoint.save`` / ``load``. Both are
-    collectives (every rank calls them, in the same order).
+    the dict handed to ``torch.distributed.checkpoint.save`` / ``load``; ``save(dir)`` /
+    ``load(dir)`` do that with the state alone. Both are collectives (every rank calls them, in
+    the same order). The state is not per rank: DCP reshards the pending updates to any number
+    of ranks, so no owner is checked.
     """
 
     def __init__(
-        self, model, engine: Engine | None, replicate_engine: Engine | None, groups: list, rs_group, rep_group
+        self,
+        model: torch.nn.Module,
+        engine: Engine | None,
+        replicate_engine: Engine | None,
+        groups: list[_Group],
+        rs_group: dist.ProcessGroup,
+        rep_group: dist.ProcessGroup | None,
     ) -> None:
         self.model = model
-        self.engine = engine
+        self.engine = engine  # type: ignore[assignment]  # None: FSDP's own reduce-scatter
         self.replicate_engine = replicate_engine
         self.groups: list[_Group] = groups
         self.rs_group = rs_group
         self.replicate_group = rep_group
-        self._rs_ranks = {}
+        self._rs_ranks: dict[int, list[int]] = {}
         self._closing = False
 
     @property
     def step(self) -> int:
+        """Backward passes that reduced, as checkpointed."""
         return (self.engine or self.replicate_engine).step
 
-    def stats(self, which: str = "reduce_scatter") -> dict:
-        """Bytes and times counted at the collectives (:mod:`gradzip.stats`) of the compressed
-        reduce-scatter (``which="reduce_scatter"``, the default) or of the compressed replica
-        all-reduce (``"replicate"``). ``bytes_link_raw`` is what FSDP's own collective would
-        send: ``(N-1)/N`` of the input for the reduce-scatter, ``2(N-1)/N`` for the all-reduce."""
+    def _engines(self) -> dict[str, Engine]:
         engines = {"reduce_scatter": self.engine, "replicate": self.replicate_engine}
-        if which not in engines:
-            raise ValueError(f"which must be 'reduce_scatter' or 'replicate', got {which!r}")
-        if engines[which] is None:
-            raise ValueError(f"gradzip.fsdp.compress was called without {which}=")
-        return engines[which].stats()
+        return {k: e for k, e in engines.items() if e is not None}
+
+    def stats(self, reset: bool = False, *, which: str | None = None) -> dict:
+        """Bytes and times counted at the collectives (:mod:`gradzip.stats`), of both compressed
+        collectives together (see the class docstring), or of one: ``which="reduce_scatter"``
+        or ``"replicate"``. ``bytes_link_raw`` is what FSDP's own collectives would send:
+        ``(N-1)/N`` of the input for the reduce-scatter, ``2(N-1)/N`` for the all-reduce.
+        ``reset=True``: those since the previous ``stats(reset=True)`` of the same engines.
+        (``stats("replicate")``, the former spelling, is ``stats(which="replicate")``.)"""
+        if isinstance(reset, str):
+            which, reset = reset, False
+        engines = self._engines()
+        if which is not None:
+            if which not in ("reduce_scatter", "replicate"):
+                raise ValueError(f"which must be 'reduce_scatter' or 'replicate', got {which!r}")
+            if which not in engines:
+                raise ValueError(f"gradzip.fsdp.compress was called without {which}=")
+            engines = {which: engines[which]}
+        return self._stats_of(list(engines.values()), reset)
+
+    def check_owner(self, state_dict: dict) -> None:
+        """Nothing to refuse: the state holds no rank (DCP reshards it to any number of ranks)."""
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """``torch.distributed.checkpoint.save`` of this state alone into ``directory`` (a
+        collective: every rank calls it); returns the directory."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"gradzip": self}, checkpoint_id=directory)
+        return Path(directory)
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Load what :meth:`save` wrote, resharded to this run's ranks (a collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"gradzip": self}, checkpoint_id=directory)
 
     # -- the step -------------------------------------------------------------------------
     def _check_group(self, group) -> None:
@@ -288,9 +339,8 @@ class FSDPState:
         if not self._closing:
             return
         self._closing = False
-        for e in (self.engine, self.replicate_engine):
-            if e is not None:
-                e.end_step()
+        for e in self._engines().values():  # in this order: the last one logs for both (log_every)
+            e.end_step()
 
     # -- checkpoints ---------------------------------------------------------------------
     def _slots(self) -> list[_Slot]:
@@ -386,7 +436,7 @@ class FSDPState:
             sd[f"replicate.{s.name}"] = _as_dtensor(v.view(s.shape).clone(), s.param)
         return sd
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`state_dict` saved, resharded by DCP to this run's placements. The
         pending update goes into this rank's self-addressed residual row (times the shard
         group size) and, with a replica engine, into its residual; a pending update of a
@@ -396,7 +446,7 @@ class FSDPState:
         world, me = self._shard_world(), dist.get_rank(self.rs_group)
 
         def local(key, s):
-            t = sd.get(key)
+            t = state_dict.get(key)
             if t is None:
                 return None
             t = t.to_local() if isinstance(t, DTensor) else t
@@ -428,7 +478,7 @@ class FSDPState:
             elif res:
                 raise ValueError("the checkpoint holds error-feedback residuals, but this run has error_feedback=False")
             eng.tensor_state = {}
-            eng.step = int(sd.get("step", eng.step))
+            eng.step = int(state_dict.get("step", eng.step))
 
     # -- undo ----------------------------------------------------------------------------
     def remove(self) -> None:
@@ -460,7 +510,7 @@ def compress(
     reduce_scatter: Codec | None = None,
     *,
     replicate: Codec | Protocol | None = None,
-    replicate_group=None,
+    replicate_group: dist.ProcessGroup | DeviceMesh | None = None,
     error_feedback: bool | None = None,
     replicate_error_feedback: bool | None = None,
     on_nonfinite: str = "skip",
@@ -511,7 +561,8 @@ def compress(
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise TypeError(
-            "gradzip.fsdp.compress needs a model wrapped with torch.distributed.fsdp.fully_shard; call it after fully_shard"
+            "gradzip.fsdp.compress needs a model wrapped with torch.distributed.fsdp.fully_shard; "
+            "call it after fully_shard"
         )
     module_names = {m: n for n, m in model.named_modules()}
 
@@ -531,7 +582,8 @@ def compress(
         pg = groups[0]
         if not isinstance(pg.mesh_info, FSDPMeshInfo):
             raise ValueError(
-                f"gradzip.fsdp: module {label!r} is replicated, not sharded (FSDP2's replicate); use gradzip.hooks for DDP"
+                f"gradzip.fsdp: module {label!r} is replicated, not sharded (FSDP2's replicate); "
+                "use gradzip.hooks for DDP"
             )
         if reduce_scatter is not None:
             comm = pg._reduce_scatter_comm
@@ -539,12 +591,13 @@ def compress(
                 raise ValueError(
                     f"gradzip.fsdp: module {label!r} was set to set_allocate_memory_from_process_group_for_comm(True); "
                     "FSDP2 cannot combine it with a custom reduce-scatter. Call "
-                    "set_allocate_memory_from_process_group_for_comm(False) (or not at all) before gradzip.fsdp.compress"
+                    "set_allocate_memory_from_process_group_for_comm(False) (or not at all) "
+                    "before gradzip.fsdp.compress"
                 )
             if type(comm).__name__ == "SymmMemReduceScatter":
                 raise ValueError(
-                    f"gradzip.fsdp: module {label!r} was set to set_symm_mem_for_comm(); FSDP2 cannot combine symmetric "
-                    "memory with a custom reduce-scatter. Drop the set_symm_mem_for_comm call"
+                    f"gradzip.fsdp: module {label!r} was set to set_symm_mem_for_comm(); FSDP2 cannot combine "
+                    "symmetric memory with a custom reduce-scatter. Drop the set_symm_mem_for_comm call"
                 )
             if isinstance(comm, _Comm):
                 raise ValueError(f"gradzip.fsdp.compress was called on this model already (module {label!r})")
@@ -573,8 +626,8 @@ def compress(
     for name, _, pg in pgs[1:]:
         if dist.get_process_group_ranks(pg._reduce_scatter_process_group) != ranks:
             raise ValueError(
-                f"gradzip.fsdp: module {name or '<root>'!r} shards over other ranks than module {pgs[0][0] or '<root>'!r}; "
-                "gradzip.fsdp needs every FSDP module of the model on the same mesh"
+                f"gradzip.fsdp: module {name or '<root>'!r} shards over other ranks than module "
+                f"{pgs[0][0] or '<root>'!r}; gradzip.fsdp needs every FSDP module of the model on the same mesh"
             )
     rep_group = _group_of(replicate_group) if replicate_group is not None else None
     if rep_group is not None:

@@ -44,7 +44,9 @@ returns, as Horovod does, an instance of a subclass of the wrapped optimizer's c
 * ``set_backward_passes_per_step``, ``synchronize``, ``skip_synchronize``, ``zero_grad``
   (raises between ``backward()`` and ``step()``), ``state_dict`` (the optimizer's, plus
   ``"gradzip"``: residuals and codec state) and ``load_state_dict`` (that, or a plain
-  optimizer state dict: the gradzip state then stays as it is), ``stats()`` (bytes).
+  optimizer state dict: the gradzip state then stays as it is), and the rest of the front-end
+  surface of :class:`gradzip.frontend.FrontEnd`: ``stats()``, ``routes()``, ``log_every()``,
+  ``save()``/``load()``.
 * Keyword-only extras: ``transport``, ``error_feedback``, ``on_nonfinite``, ``start_iter``,
   ``momentum_correction``, ``clip``, ``bucket_mb`` (see :class:`gradzip.optim.DistributedOptimizer`).
 
@@ -68,6 +70,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import NamedTuple
@@ -77,9 +80,10 @@ import torch.distributed as dist
 
 import gradzip.args as args
 
-from . import checkpoint
 from .codecs.base import Codec
 from .codecs.cast import BF16, FP16, Identity
+from .engine import Engine
+from .frontend import FrontEnd
 from .optim import DistributedOptimizer as _GzOptimizer
 from .optim import _Bucket
 from .protocols.base import Protocol
@@ -685,10 +689,16 @@ class _Engine(_GzOptimizer):
             p.grad = p.grad.to_sparse(sd)
 
 
-class _HorovodOptimizer:
-    """The methods mixed into the subclass of the wrapped optimizer's class (see the module docstring)."""
+class _HorovodOptimizer(FrontEnd):
+    """The methods mixed into the subclass of the wrapped optimizer's class (see the module
+    docstring), with the front-end surface of :class:`gradzip.frontend.FrontEnd`:
+    ``state_dict()`` is the wrapped optimizer class's state dict plus ``"gradzip"`` (the
+    engine's state), and ``load_state_dict`` takes that, or a plain optimizer state (the gradzip
+    state is then kept)."""
 
     _gz: _Engine
+    _engine_key = "gradzip"
+    _engine_optional = True
 
     def add_param_group(self, param_group) -> None:
         if "_gz" in self.__dict__:
@@ -709,7 +719,7 @@ class _HorovodOptimizer:
         self._gz.synchronize()
 
     @contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         with self._gz.skip_synchronize():
             yield
 
@@ -738,50 +748,34 @@ class _HorovodOptimizer:
             )
         super().zero_grad(set_to_none=set_to_none)
 
-    def stats(self, reset: bool = False) -> dict:
-        """Bytes and times counted at the collectives (:mod:`gradzip.stats`); ``reset=True``:
-        those since the previous ``stats(reset=True)``."""
-        return self._gz.stats(reset=reset)
-
-    def save(self, directory):
-        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
-        return checkpoint.save(self, directory)
-
-    def load(self, directory) -> None:
-        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
-        checkpoint.load(self, directory)
-
     @property
-    def engine(self):
+    def engine(self) -> Engine:
+        """The engine of the gradzip optimizer underneath."""
         return self._gz.engine
 
-    def state_dict(self) -> dict:
-        sd = dict(super().state_dict())
-        sd["gradzip"] = self._gz.engine.state_dict()
-        return sd
+    # -- state (the surface of gradzip.frontend.FrontEnd) ------------------------------------
+    def _wrapped_state_dict(self) -> dict:
+        return super(FrontEnd, self).state_dict()  # the wrapped optimizer class's own
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """This optimizer's ``state_dict()``, or a plain optimizer state (the gradzip state is kept)."""
+    def _load_wrapped_state_dict(self, state_dict: dict) -> None:
+        super(FrontEnd, self).load_state_dict(state_dict)
+
+    def _check_loadable(self) -> None:
         if self._gz._pending:
             raise RuntimeError("load_state_dict() called in the middle of a step (after backward, before step())")
-        sd = dict(state_dict)
-        gz_state = sd.pop("gradzip", None)
-        if gz_state is not None:  # first: a state of another rank is refused before anything changes
-            self._gz.engine.load_state_dict(gz_state)
-        super().load_state_dict(sd)
 
 
 def DistributedOptimizer(
-    optimizer,
-    named_parameters=None,
-    compression=Compression.none,
-    backward_passes_per_step=1,
-    op=Average,
-    gradient_predivide_factor=1.0,
-    num_groups=0,
-    groups=None,
-    sparse_as_dense=False,
-    process_set=global_process_set,
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Codec | Protocol | str | type = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: object = global_process_set,
     *,
     transport: str | None = None,
     error_feedback: bool | None = None,
@@ -791,10 +785,11 @@ def DistributedOptimizer(
     clip: float | None = None,
     bucket_mb: float = 25,
     check_parameters: bool = True,
-):
+) -> torch.optim.Optimizer:
     """Horovod's ``DistributedOptimizer`` (same signature and order; keyword-only extras after
     ``process_set``) on gradzip's engine. Returns an instance of a subclass of
-    ``type(optimizer)``; see the module docstring."""
+    ``type(optimizer)`` that is also a :class:`gradzip.frontend.FrontEnd` (``stats``, ``routes``,
+    ``log_every``, ``save``/``load``); see the module docstring."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (_HorovodOptimizer, _GzOptimizer)):

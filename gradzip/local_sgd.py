@@ -52,17 +52,19 @@ broadcast them before wrapping).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 import gradzip.args as args
 
-from . import checkpoint
 from .checkpoint import reshard
 from .codecs.base import Codec
 from .codecs.cast import Identity
-from .engine import Engine, check_owner, check_real, layout_of
+from .engine import Engine, check_real, layout_of
+from .frontend import FrontEnd
 from .protocols.base import Protocol
 from .registry import register_frontend
 from .schedules import Constant, Streaming, as_schedule, long_run_period, split_fragments
@@ -74,6 +76,10 @@ STATE_VERSION = 3  # 3: fragments are pieces of tensors ("name[start:stop]"); 2 
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023): ``torch.optim.SGD`` with these arguments.
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+#: ``outer=``: an optimizer class, or a factory ``params -> optimizer``.
+OuterOptimizer = Callable[..., torch.optim.Optimizer]
 
 
 def _outer_factory(outer, outer_kwargs):
@@ -121,7 +127,7 @@ def _brief(opt: torch.optim.Optimizer) -> str:
 
 
 @register_frontend
-class LocalSGD(torch.optim.Optimizer):
+class LocalSGD(FrontEnd, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` steps locally and averages ``model`` on a schedule.
 
     Args:
@@ -162,21 +168,29 @@ class LocalSGD(torch.optim.Optimizer):
     ``outer`` is the outer optimizer (``None`` for plain averaging).
     A NaN/Inf in any rank's delta raises ``FloatingPointError`` on every rank
     (averaging it would poison every model).
+
+    The front-end surface (:class:`gradzip.frontend.FrontEnd`): ``stats``, ``routes``,
+    ``log_every`` (its steps are the syncs), ``save``/``load``, ``check_owner``, and
+    ``state_dict()``: the wrapped optimizer's state dict plus ``"local_sgd"`` and
+    ``"gradzip"`` (the engine's state).
     """
+
+    _engine_key = "gradzip"
+    _own_keys = ("local_sgd",)
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        period=1,
+        period: int | Callable[[int], bool] = 1,
         compression: Codec | Protocol | None = None,
         overlap: bool = False,
-        process_group=None,
+        process_group: dist.ProcessGroup | None = None,
         *,
-        push_every=None,
-        pull_every=None,
+        push_every: int | Callable[[int], bool] | None = None,
+        pull_every: int | Callable[[int], bool] | None = None,
         error_feedback: bool | None = None,
-        outer=None,
+        outer: OuterOptimizer | None = None,
         outer_kwargs: dict | None = None,
         fragments: int = 1,
         delay: int = 0,
@@ -280,7 +294,7 @@ class LocalSGD(torch.optim.Optimizer):
 
     # -- delegation --------------------------------------------------------------------
     @property
-    def state(self):  # type: ignore[override]
+    def state(self) -> dict:  # type: ignore[override]
         return self.optimizer.state
 
     def __repr__(self) -> str:
@@ -306,7 +320,7 @@ class LocalSGD(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group) -> None:
+    def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)
 
     # -- tensors -----------------------------------------------------------------------
@@ -358,7 +372,7 @@ class LocalSGD(torch.optim.Optimizer):
         return [[p.key for p in f] for f in self._fragments]
 
     # -- the step ----------------------------------------------------------------------
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if self._check_parameters:  # the first step, on every rank, before any push
             self._check_parameters = False
             check_parameters_agree(list(self._global.items()), comm=self.engine.comm, what="global model tensors")
@@ -520,11 +534,11 @@ class LocalSGD(torch.optim.Optimizer):
             self._base[p.key].copy_(g)
         self._pull_pending = False
 
-    # -- state -------------------------------------------------------------------------
+    # -- state (the surface of gradzip.frontend.FrontEnd) ------------------------------------
     def stats(self, reset: bool = False) -> dict:
         """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes (fragment pushes);
         ``reset=True``: those since the previous ``stats(reset=True)``."""
-        d = self.engine.stats(reset=reset)
+        d = super().stats(reset=reset)
         steps = self.local_step
         if reset:
             steps, self._steps_mark = self.local_step - getattr(self, "_steps_mark", 0), self.local_step
@@ -543,13 +557,22 @@ class LocalSGD(torch.optim.Optimizer):
         at the same step. Tensors and plain values only: ``torch.load(weights_only=True)``.
         The model's own tensors are not included: save ``model.state_dict()`` too.
         """
-        sd = dict(self.optimizer.state_dict())
+        return super().state_dict()
+
+    def _wrapped_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def _load_wrapped_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def _own_state_dict(self) -> dict:
+        """``{"local_sgd": ...}``: the global model, the base, the push in flight, the outer state."""
         inflight_delta, inflight_avg, frag = {}, {}, -1
         if self._inflight is not None:
             inflight_avg = {n: v.clone() for n, v in self._average().items()}
             inflight_delta = {n: v.clone() for n, v in self._inflight["delta"].items()}
             frag = self._inflight["frag"]
-        sd["local_sgd"] = {
+        own = {
             "version": STATE_VERSION,
             "local_step": self.local_step,
             "overlap": self.overlap,
@@ -565,21 +588,10 @@ class LocalSGD(torch.optim.Optimizer):
             "aligned": self._aligned,
             "outer": self.outer.state_dict() if self.outer is not None else None,
         }
-        sd["gradzip"] = self.engine.state_dict()
-        return sd
+        return {"local_sgd": own}
 
-    def save(self, directory):
-        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
-        return checkpoint.save(self, directory)
-
-    def load(self, directory) -> None:
-        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
-        checkpoint.load(self, directory)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "local_sgd" not in state_dict or "gradzip" not in state_dict:
-            raise ValueError("state_dict was not saved by LocalSGD.state_dict() (no 'local_sgd'/'gradzip' entries)")
-        check_owner(state_dict["gradzip"], self.engine.comm.rank, self.engine.comm.world_size)  # before any change
+    def _load_own_state_dict(self, state_dict: dict) -> dict:
+        """Check and load ``"local_sgd"`` (after the engine's state was checked, before it loads)."""
         sd = dict(state_dict)
         mine = dict(sd.pop("local_sgd"))
         version = mine.get("version")
@@ -641,8 +653,7 @@ class LocalSGD(torch.optim.Optimizer):
         self._aligned = bool(mine["aligned"])
         self.local_step = int(mine["local_step"])
         self._steps_mark = self.local_step  # stats(reset=True) intervals start at the resume
-        self.engine.load_state_dict(sd.pop("gradzip"))
-        self.optimizer.load_state_dict(sd)
+        return sd
 
     # -- tools (gradzip plan) ----------------------------------------------------------
     @classmethod
@@ -707,8 +718,8 @@ class DiLoCo(LocalSGD):
         period: int,
         compression: Codec | Protocol | None = None,
         *,
-        process_group=None,
-        outer=None,
+        process_group: dist.ProcessGroup | None = None,
+        outer: OuterOptimizer | None = None,
         outer_kwargs: dict | None = None,
         fragments: int = 1,
         delay: int = 0,

@@ -59,16 +59,19 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 import gradzip.args as args
 
-from . import checkpoint
 from .codecs.base import Codec
 from .codecs.cast import Identity
+from .comm import Communicator
 from .engine import Engine, check_real, layout_of
+from .frontend import FrontEnd
 from .momentum import Momentum
 from .protocols.base import Protocol
 from .sync import check_parameters_agree
@@ -122,7 +125,7 @@ def _buckets(named: list, cap_bytes: float) -> list[tuple[list, list]]:
     return [(b[1], b[2]) for b in done]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over the ranks.
 
     Args:
@@ -160,18 +163,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     schedulers work on it. Create it before the first backward pass: the
     gradient hooks are registered here, on the parameters that require grad at
     that moment (the set is fixed from then on). ``remove_hooks()`` detaches them.
+
+    The front-end surface (:class:`gradzip.frontend.FrontEnd`): ``stats``, ``routes``,
+    ``log_every``, ``save``/``load``, and ``state_dict()``: the wrapped optimizer's state dict
+    plus ``"gradzip"``, the engine's state (``load_state_dict`` refuses another rank's, and a
+    call between ``backward()`` and ``step()``).
     """
+
+    _engine_key = "gradzip"
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        named_parameters=None,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         compression: Codec | Protocol | None = None,
         backward_passes_per_step: int = 1,
         op: str = "average",
         gradient_predivide_factor: float = 1.0,
         bucket_mb: float = 25,
-        process_group=None,
+        process_group: dist.ProcessGroup | Communicator | None = None,
         *,
         error_feedback: bool | None = None,
         start_iter: int = 0,
@@ -289,13 +299,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- delegation --------------------------------------------------------------------
     @property
-    def state(self):  # type: ignore[override]
+    def state(self) -> dict:  # type: ignore[override]
         return self.optimizer.state
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, compression={self.compression!r})"
 
-    def add_param_group(self, param_group) -> None:
+    def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("DistributedOptimizer cannot take new parameter groups; add them before wrapping")
 
     # -- gradient hooks ----------------------------------------------------------------
@@ -376,7 +386,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return any(n for n in self._passes.values()) or self._next > 0
 
     @contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """``step()`` inside this context does not synchronize (call ``synchronize()`` first).
 
         opt.synchronize()
@@ -390,7 +400,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -414,33 +424,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    # -- state -------------------------------------------------------------------------
-    def stats(self, reset: bool = False) -> dict:
-        """Bytes and times counted at the collectives (see :mod:`gradzip.stats`)."""
-        return self.engine.stats(reset=reset)
+    # -- state (the surface of gradzip.frontend.FrontEnd) ------------------------------------
+    def _wrapped_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
 
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's state dict plus ``"gradzip"``: the engine's state.
+    def _load_wrapped_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
-        Tensors and plain values only, so ``torch.load(weights_only=True)`` reads it.
-        """
-        sd = dict(self.optimizer.state_dict())
-        sd["gradzip"] = self.engine.state_dict()
-        return sd
-
-    def save(self, directory):
-        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
-        return checkpoint.save(self, directory)
-
-    def load(self, directory) -> None:
-        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
-        checkpoint.load(self, directory)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "gradzip" not in state_dict:
-            raise ValueError("state_dict has no 'gradzip' entry; it was not saved by DistributedOptimizer.state_dict()")
+    def _check_loadable(self) -> None:
         if self._pending:
             raise RuntimeError("load_state_dict() called in the middle of a step (after backward, before step())")
-        sd = dict(state_dict)
-        self.engine.load_state_dict(sd.pop("gradzip"))
-        self.optimizer.load_state_dict(sd)

@@ -12,66 +12,43 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradzip import checkpoint
+from gradzip.codecs.base import Codec
 from gradzip.engine import Engine, check_real, layout_of
+from gradzip.frontend import FrontEnd
 from gradzip.momentum import Momentum
+from gradzip.protocols.base import Protocol
 
 
-class HookState:
-    """What :func:`register_hook` returns: stats, and state to checkpoint."""
+class HookState(FrontEnd):
+    """What :func:`register_hook` returns: the front-end surface of :class:`gradzip.frontend.FrontEnd`
+    (``stats``, ``routes``, ``log_every``, ``state_dict``/``load_state_dict``, ``save``/``load``,
+    ``check_owner``); its state is the engine's own."""
 
-    def __init__(self, engine: Engine, names: "dict[int, str]", find_unused: bool = False) -> None:
+    def __init__(self, engine: Engine, names: dict[int, str], find_unused: bool = False) -> None:
         self.engine = engine
         self._names = names
         self.find_unused = find_unused
-        self.futures: list = []  # this step's, with on_nonfinite="raise"
+        self.futures: list[torch.futures.Future] = []  # this step's, with on_nonfinite="raise"
 
     @property
-    def method(self):
+    def method(self) -> Codec | Protocol:
         """The codec or protocol the hook runs."""
         return self.engine.method
 
     @property
     def step(self) -> int:
+        """Steps (backward passes through the hook) so far, as checkpointed."""
         return self.engine.step
 
-    def stats(self, reset: bool = False) -> dict:
-        """Bytes and times counted at the collectives, a flat dict of numbers; see
-        :mod:`gradzip.stats`. ``reset=True``: those since the previous ``stats(reset=True)``."""
-        return self.engine.stats(reset=reset)
-
-    def routes(self) -> list[dict]:
-        """Per tensor: the method and protocol it travels by, and why (:meth:`Engine.routes`)."""
-        return self.engine.routes()
-
-    def log_every(self, every: int | None, fn=None) -> None:
-        """Call ``fn(step, stats)`` every ``every`` steps (:func:`gradzip.stats.log_every`)."""
-        self.engine.set_log(every, fn)
-
-    def state_dict(self) -> dict:
-        """This rank's engine state: it records the rank, world size and method, and
-        :meth:`load_state_dict` refuses another rank's."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.engine.load_state_dict(sd)
-
-    def save(self, directory):
-        """``state_dict()`` to this rank's own file in ``directory`` (:func:`gradzip.checkpoint.save`)."""
-        return checkpoint.save(self, directory)
-
-    def load(self, directory) -> None:
-        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
-        checkpoint.load(self, directory)
-
-    def names_of(self, params) -> list[str]:
+    def names_of(self, params: list[torch.Tensor]) -> list[str]:
+        """The names of the parameters DDP handed the hook, as the residuals are keyed."""
         try:
             return [self._names[id(p)] for p in params]
         except KeyError:
             raise RuntimeError("DDP handed the hook a parameter that the wrapped module does not own") from None
 
 
-def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _gradzip_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     grads = bucket.gradients()
     params = bucket.parameters()
     names = state.names_of(params)
@@ -102,9 +79,9 @@ def _gradzip_hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.
 
 def register_hook(
     ddp_model: DistributedDataParallel,
-    method,
+    method: Codec | Protocol,
     *,
-    process_group=None,
+    process_group: dist.ProcessGroup | None = None,
     start_iter: int = 0,
     error_feedback: bool | None = None,
     on_nonfinite: str = "skip",
@@ -146,7 +123,8 @@ def register_hook(
     options, parameter names/shapes/dtypes) and raise ``ValueError`` naming the
     field that differs.
 
-    Returns the :class:`HookState`: ``stats()``, ``state_dict()``, ``load_state_dict()``.
+    Returns the :class:`HookState`: ``stats()``, ``routes()``, ``log_every()``, ``state_dict()``,
+    ``load_state_dict()``, ``save()``, ``load()`` (:class:`gradzip.frontend.FrontEnd`).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")

@@ -1,0 +1,204 @@
+"""The surface every front end offers around its engine: stats, routes, logging, state, checkpoints.
+
+Every front end derives from :class:`FrontEnd`: the DDP hook's state
+(:class:`gradzip.hooks.ddp.HookState`), :class:`gradzip.optim.DistributedOptimizer`,
+:class:`gradzip.local_sgd.LocalSGD` and ``DiLoCo``, :class:`gradzip.fsdp.FSDPState` and the
+optimizer that :func:`gradzip.horovod.DistributedOptimizer` returns (the base is mixed into a
+subclass of the wrapped optimizer's class there). So each offers, with the same signatures:
+
+* ``stats(reset=False)``: bytes and times counted at the collectives, a flat dict of numbers
+  (:mod:`gradzip.stats`); ``reset=True``: those since the previous ``stats(reset=True)``, and a
+  new interval (the totals are kept).
+* ``routes()``: per tensor, the method and protocol it travels by, and why (``Engine.routes``).
+* ``log_every(every, fn=None)``: call ``fn(step, stats of the last every steps)`` every
+  ``every`` steps (default: one line on the ``"gradzip"`` logger); ``None`` stops it.
+* ``state_dict()`` / ``load_state_dict(state_dict)``: this rank's state; a state saved by
+  another rank or on another number of ranks, or by another method, is refused with
+  ``ValueError`` before anything changes (``check_owner``, ``Engine.check_state``).
+* ``save(directory)`` / ``load(directory)``: ``state_dict()`` to this rank's own file, and back
+  (:func:`gradzip.checkpoint.save`, :func:`gradzip.checkpoint.load`).
+* ``check_owner(state_dict)``: ``ValueError`` for a state of another rank or world size.
+
+A front end with several engines (``FSDPState`` with HSDP: the reduce-scatter's and the replica
+all-reduce's) reports them together: ``stats()`` sums their counts (``steps`` is the front
+end's, which every engine counts alike) and derives the ratios from the sums, ``routes()``
+lists every engine's rows, each with ``"collective"`` naming its engine, and ``log_every``
+calls ``fn`` once per step with the summed interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import gradzip.checkpoint as checkpoint
+
+from .engine import Engine, check_owner, route_summary
+from .stats import Stats, log_line, logger
+
+__all__ = ["FrontEnd", "combine"]
+
+#: What ``log_every``'s ``fn`` is called with: the front end's step and the interval's stats.
+LogFn = Callable[[int, dict], None]
+
+
+def combine(counts: list[dict]) -> dict:
+    """The counts of one front end's engines (``Stats`` fields) as one: summed, except
+    ``steps``, which each engine counts per step of the front end (their largest)."""
+    out = {k: sum(c[k] for c in counts) for k in Stats.names()}
+    out["steps"] = max(c["steps"] for c in counts)
+    return out
+
+
+class FrontEnd:
+    """Base of every front end: the surface of the module docstring around ``self.engine``.
+
+    A front end sets ``engine`` (or overrides :meth:`_engines` when it has several) and says
+    where its state lies: ``_engine_key`` is ``None`` when ``state_dict()`` is the engine's own
+    (the DDP hook), or the key of the engine's state beside the wrapped optimizer's state
+    (``"gradzip"``); ``_own_keys`` names the entries of its own (LocalSGD's ``"local_sgd"``).
+    The hooks below fill in the rest: the wrapped optimizer's state, the front end's own, and
+    whether a state may be loaded now.
+    """
+
+    engine: Engine
+    _engine_key: ClassVar[str | None] = None
+    _own_keys: ClassVar[tuple[str, ...]] = ()
+    #: A state without the engine's part loads the rest and leaves the engine as it is (the
+    #: Horovod optimizer takes a plain optimizer state).
+    _engine_optional: ClassVar[bool] = False
+
+    # -- the engines ---------------------------------------------------------------------------
+    def _engines(self) -> dict[str, Engine]:
+        """The engines by label, in the order their steps end (``""``: the only one)."""
+        return {"": self.engine}
+
+    # -- stats ---------------------------------------------------------------------------------
+    def stats(self, reset: bool = False) -> dict:
+        """Bytes and times counted at the collectives, a flat dict of numbers (:mod:`gradzip.stats`);
+        ``reset=True``: those since the previous ``stats(reset=True)``, and a new interval."""
+        return self._stats_of(list(self._engines().values()), reset)
+
+    @staticmethod
+    def _stats_of(engines: list[Engine], reset: bool) -> dict:
+        if len(engines) == 1:
+            return engines[0].stats(reset=reset)
+        counts = [e.stats_.since("reset") if reset else e.stats_.state_dict() for e in engines]
+        return Stats.derive(combine(counts))
+
+    def routes(self) -> list[dict]:
+        """Per tensor: the method and protocol it travels by, and why (:meth:`Engine.routes`);
+        with several engines each row names its engine under ``"collective"``."""
+        rows = []
+        for label, e in self._engines().items():
+            rows += [{**r, "collective": label} if label else r for r in e.routes()]
+        return rows
+
+    def log_every(self, every: int | None, fn: LogFn | None = None) -> None:
+        """Call ``fn(step, stats)`` every ``every`` steps, ``stats`` being the last ``every`` steps'
+        counts and ratios (:func:`gradzip.stats.log_every`); ``every=None`` stops the calls."""
+        engines = list(self._engines().values())
+        if len(engines) == 1:
+            engines[0].set_log(every, fn)
+            return
+        *others, last = engines  # the last to end its step logs for all
+        for e in others:
+            e.set_log(None)
+        if every is None:
+            last.set_log(None)
+            return
+        if fn is not None and not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        for e in others:
+            e.stats_.since("log")  # their intervals start now, as set_log starts the last one's
+        routes_logged = [False]
+
+        def combined(step: int, stats: dict) -> None:
+            counts = combine([{k: stats[k] for k in Stats.names()}] + [e.stats_.since("log") for e in others])
+            d = Stats.derive(counts)
+            if fn is not None:
+                fn(step, d)
+                return
+            if not routes_logged[0]:
+                for label, e in self._engines().items():
+                    if hasattr(e.protocol, "decision"):
+                        for line in route_summary(e.routes()):
+                            logger.info("gradzip routes (%s): %s", label, line)
+                routes_logged[0] = True
+            log_line(step, d)
+
+        last.set_log(every, combined)
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's state: the engine's (it records the rank, the world size and the method),
+        beside the wrapped optimizer's state and the front end's own where it has them. Tensors
+        and plain values only: ``torch.load(weights_only=True)`` reads it."""
+        if self._engine_key is None:
+            return self.engine.state_dict()
+        sd = dict(self._wrapped_state_dict())
+        sd.update(self._own_state_dict())
+        sd[self._engine_key] = self.engine.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` saved. A state of another rank or world size, of another
+        method or error feedback, or one this front end did not save is refused with
+        ``ValueError`` before anything changes."""
+        if self._engine_key is None:
+            engine_sd, rest = state_dict, {}
+        else:
+            need = self._own_keys + (() if self._engine_optional else (self._engine_key,))
+            missing = [k for k in need if k not in state_dict]
+            if missing:
+                raise ValueError(
+                    f"state_dict has no {' or '.join(repr(k) for k in missing)} entry: it was not saved by "
+                    f"{type(self).__name__}.state_dict()"
+                )
+            engine_sd = state_dict.get(self._engine_key)
+            rest = {k: v for k, v in state_dict.items() if k != self._engine_key}
+        self._check_loadable()
+        if engine_sd is not None:
+            self.engine.check_state(engine_sd)
+        rest = self._load_own_state_dict(rest)
+        if engine_sd is not None:
+            self.engine.load_state_dict(engine_sd, checked=True)
+        if self._engine_key is not None:
+            self._load_wrapped_state_dict(rest)
+
+    def check_owner(self, state_dict: dict) -> None:
+        """``ValueError`` when ``state_dict`` (this front end's kind) was saved by another rank
+        or on another number of ranks (:func:`gradzip.engine.check_owner`): error-feedback
+        state is per rank, and :func:`gradzip.checkpoint.reshard` moves it between world sizes."""
+        sd = state_dict if self._engine_key is None else state_dict.get(self._engine_key)
+        if sd is not None:
+            check_owner(sd, self.engine.comm.rank, self.engine.comm.world_size)
+
+    def save(self, directory: str | Path) -> Path:
+        """``state_dict()`` to this rank's own file in ``directory``; returns its path
+        (:func:`gradzip.checkpoint.save`). Call it on every rank."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory: str | Path) -> None:
+        """Load this rank's own file from ``directory`` (:func:`gradzip.checkpoint.load`)."""
+        checkpoint.load(self, directory)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _wrapped_state_dict(self) -> dict:
+        """The wrapped optimizer's state dict (none here)."""
+        return {}
+
+    def _load_wrapped_state_dict(self, state_dict: dict) -> None:
+        """Load the wrapped optimizer's state (what is left of the state after the front end's own)."""
+
+    def _own_state_dict(self) -> dict:
+        """The front end's own entries (``_own_keys``) of its state dict."""
+        return {}
+
+    def _load_own_state_dict(self, state_dict: dict) -> dict:
+        """Check and load the front end's own entries; returns the rest of ``state_dict``."""
+        return state_dict
+
+    def _check_loadable(self) -> None:
+        """Raise where a state must not be loaded now (in the middle of a step)."""
