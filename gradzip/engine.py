@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,7 +161,8 @@ class Engine:
 
     Args:
         method: a gradzip codec or protocol.
-        process_group: the process group (default: the global one).
+        process_group: the process group (default: the global one), or a
+            :class:`~gradzip.comm.Communicator` to use as it is (Horovod's).
         start_iter: steps before this one run a plain allreduce.
         error_feedback: ``None`` turns it on for biased methods.
         on_nonfinite: ``"skip"`` or ``"raise"``.
@@ -175,7 +176,7 @@ class Engine:
         self,
         method: Codec | Protocol,
         *,
-        process_group=None,
+        process_group: dist.ProcessGroup | Communicator | None = None,
         start_iter: int = 0,
         error_feedback: bool | None = None,
         on_nonfinite: str = "skip",
@@ -471,7 +472,7 @@ class Engine:
         ``reset=True``: those since the previous ``stats(reset=True)``."""
         return self.stats_.as_dict(reset=reset)
 
-    def set_log(self, every: int | None, fn=None) -> None:
+    def set_log(self, every: int | None, fn: Callable[[int, dict], None] | None = None) -> None:
         """Call ``fn(step, stats of the last every steps)`` every ``every`` steps (see
         :func:`gradzip.stats.log_every`); ``every=None`` stops it."""
         if every is None:

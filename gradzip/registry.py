@@ -87,7 +87,7 @@ class Registered:
             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in cls._not_config
         ]
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """``{"name": ClassName, arg: value, ...}`` in plain values (compared across ranks, saved with state)."""
         return {"name": type(self).__name__, **{p.name: config_of(getattr(self, p.name)) for p in self._params()}}
 
@@ -112,7 +112,7 @@ class Registered:
         return hash(repr(self))
 
 
-def config_of(value):
+def config_of(value: Any) -> Any:
     """A value as plain data: registered objects as their config, tuples as lists, dicts by item."""
     if isinstance(value, Registered):
         return value.config()
@@ -139,7 +139,7 @@ def _kind(cls: type) -> str:
     return "frontend" if cls in _FRONTENDS else cls.kind
 
 
-def register_value(name: str, value) -> None:
+def register_value(name: str, value: Any) -> None:
     """Let the grammar name ``value`` (a class or a constant that is not a method, e.g. ``Link``)."""
     old = _VALUES.setdefault(name, value)
     if old is not value:
@@ -228,8 +228,10 @@ def _make(cls: type, args: list, kwargs: dict, context: dict):
         raise ValueError(f"{cls.__name__}: {e}") from None
 
 
-def parse(spec: str, context: dict | None = None):
-    """One method from its spec: a codec or protocol object, or a :class:`Spec` for a front end.
+def parse(spec: str, context: dict[str, Any] | None = None) -> Any:
+    """One method from its spec: a codec or protocol object, a :class:`Spec` for a front end, or a
+    value registered with :func:`register_value` (typed ``Any``, so that the result passes where
+    a codec or protocol is expected).
 
     ``context`` offers defaults to classes that ask for them (``spec_defaults``: e.g.
     ``Policy(auto=True)`` takes the ``link`` of ``gradzip plan``)."""
@@ -240,7 +242,7 @@ def parse(spec: str, context: dict | None = None):
     return _build(tree.body, context or {})
 
 
-def parse_list(spec: str, context: dict | None = None) -> dict:
+def parse_list(spec: str, context: dict[str, Any] | None = None) -> dict[str, Any]:
     """``"A, B(x=1)"`` to ``{label: method}`` in order; labels are the items as written."""
     try:
         tree = ast.parse(f"[{spec}]", mode="eval")
