@@ -7,8 +7,9 @@ entry in the message's table plus a body of packed bytes. One message per call
 
     message = header | entry[0] .. entry[T-1] | body[0] | body[1] | ...
 
-Header (little-endian, 8 bytes): ``u8 version`` (:data:`WIRE_VERSION`), ``u8 0``,
-``u16 0``, ``u32 T`` (the frame count). Entry, per frame (6 bytes, 10 with a scale)::
+Header (little-endian, 8 bytes): ``u8 version`` (:data:`WIRE_VERSION`), ``u8 flags``
+(0, or :data:`FLAG_CRC32`: a ``u32`` CRC-32 of the message follows the header), ``u16 0``,
+``u32 T`` (the frame count). Entry, per frame (6 bytes, 10 with a scale)::
 
     u8  fmt        format code (registered by the codec that writes it, see formats())
     u8  vdtype     dtype code of the values in the body; bit 7 set: a scale follows
@@ -19,11 +20,25 @@ Bodies follow back to back, without padding (a receiver copies a body that it
 must view as a wider dtype at an unaligned offset). A receiver learns the tensor
 count and shapes from its own model, never from the wire. Version 1 (gradzip
 0.1) gave every frame a 16-byte header and padded bodies to 8 bytes.
+
+**Receivers distrust the message.** :func:`unpack_frames` refuses what no gradzip
+writer produces: another version, unknown flags, nonzero reserved bytes, another
+frame count, an unknown value-dtype code, a scale flag with a zero scale, bodies
+beyond the message, nonzero bytes after the last body (an all-gather pads with
+zeros), and, with the codec passed as ``check``, every frame the codec could not
+have written (:meth:`gradzip.codecs.base.Codec.check_frame`: its formats, value
+dtypes, scale, lengths consistent with the shape, codes). Every refusal is a
+:class:`FrameError` (a ``ValueError``) naming the frame, its tensor (where the
+protocol knows it), the sending rank and the field. A corruption that leaves a
+frame its codec could have written (a value byte) decodes as that frame; the
+optional checksum (:func:`set_checksum`) catches those too.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +50,64 @@ HEADER_BYTES = HEADER.size  # 8, once per message
 ENTRY = struct.Struct("<BBI")
 ENTRY_BYTES = ENTRY.size  # 6 per frame
 SCALE = struct.Struct("<f")
+CRC = struct.Struct("<I")
 _HAS_SCALE = 0x80
+#: Header flag: a u32 CRC-32 (zlib's) of the message follows the header, computed over the
+#: header, the entries and the bodies (not over itself, nor over trailing padding).
+FLAG_CRC32 = 0x01
+_FLAGS = FLAG_CRC32
+
+_checksum = os.environ.get("GRADZIP_WIRE_CRC32", "") not in ("", "0")
+
+
+def set_checksum(on: bool) -> bool:
+    """Whether :func:`pack_frames` appends a CRC-32 of every message (off by default; the
+    environment variable ``GRADZIP_WIRE_CRC32=1`` turns it on at import). A receiver checks
+    the CRC of every message that carries one, whatever its own setting. Returns the
+    previous setting. Costs a pass of zlib's CRC-32 over each message on the host, on the
+    sender and on every receiver (a device-to-host copy of the message on GPUs):
+    ``docs/reliability.md`` gives the measured cost."""
+    global _checksum
+    if not isinstance(on, bool):
+        raise ValueError(f"set_checksum takes True or False, got {on!r}")
+    old, _checksum = _checksum, on
+    return old
+
+
+def checksum_enabled() -> bool:
+    return _checksum
+
+
+class FrameError(ValueError):
+    """A message or frame that no gradzip writer produces (a ``ValueError``).
+
+    Names the ``field`` (``"format"``, ``"value dtype"``, ``"scale"``, ``"length"``,
+    ``"body.codes"``, ...) and, once a protocol has placed it, the ``frame`` index in its
+    message, the ``tensor`` it belongs to and the ``rank`` that sent it."""
+
+    def __init__(self, field: str, detail: str, *, frame=None, tensor=None, rank=None) -> None:
+        self.field, self.detail = field, detail
+        self.frame, self.tensor, self.rank = frame, tensor, rank
+        super().__init__(self._text())
+
+    def at(self, *, frame=None, tensor=None, rank=None) -> FrameError:
+        """Fill in where the frame was (what is known already is kept); returns ``self``."""
+        self.frame = self.frame if self.frame is not None else frame
+        self.tensor = self.tensor if self.tensor is not None else tensor
+        self.rank = self.rank if self.rank is not None else rank
+        self.args = (self._text(),)
+        return self
+
+    def _text(self) -> str:
+        where = "corrupt message"
+        if self.rank is not None:
+            where += f" from rank {self.rank}"
+        if self.frame is not None:
+            where += f": frame {self.frame}"
+            if self.tensor is not None:
+                where += f" (tensor {self.tensor!r})"
+        return f"{where}, field {self.field}: {self.detail}"
+
 
 # Format codes are unique across the package: a codec declares the formats it writes
 # (``Codec.formats``) and registering a code twice raises. Two belong to no codec:
@@ -75,7 +147,7 @@ def code_dtype(code: int) -> torch.dtype:
     try:
         return _CODE_DTYPES[code]
     except KeyError:
-        raise ValueError(f"corrupt frame: unknown value dtype code {code}") from None
+        raise FrameError("value dtype", f"unknown value dtype code {code}") from None
 
 
 def narrow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,6 +184,11 @@ class Payload:
         vdtype: the dtype of the values in the body, where it differs from ``dtype``.
         scale: the per-frame f32 scale (Threshold's tau, QSGD's levels), 0 for none.
         local: data every rank rebuilds itself (never sent).
+        grad_dtype: on a received frame, the dtype of the gradient the sender compressed
+            (the receiver's own, from its model), where the receiver knows it: the value
+            dtypes a codec may write depend on it.
+        checked: a received frame its codec has validated (:meth:`Codec.check_frame`);
+            decoders then skip the checks.
     """
 
     body: torch.Tensor
@@ -121,6 +198,10 @@ class Payload:
     vdtype: torch.dtype | None = None
     scale: float = 0.0
     local: Any = field(default=None, repr=False)
+    grad_dtype: torch.dtype | None = field(default=None, repr=False)
+    checked: bool = field(default=False, repr=False)
+    #: what a validation parsed from the body (sparse positions), reused by the decode
+    parsed: Any = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -164,13 +245,28 @@ def _entry(p: Payload) -> bytes:
 
 
 def message_nbytes(payloads: list[Payload]) -> int:
-    """Bytes of the message :func:`pack_frames` writes for ``payloads``."""
-    return HEADER_BYTES + sum(frame_nbytes(p.body.numel() * p.body.element_size(), bool(p.scale)) for p in payloads)
+    """Bytes of the message :func:`pack_frames` writes for ``payloads`` (with the checksum's
+    4 bytes when it is on)."""
+    return (
+        HEADER_BYTES
+        + (CRC.size if _checksum else 0)
+        + sum(frame_nbytes(p.body.numel() * p.body.element_size(), bool(p.scale)) for p in payloads)
+    )
+
+
+def _crc32(msg: torch.Tensor, end: int) -> int:
+    """CRC-32 of a message's header, entries and bodies (bytes ``[0, 8)`` and ``[12, end)``)."""
+    raw = msg[:end].cpu().numpy()
+    return zlib.crc32(raw[HEADER_BYTES + CRC.size :], zlib.crc32(raw[:HEADER_BYTES])) & 0xFFFFFFFF
 
 
 def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> torch.Tensor:
-    """Concatenate framed payloads into one uint8 message."""
-    table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(payloads)))
+    """Concatenate framed payloads into one uint8 message (with a CRC-32 after the header
+    when :func:`set_checksum` is on)."""
+    crc = _checksum
+    table = bytearray(HEADER.pack(WIRE_VERSION, FLAG_CRC32 if crc else 0, 0, len(payloads)))
+    if crc:
+        table += CRC.pack(0)  # filled in below
     for p in payloads:
         table += _entry(p)
     total = len(table) + sum(p.body.numel() * p.body.element_size() for p in payloads)
@@ -183,50 +279,109 @@ def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> 
         b = as_bytes(p.body)
         msg[off : off + b.numel()] = b
         off += b.numel()
+    if crc:
+        msg[HEADER_BYTES : HEADER_BYTES + CRC.size] = torch.frombuffer(
+            bytearray(CRC.pack(_crc32(msg, total))), dtype=torch.uint8
+        ).to(device)
     return msg
 
 
-def unpack_frames(msg: torch.Tensor, shapes: list[torch.Size], dtypes: list[torch.dtype]) -> list[Payload]:
+def unpack_frames(
+    msg: torch.Tensor,
+    shapes: list[torch.Size],
+    dtypes: list[torch.dtype],
+    *,
+    grad_dtypes: list[torch.dtype] | None = None,
+    check=None,
+    names: list[str] | None = None,
+    rank: int | None = None,
+) -> list[Payload]:
     """Split a message into payloads; bodies are views into ``msg``.
 
-    ``msg`` may carry trailing padding (from a padded allgather); it is ignored.
+    ``msg`` may carry trailing zero padding (from a padded all-gather); it is ignored.
+    ``grad_dtypes``: the dtype of each frame's gradient (see :attr:`Payload.grad_dtype`).
+    ``check``: the codec that wrote the frames; every frame is then validated by its
+    :meth:`~gradzip.codecs.base.Codec.check_frames`. ``names`` (per frame) and ``rank``
+    (the sender) only name the culprit in a refusal. Anything no writer produces raises
+    :class:`FrameError` naming the frame, the tensor, the rank and the field.
     """
+    try:
+        return _unpack(msg, shapes, dtypes, grad_dtypes, check)
+    except FrameError as e:
+        tensor = names[e.frame] if names is not None and e.frame is not None and e.frame < len(names) else None
+        raise e.at(tensor=tensor, rank=rank) from None
+
+
+def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
     count = len(shapes)
-    need = HEADER_BYTES + ENTRY_BYTES * count
-    if msg.numel() < need:
-        raise ValueError(f"corrupt message: {msg.numel()} bytes, need at least {need} for {count} frames")
-    raw = msg[: need + SCALE.size * count].cpu().numpy().tobytes()
-    version, _, _, n = HEADER.unpack_from(raw, 0)
+    size = msg.numel()
+    if size < HEADER_BYTES:
+        raise FrameError("length", f"{size} bytes, need at least {HEADER_BYTES} for the header")
+    head = msg[:HEADER_BYTES].cpu().numpy().tobytes()
+    version, flags, reserved, n = HEADER.unpack(head)
     if version != WIRE_VERSION:
-        raise ValueError(f"message of wire version {version}; this gradzip reads version {WIRE_VERSION}")
+        raise FrameError("version", f"message of wire version {version}; this gradzip reads version {WIRE_VERSION}")
+    if flags & ~_FLAGS:
+        raise FrameError("flags", f"unknown header flags {flags:#04x}")
+    if reserved:
+        raise FrameError("reserved", f"reserved header bytes hold {reserved}, not 0")
     if n != count:
-        raise ValueError(f"corrupt message: {n} frames, the receiver expects {count}")
-    pos, entries = HEADER_BYTES, []
+        raise FrameError("count", f"{n} frames, the receiver expects {count}")
+    pos = HEADER_BYTES + (CRC.size if flags & FLAG_CRC32 else 0)
+    need = pos + ENTRY_BYTES * count
+    if size < need:
+        raise FrameError("length", f"{size} bytes, need at least {need} for {count} frames")
+    raw = msg[: min(size, need + SCALE.size * count)].cpu().numpy().tobytes()
+    entries = []
     for i in range(count):
         if pos + ENTRY_BYTES > len(raw):
-            raise ValueError(f"corrupt message: entry {i} is cut off")
+            raise FrameError("length", f"entry {i} is cut off", frame=i)
         fmt, vcode, nb = ENTRY.unpack_from(raw, pos)
         pos += ENTRY_BYTES
         scale = 0.0
         if vcode & _HAS_SCALE:
             if pos + SCALE.size > len(raw):
-                raise ValueError(f"corrupt message: the scale of entry {i} is cut off")
+                raise FrameError("length", "the scale is cut off", frame=i)
             (scale,) = SCALE.unpack_from(raw, pos)
             pos += SCALE.size
-        entries.append((fmt, vcode & ~_HAS_SCALE, nb, scale))
+            if scale == 0.0:
+                raise FrameError(
+                    "scale flag",
+                    "the scale flag is set over a zero scale (writers set it for nonzero scales only)",
+                    frame=i,
+                )
+        code = vcode & ~_HAS_SCALE
+        if code not in _CODE_DTYPES:
+            raise FrameError("value dtype", f"unknown value dtype code {code}", frame=i)
+        entries.append((fmt, _CODE_DTYPES[code], nb, scale))
+    end = pos + sum(e[2] for e in entries)
+    if end > size:  # the table's lengths, not a frame's: an entry anywhere may be what changed
+        raise FrameError(
+            "length", f"the entries claim {end - pos} body bytes after a {pos}-byte table; the message holds {size}"
+        )
+    if end < size and bool(msg[end:].any()):
+        raise FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {size})")
+    if flags & FLAG_CRC32:
+        (want,) = CRC.unpack(msg[HEADER_BYTES : HEADER_BYTES + CRC.size].cpu().numpy().tobytes())
+        got = _crc32(msg, end)
+        if got != want:
+            raise FrameError("checksum", f"CRC-32 {got:#010x} of the message, the header says {want:#010x}")
     out, off = [], pos
-    for i, (fmt, vcode, nb, scale) in enumerate(entries):
-        if off + nb > msg.numel():
-            raise ValueError(f"corrupt message: frame {i} claims {nb} bytes at offset {off}")
+    for i, (fmt, vdtype, nb, scale) in enumerate(entries):
         out.append(
             Payload(
                 body=msg[off : off + nb],
                 shape=shapes[i],
                 dtype=dtypes[i],
                 fmt=fmt,
-                vdtype=code_dtype(vcode),
+                vdtype=vdtype,
                 scale=scale,
+                grad_dtype=grad_dtypes[i] if grad_dtypes is not None else None,
             )
         )
         off += nb
+    if check is not None:
+        check.check_frames(out)
+        for p in out:
+            p.checked = True
     return out

@@ -15,9 +15,9 @@ from typing import ClassVar
 import torch
 
 from ..registry import Registered
-from ..wire import Payload, accum_dtype
+from ..wire import FrameError, Payload, accum_dtype, formats
 
-__all__ = ["Codec", "TensorContext", "tensor_seed", "check_input"]
+__all__ = ["Codec", "TensorContext", "tensor_seed", "check_input", "FrameError"]
 
 
 @dataclass
@@ -93,6 +93,32 @@ class Codec(Registered, register=False):
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         raise NotImplementedError
 
+    # -- distrusting received frames ---------------------------------------------------
+    def check_frame(self, payload: Payload) -> None:
+        """Raise :class:`~gradzip.wire.FrameError` (a ``ValueError`` naming the field) for a
+        received frame that this codec, as configured, could not have written for a tensor
+        of ``payload.shape``: a format it does not write, a value dtype, a scale or its
+        absence, a body length inconsistent with the shape, codes or positions no encoder
+        produces. The built-in codecs check every field they read; this default checks
+        nothing (a codec of one's own validates in its decoder)."""
+
+    def check_frames(self, payloads) -> None:
+        """:meth:`check_frame` on the frames of one message, in order; a refusal names the
+        frame's index (``FrameError.frame``). Codecs whose checks need the frames' bytes on
+        the host override it to sync once for the message."""
+        for i, p in enumerate(payloads):
+            try:
+                self.check_frame(p)
+            except FrameError as e:
+                raise e.at(frame=i) from None
+
+    def validated(self, payload: Payload) -> Payload:
+        """``payload``, checked by :meth:`check_frame` unless a protocol has checked it."""
+        if not payload.checked:
+            self.check_frame(payload)
+            payload.checked = True
+        return payload
+
     def decompress(self, payload: Payload) -> torch.Tensor:
         """Dense tensor of ``payload.shape`` and ``payload.dtype`` (the compressed input's)."""
         raise NotImplementedError
@@ -147,6 +173,84 @@ class Codec(Registered, register=False):
 
     def zeros(self, payload: Payload) -> torch.Tensor:
         return torch.zeros(payload.shape, dtype=accum_dtype(payload.dtype), device=payload.body.device)
+
+
+def frame_label(codec) -> str:
+    return type(codec).__name__
+
+
+def fmt_name(code: int) -> str:
+    return formats().get(code, "unregistered").split(".")[-1]
+
+
+def check_format(codec, payload: Payload, allowed) -> None:
+    """``format``: the frame's code must be one of ``allowed``."""
+    if payload.fmt not in allowed:
+        can = ", ".join(f"{fmt_name(c)} ({c})" for c in sorted(allowed))
+        raise FrameError(
+            "format",
+            f"{codec!r} cannot decode frame format {payload.fmt} ({fmt_name(payload.fmt)}) for a tensor of "
+            f"{payload.numel} elements; it writes {can}",
+        )
+
+
+def check_vdtype(codec, payload: Payload, allowed) -> None:
+    """``value dtype``: one of ``allowed`` (frames without values carry code 0, float32)."""
+    vdtype = torch.float32 if payload.vdtype is None else payload.vdtype  # None: code 0 on the wire
+    if vdtype not in allowed:
+        can = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise FrameError(
+            "value dtype",
+            f"{frame_label(codec)} {fmt_name(payload.fmt)} frames of a {str(payload.dtype).replace('torch.', '')} "
+            f"tensor hold {can}, not {str(payload.vdtype).replace('torch.', '')}",
+        )
+
+
+def check_no_scale(codec, payload: Payload) -> None:
+    if payload.scale != 0.0:
+        raise FrameError(
+            "scale", f"{frame_label(codec)} {fmt_name(payload.fmt)} frames carry no scale, got {payload.scale!r}"
+        )
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def check_scale(codec, payload: Payload, what: str) -> float:
+    """``scale``: present, positive and finite in float32 (Threshold's tau, TopK's mu)."""
+    s = payload.scale
+    if not (s > 0.0 and s <= _F32_MAX):
+        raise FrameError(
+            "scale", f"{frame_label(codec)} {fmt_name(payload.fmt)} frames carry {what} > 0 and finite, got {s!r}"
+        )
+    return s
+
+
+def check_length(codec, payload: Payload, want: int, why: str = "") -> None:
+    got = payload.body.numel() * payload.body.element_size()
+    if got != want:
+        raise FrameError(
+            "length",
+            f"corrupt {frame_label(codec)} frame: {got} bytes, a {fmt_name(payload.fmt)} frame of "
+            f"{payload.numel} elements has {want}{why}",
+        )
+
+
+def check_dense(codec, payload: Payload, vdtypes) -> None:
+    """A ``DENSE`` frame: every element in one of ``vdtypes``, no scale."""
+    check_vdtype(codec, payload, vdtypes)
+    check_no_scale(codec, payload)
+    check_length(codec, payload, payload.numel * torch.empty(0, dtype=payload.vdtype).element_size())
+
+
+def check_empty(codec, payload: Payload, scale: str | None = None) -> None:
+    """An ``EMPTY`` frame: no body, value dtype code 0; a scale only where ``scale`` names it."""
+    check_vdtype(codec, payload, (torch.float32,))
+    if scale is None:
+        check_no_scale(codec, payload)
+    else:
+        check_scale(codec, payload, scale)
+    check_length(codec, payload, 0)
 
 
 def compensate(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:

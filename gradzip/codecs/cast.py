@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..wire import Payload, from_bytes
-from .base import Codec, TensorContext, check_input
+from ..wire import FMT_DENSE, Payload, from_bytes
+from .base import Codec, TensorContext, check_dense, check_format, check_input
 
 __all__ = ["Identity", "FP16", "BF16", "saturating_cast"]
 
@@ -25,7 +25,14 @@ class Identity(Codec):
         check_input(x)
         return Payload(body=x.reshape(-1), shape=x.shape, dtype=x.dtype, vdtype=x.dtype)
 
+    def check_frame(self, payload: Payload) -> None:
+        """``DENSE`` only: every element in the tensor's own dtype (what the receiver
+        expects for it), no scale."""
+        check_format(self, payload, (FMT_DENSE,))
+        check_dense(self, payload, (payload.dtype,))
+
     def decompress(self, payload: Payload) -> torch.Tensor:
+        self.validated(payload)
         return _values(payload).to(payload.dtype).reshape(payload.shape)
 
 
@@ -79,7 +86,13 @@ class _Cast(Codec):
             body=saturating_cast(x.reshape(-1), self.wire_dtype), shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype
         )
 
+    def check_frame(self, payload: Payload) -> None:
+        """``DENSE`` only: every element in the wire dtype, no scale."""
+        check_format(self, payload, (FMT_DENSE,))
+        check_dense(self, payload, (self.wire_dtype,))
+
     def decompress(self, payload: Payload) -> torch.Tensor:
+        self.validated(payload)
         # Saturating: float16 gradients sent as bfloat16 may round up past 65504.
         return saturating_cast(_values(payload).to(torch.float32), payload.dtype).reshape(payload.shape)
 

@@ -62,8 +62,17 @@ import gradzip.args as args
 import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
-from ..wire import Payload, accum_dtype, as_bytes, from_bytes, narrow
-from .base import Codec, TensorContext, check_input, tensor_seed
+from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow
+from .base import (
+    Codec,
+    TensorContext,
+    check_format,
+    check_input,
+    check_length,
+    check_no_scale,
+    check_vdtype,
+    tensor_seed,
+)
 
 __all__ = ["SignSGD", "QSGD", "TernGrad", "Int8", "qsgd_bits", "philox_seed"]
 
@@ -101,21 +110,34 @@ def _frame(x: torch.Tensor, fmt: int, scales: torch.Tensor, codes: torch.Tensor,
     return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=torch.float32, scale=scale)
 
 
-def _max_codes(codes: list[torch.Tensor], n: int, bits: int) -> list[int]:
-    """The largest of the first ``n`` ``bits``-bit codes of each packed ``codes`` (the padding
-    bits of the last byte ignored), bytewise: one host sync for all peers."""
-    per, mask = 8 // bits, (1 << bits) - 1
-    full, tail = divmod(n, per)
-    out = []
-    for code in codes:
-        parts = []
-        if full:
-            head = code[:full]
-            parts += [head.amax()] if bits == 8 else [((head >> (k * bits)) & mask).amax() for k in range(per)]
-        if tail:
-            parts.append(unpack_nbit(code[full : full + 1], tail, bits).amax())
-        out.append(torch.stack(parts).amax().to(torch.int64))
-    return torch.stack(out).tolist()
+def _code_stats(frames: list[tuple[torch.Tensor, torch.Tensor, int]], bits: int, kind: str) -> list:
+    """Per frame ``(scales, codes, n)``: ``[negative scale?, largest code]`` (the largest of the
+    first ``n`` ``bits``-bit codes, the padding bits of the last byte ignored; Int8: whether
+    -128 occurs), bytewise, for all frames with one host sync."""
+    per = 8 // bits if bits <= 8 else 1
+    mask = (1 << bits) - 1 if bits <= 8 else 0
+    rows = []
+    for scales, code, n in frames:
+        neg = (scales < 0).any() if scales.numel() else torch.zeros((), dtype=torch.bool, device=code.device)
+        if kind == "int8":
+            top = (
+                (from_bytes(code, torch.int8) == -128).any()
+                if n
+                else torch.zeros((), dtype=torch.bool, device=code.device)
+            )
+        elif kind == "sign1" or not n:
+            top = torch.zeros((), dtype=torch.int64, device=code.device)
+        else:
+            full, tail = divmod(n, per)
+            parts = []
+            if full:
+                head = code[:full]
+                parts += [head.amax()] if bits == 8 else [((head >> (k * bits)) & mask).amax() for k in range(per)]
+            if tail:
+                parts.append(unpack_nbit(code[full : full + 1], tail, bits).amax())
+            top = torch.stack(parts).amax()
+        rows.append(torch.stack([neg.to(torch.int64), top.to(torch.int64)]))
+    return torch.stack(rows).tolist() if rows else []
 
 
 class _Quantizer(Codec):
@@ -124,6 +146,7 @@ class _Quantizer(Codec):
     _kind = ""  # decode_add_quant's kind
     _fmt = 0
     _label = ""
+    _bits = 8  # bits per code (sign1: 1)
 
     def _decode_kw(self) -> dict:
         return {"block": self.block}
@@ -131,36 +154,48 @@ class _Quantizer(Codec):
     def _code_bytes(self, n: int) -> int:
         raise NotImplementedError
 
-    def _check_codes(self, codes: list[torch.Tensor], n: int) -> None:
-        """Raise for the first of ``codes`` (packed code bytes, one per peer) with a bad code."""
+    def _bad_code(self, top: int) -> str | None:
+        """Why the largest code of a frame (Int8: whether -128 occurs) is one no encoder writes."""
+        return None
 
     def _check_header(self, payload: Payload) -> None:
-        """Raise for a header this codec cannot decode (beyond the format)."""
+        """The frame's scale: none, except QSGD's level count."""
+        check_no_scale(self, payload)
 
-    def _check_frames(self, payloads: list[Payload], n: int) -> None:
-        """Raise the ValueError that decoding the frames peer by peer would raise first: each
-        frame's format and length in order, then the codes of the frames before the first
-        malformed one (one host sync)."""
-        nb, _ = K.quant_layout(n, self.block)
-        want = 4 * nb + self._code_bytes(n)
-        codes, err = [], None
-        for p in payloads:
-            if p.fmt != self._fmt:
-                err = ValueError(f"{self._label} cannot decode frame format {p.fmt} (expected {self._fmt})")
-                break
+    def _first_bad(self, payloads) -> tuple[int, FrameError] | None:
+        """The first frame (in order) that no encoder of this configuration writes: its format,
+        value dtype (float32, the scales'), scale and length, then (for the frames before
+        the first malformed one, one host sync) negative block scales and codes no encoder
+        writes."""
+        header, ok = None, []
+        for i, p in enumerate(payloads):
             try:
+                check_format(self, p, (self._fmt,))
+                check_vdtype(self, p, (torch.float32,))
                 self._check_header(p)
-            except ValueError as e:
-                err = e
+                nb, _ = K.quant_layout(p.numel, self.block)
+                check_length(self, p, 4 * nb + self._code_bytes(p.numel))
+            except FrameError as e:
+                header = (i, e)
                 break
-            if p.body.numel() != want:
-                err = ValueError(f"corrupt {self._label} frame: {p.body.numel()} bytes, expected {want}")
-                break
-            codes.append(p.body[4 * nb :])
-        if codes and n:
-            self._check_codes(codes, n)
-        if err is not None:
-            raise err
+            ok.append((from_bytes(p.body[: 4 * nb], torch.float32), p.body[4 * nb :], p.numel))
+        for i, (neg, top) in enumerate(_code_stats(ok, self._bits, self._kind)):
+            if neg:
+                return i, FrameError("body.scales", f"corrupt {self._label} frame: a negative block scale")
+            why = self._bad_code(top)
+            if why:
+                return i, FrameError("body.codes", f"corrupt {self._label} frame: {why}")
+        return header
+
+    def check_frame(self, payload: Payload) -> None:
+        bad = self._first_bad([payload])
+        if bad is not None:
+            raise bad[1]
+
+    def check_frames(self, payloads) -> None:
+        bad = self._first_bad(list(payloads))
+        if bad is not None:
+            raise bad[1].at(frame=bad[0])
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         # -0.0 is the additive identity: -0.0 + d == d bit for bit, signed zeros included.
@@ -176,7 +211,13 @@ class _Quantizer(Codec):
         payloads = list(payloads)
         if not payloads:
             return
-        self._check_frames(payloads, out.numel())
+        for p in payloads:
+            if p.numel != out.numel():
+                raise ValueError(f"a frame of {p.numel} elements decoded into {out.numel()}")
+        if not all(p.checked for p in payloads):  # not validated by the protocol: a peer each
+            bad = self._first_bad(payloads)
+            if bad is not None:
+                raise bad[1].at(rank=bad[0]) if len(payloads) > 1 else bad[1]
         # A body's float32 scales must start 4-byte aligned (frames lie back to back in a message).
         bodies = [p.body if p.body.storage_offset() % 4 == 0 else p.body.clone() for p in payloads]
         if out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
@@ -201,7 +242,7 @@ class SignSGD(_Quantizer):
     """
 
     formats = {"SIGN1": FMT_SIGN1}
-    _kind, _fmt, _label = "sign1", FMT_SIGN1, "SignSGD"
+    _kind, _fmt, _label, _bits = "sign1", FMT_SIGN1, "SignSGD", 1
 
     def __init__(self, *, block: int | None = None) -> None:
         self.block = _block(block)
@@ -262,7 +303,7 @@ class QSGD(_Quantizer):
 
     def __init__(self, levels: int = 7, *, block: int | None = 64, seed: int = 0) -> None:
         self.levels = args.integer("levels", levels, 1, 127)
-        self.bits = qsgd_bits(self.levels)
+        self.bits = self._bits = qsgd_bits(self.levels)
         self.block = _block(block)
         self.seed = args.integer("seed", seed)
 
@@ -282,12 +323,10 @@ class QSGD(_Quantizer):
 
     def _check_header(self, payload: Payload) -> None:
         if payload.scale != self.levels:
-            raise ValueError(f"QSGD frame has levels={payload.scale:g}, this QSGD has levels={self.levels}")
+            raise FrameError("scale", f"QSGD frame has levels={payload.scale:g}, this QSGD has levels={self.levels}")
 
-    def _check_codes(self, codes, n):
-        for top in _max_codes(codes, n, self.bits):
-            if top > 2 * self.levels:
-                raise ValueError(f"corrupt QSGD frame: code {top} > 2 * levels")
+    def _bad_code(self, top: int) -> str | None:
+        return f"code {top} > 2 * levels" if top > 2 * self.levels else None
 
 
 class TernGrad(_Quantizer):
@@ -308,7 +347,7 @@ class TernGrad(_Quantizer):
     """
 
     formats = {"TERN2": FMT_TERN2}
-    _kind, _fmt, _label = "tern2", FMT_TERN2, "TernGrad"
+    _kind, _fmt, _label, _bits = "tern2", FMT_TERN2, "TernGrad", 2
 
     def __init__(self, *, block: int | None = None, clip: float | None = None, seed: int = 0) -> None:
         self.block = _block(block)
@@ -328,10 +367,8 @@ class TernGrad(_Quantizer):
         scales, codes = K.terngrad_encode(_flat(x), philox_seed(self.seed, ctx), block=self.block, clip=self.clip)
         return _frame(x, FMT_TERN2, scales, codes)
 
-    def _check_codes(self, codes, n):
-        for top, code in zip(_max_codes(codes, n, 2), codes):
-            if top == 3:
-                raise ValueError("corrupt TernGrad frame: code 3")
+    def _bad_code(self, top: int) -> str | None:
+        return "code 3" if top == 3 else None
 
 
 class Int8(_Quantizer):
@@ -366,9 +403,8 @@ class Int8(_Quantizer):
         scales, codes = K.int8_encode(_flat(x), block=self.block)
         return _frame(x, FMT_INT8, scales, as_bytes(codes))
 
-    def _check_codes(self, codes, n):
-        if bool(torch.stack([(from_bytes(c, torch.int8) == -128).any() for c in codes]).any()):
-            raise ValueError("corrupt Int8 frame: code -128")
+    def _bad_code(self, top: int) -> str | None:
+        return "code -128" if top else None
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

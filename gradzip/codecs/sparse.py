@@ -11,8 +11,21 @@ import gradzip.kernels as K
 import gradzip.warmup as warmup
 
 from ..kernels import bitpack
-from ..wire import FMT_DENSE, FMT_EMPTY, Payload, as_bytes, from_bytes, narrow
-from .base import Codec, TensorContext, check_input, tensor_seed
+from ..wire import FMT_DENSE, FMT_EMPTY, FrameError, Payload, as_bytes, from_bytes, narrow
+from .base import (
+    Codec,
+    TensorContext,
+    check_dense,
+    check_empty,
+    check_format,
+    check_input,
+    check_length,
+    check_no_scale,
+    check_scale,
+    check_vdtype,
+    fmt_name,
+    tensor_seed,
+)
 from .cast import saturating_cast
 
 __all__ = ["TopK", "RandomK", "pack_gaps", "unpack_gaps", "call_counts"]
@@ -69,34 +82,59 @@ def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: 
     return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), bitpack.pack_uint(words, width)])
 
 
+def gaps_nbytes(idx: torch.Tensor) -> int:
+    """Bytes :func:`pack_gaps` writes for the ascending positions ``idx`` (no extra bits)."""
+    k = idx.numel()
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
+    width = max(1, int(gaps.max()).bit_length()) if k else 1
+    return 1 + max(1, -(-k.bit_length() // 7)) + (k * width + 7) // 8
+
+
 def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 0):
     """``(indices, extra or None, the bytes after the gaps)`` of a :func:`pack_gaps` body that is
-    followed by ``value_bytes`` per position; the positions are checked against ``n``."""
+    followed by ``value_bytes`` per position. Everything :func:`pack_gaps` would not have
+    written raises :class:`~gradzip.wire.FrameError`: a width other than the largest word's,
+    a count in more LEB128 bytes than it needs, a length that disagrees with the count,
+    nonzero padding bits, a position outside ``[0, n)``."""
     head = body[:10].cpu().tolist()
     if len(head) < 2:
-        raise ValueError("corrupt sparse frame: no width and count")
+        raise FrameError("length", f"corrupt sparse frame: {len(head)} bytes hold no width and count")
     width, k, shift, pos = head[0], 0, 0, 1
     while True:
         if pos >= len(head):
-            raise ValueError("corrupt sparse frame: the count is cut off")
+            raise FrameError("body.count", "corrupt sparse frame: the count is cut off")
         k |= (head[pos] & 0x7F) << shift
         shift += 7
         pos += 1
         if not head[pos - 1] & 0x80:
             break
+    if pos > 2 and head[pos - 1] == 0:
+        raise FrameError(
+            "body.count", f"corrupt sparse frame: the count {k} in {pos - 1} LEB128 bytes (a writer uses fewer)"
+        )
     if not max(extra_bits, 1) <= width <= 63:
-        raise ValueError(f"corrupt sparse frame: gap width {width}")
+        raise FrameError("body.width", f"corrupt sparse frame: gap width {width}")
     plen = (k * width + 7) // 8
     if pos + plen + k * value_bytes != body.numel():
-        raise ValueError(f"corrupt sparse frame: {body.numel()} bytes for {k} positions of {width} bits")
+        raise FrameError(
+            "length",
+            f"corrupt sparse frame: {body.numel()} bytes for {k} positions of {width} bits "
+            f"(and {value_bytes} value bytes each)",
+        )
     words = bitpack.unpack_uint(body[pos : pos + plen], k, width)
+    used = k * width
+    if used % 8 and int(body[pos + plen - 1]) >> (used % 8):
+        raise FrameError("body.padding", "corrupt sparse frame: nonzero padding bits after the last gap")
+    need = max(1, int(words.max()).bit_length()) if k else 1
+    if width != need:
+        raise FrameError("body.width", f"corrupt sparse frame: gap width {width} where the largest word needs {need}")
     extra = None
     if extra_bits:
         extra = words & ((1 << extra_bits) - 1)
         words = words >> extra_bits
     idx = torch.cumsum(words + 1, 0) - 1
     if k and int(idx[-1]) >= n:
-        raise ValueError(f"corrupt sparse frame: index {int(idx[-1])} outside [0, {n})")
+        raise FrameError("body.indices", f"corrupt sparse frame: index {int(idx[-1])} outside [0, {n})")
     return idx, extra, body[pos + plen :]
 
 
@@ -232,7 +270,8 @@ class TopK(Codec):
         body = torch.cat([positions, as_bytes(sent)])
         if body.numel() >= n * v.element_size():
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
-        return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype)
+        # what the decoder parses from this body, kept for subtract() and sent_mask()
+        return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=fmt, vdtype=vdtype, parsed=(idx, sent))
 
     def _ternary(self, v: torch.Tensor, x: torch.Tensor, k: int, ctx: TensorContext) -> Payload:
         """``values="sign"``: the top ``k`` positions of ``v``, each sent as ``+-mu``."""
@@ -258,13 +297,105 @@ class TopK(Codec):
             return _empty(x)
         neg = vals < 0
         bitmap = (n + 3) // 4
+        parsed = (idx, torch.full(idx.shape, mu, dtype=torch.float32, device=idx.device).masked_fill_(neg, -mu))
         if idx.numel() < bitmap:
             body = pack_gaps(idx, neg, extra_bits=1)
             if body.numel() < bitmap:
-                return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_SPARSE_SIGN, scale=mu)
+                return Payload(body=body, shape=x.shape, dtype=x.dtype, fmt=FMT_SPARSE_SIGN, scale=mu, parsed=parsed)
         codes = torch.zeros(n, dtype=torch.int64, device=v.device)
         codes[idx] = torch.where(neg, 2, 1)
-        return Payload(body=bitpack.pack_uint(codes, 2), shape=x.shape, dtype=x.dtype, fmt=FMT_SPARSE_SIGN2, scale=mu)
+        return Payload(
+            body=bitpack.pack_uint(codes, 2),
+            shape=x.shape,
+            dtype=x.dtype,
+            fmt=FMT_SPARSE_SIGN2,
+            scale=mu,
+            parsed=parsed,
+        )
+
+    # -- decode ------------------------------------------------------------------------
+    def _formats(self, n: int) -> tuple:
+        """The formats this TopK writes for a tensor of ``n`` elements."""
+        if n == 0:
+            return (FMT_EMPTY,)
+        if self.values == "sign":
+            return (FMT_EMPTY, FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2)
+        # EMPTY also where a call-wide top-k allotted the tensor nothing
+        empty = (FMT_EMPTY,) if self.scope == "call" else ()
+        return (*empty, FMT_DENSE, FMT_SPARSE, FMT_SPARSE_MASK)
+
+    def _value_dtypes(self, payload: Payload) -> tuple:
+        """The dtypes a sparse frame's values may travel in: ``values``', else the gradient's
+        or (where a compensated value outgrew it) the input's, ``payload.dtype``."""
+        if self.values is not None:
+            return (_VALUE_DTYPES[self.values],)
+        if payload.grad_dtype is not None:
+            return tuple(dict.fromkeys((payload.grad_dtype, payload.dtype)))
+        return (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # a frame not from a protocol
+
+    def check_frame(self, payload: Payload) -> None:
+        """The formats this configuration writes (``values="sign"``: EMPTY, SPARSE_SIGN,
+        SPARSE_SIGN2; else DENSE, SPARSE, SPARSE_MASK, and EMPTY for a call-wide top-k or an
+        empty tensor), each with its value dtype, its scale (``mu`` for the sign formats,
+        else none), a body whose length follows from the shape and the positions, positions
+        in range and coded as :func:`pack_gaps` codes them, no 2-bit code 3, and the form
+        the encoder would have chosen (a sparse form only where it is smaller than the
+        tensor, the mask only where it is smaller than the gaps, the gaps only where they are
+        smaller than the 2-bit map). The positions parsed are kept for the decode."""
+        n = payload.numel
+        check_format(self, payload, self._formats(n))
+        fmt = payload.fmt
+        if fmt == FMT_EMPTY:
+            check_empty(self, payload)
+            return
+        if fmt == FMT_DENSE:
+            check_dense(self, payload, (payload.dtype,))
+            return
+        nbytes = payload.body.numel()
+        if fmt in (FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2):
+            check_vdtype(self, payload, (torch.float32,))
+            mu = check_scale(self, payload, "mu")
+            bitmap = (n + 3) // 4
+            if fmt == FMT_SPARSE_SIGN:
+                idx, neg, _ = unpack_gaps(payload.body, n, 0, extra_bits=1)
+                if not idx.numel():
+                    raise FrameError("body.count", "a SPARSE_SIGN frame sends at least one position (else EMPTY)")
+                if nbytes >= bitmap:
+                    raise FrameError("length", f"{nbytes} bytes of SPARSE_SIGN, where the 2-bit map takes {bitmap}")
+                neg = neg.bool()
+            else:
+                check_length(self, payload, bitmap)
+                idx, neg = _signs2(payload.body, n)
+            vals = torch.full(idx.shape, mu, dtype=torch.float32, device=idx.device)
+            payload.parsed = (idx, vals.masked_fill_(neg, -mu))
+            return
+        check_vdtype(self, payload, self._value_dtypes(payload))
+        check_no_scale(self, payload)
+        vsize = torch.empty(0, dtype=payload.vdtype).element_size()
+        dense = n * payload.dtype.itemsize
+        if nbytes >= dense:
+            raise FrameError("length", f"{nbytes} bytes of {fmt_name(fmt)} for a tensor of {dense} (DENSE is smaller)")
+        mlen = (n + 7) // 8
+        if fmt == FMT_SPARSE:
+            idx, _, rest = unpack_gaps(payload.body, n, vsize)
+            if nbytes - rest.numel() > mlen:
+                raise FrameError(
+                    "format", f"{nbytes - rest.numel()} bytes of gaps, where a SPARSE_MASK frame's mask takes {mlen}"
+                )
+        else:
+            if nbytes < mlen or (nbytes - mlen) % vsize:
+                raise FrameError("length", f"corrupt sparse frame: {nbytes} bytes for a mask of {n} positions")
+            if n % 8 and int(payload.body[mlen - 1]) >> (n % 8):
+                raise FrameError("body.padding", "corrupt sparse frame: mask bits set beyond the tensor")
+            idx = bitpack.unpack_uint(payload.body[:mlen], n, 1).nonzero().reshape(-1)
+            if idx.numel() * vsize != nbytes - mlen:
+                raise FrameError(
+                    "length", f"corrupt sparse frame: {idx.numel()} positions for {nbytes - mlen} value bytes"
+                )
+            if gaps_nbytes(idx) <= mlen:
+                raise FrameError("format", f"a mask of {mlen} bytes, where the gaps take {gaps_nbytes(idx)}")
+            rest = payload.body[mlen:]
+        payload.parsed = (idx, from_bytes(rest, payload.vdtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
@@ -291,6 +422,9 @@ class TopK(Codec):
         flat.index_put_((idx,), flat[idx] - vals.to(v.dtype))
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
+        if out.numel() != payload.numel:
+            raise ValueError(f"a frame of {payload.numel} elements decoded into {out.numel()}")
+        self.validated(payload)
         if payload.fmt == FMT_EMPTY:
             return
         if payload.fmt == FMT_DENSE:
@@ -298,40 +432,39 @@ class TopK(Codec):
             return
         K.scatter_add_sparse(out, *self._split(payload, out.numel()))
 
-    @staticmethod
-    def _split(payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 indices, values) of a sparse frame, validated against ``n`` elements."""
-        if payload.fmt in (FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2):
-            mu = payload.scale
-            if not (mu > 0.0 and math.isfinite(mu)):
-                raise ValueError(f"corrupt sparse sign frame: scale {mu}")
-            if payload.fmt == FMT_SPARSE_SIGN:
-                idx, neg, _ = unpack_gaps(payload.body, n, 0, extra_bits=1)
-                neg = neg.bool()
-            else:
-                if payload.body.numel() != (n + 3) // 4:
-                    raise ValueError(f"corrupt sparse sign frame: {payload.body.numel()} bytes for {n} positions")
-                codes = bitpack.unpack_uint(payload.body, n, 2)
-                if bool((codes == 3).any()):
-                    raise ValueError("corrupt sparse sign frame: code 3")
-                idx = codes.nonzero().reshape(-1)
-                neg = codes[idx] == 2
-            vals = torch.full(idx.shape, mu, dtype=torch.float32, device=idx.device)
-            return idx, vals.masked_fill_(neg, -mu)
-        if payload.fmt not in (FMT_SPARSE, FMT_SPARSE_MASK):
-            raise ValueError(f"TopK cannot decode frame format {payload.fmt}")
-        vsize = torch.empty(0, dtype=payload.vdtype).element_size()
-        if payload.fmt == FMT_SPARSE:
-            idx, _, rest = unpack_gaps(payload.body, n, vsize)
-            return idx, from_bytes(rest, payload.vdtype)
-        mlen = (n + 7) // 8
-        nb = payload.body.numel()
-        if nb < mlen or (nb - mlen) % vsize:
-            raise ValueError(f"corrupt sparse frame: {nb} bytes for a mask of {n} positions")
-        idx = bitpack.unpack_uint(payload.body[:mlen], n, 1).nonzero().reshape(-1)
-        if idx.numel() * vsize != nb - mlen:
-            raise ValueError(f"corrupt sparse frame: {idx.numel()} positions for {nb - mlen} value bytes")
-        return idx, from_bytes(payload.body[mlen:], payload.vdtype)
+    def _split(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, values) of a sparse frame (parsed by :meth:`check_frame`)."""
+        if payload.parsed is None:
+            self.check_frame(payload)
+        return payload.parsed
+
+
+def _signs2(body: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and signs (True: negative) of a 2-bit map (0 -> 0, 1 -> +, 2 -> -), refusing
+    code 3, set padding codes and a map with nothing set (an encoder writes EMPTY then)."""
+    check_codes2(body, n)
+    codes = bitpack.unpack_uint(body, n, 2)
+    idx = codes.nonzero().reshape(-1)
+    return idx, codes[idx] == 2
+
+
+def check_codes2(body: torch.Tensor, n: int) -> None:
+    """A 2-bit map of ``n`` codes (0, +, -) as an encoder writes it: no code 3, no code after
+    the ``n``-th, at least one set (else the encoder writes EMPTY). One pass over the bytes,
+    one host sync."""
+    b = body.reshape(-1)
+    if not b.numel():
+        raise FrameError("body.codes", "an empty 2-bit map (an encoder writes EMPTY)")
+    three = ((b & (b >> 1)) & 0x55).any()
+    rem = n % 4
+    pad = (b[-1] >> (2 * rem)).bool() if rem else torch.zeros((), dtype=torch.bool, device=b.device)
+    bad3, badpad, some = torch.stack([three, pad, b.any()]).tolist()
+    if bad3:
+        raise FrameError("body.codes", "corrupt 2-bit map: code 3 (only 0, +, - exist)")
+    if badpad:
+        raise FrameError("body.padding", f"corrupt 2-bit map: codes set after the {n}-th")
+    if not some:
+        raise FrameError("body.codes", "a 2-bit map with no position set (an encoder writes EMPTY)")
 
 
 class RandomK(Codec):
@@ -340,8 +473,9 @@ class RandomK(Codec):
     The indices depend only on ``(seed, step, tensor name)``, so every rank picks
     the same ones and only the k values travel: the payload is summable and goes
     through allreduce. Values travel in the input's dtype (float32 when error
-    feedback has promoted a half-precision gradient), the same on every rank. Values are not rescaled by n/k; with error feedback (the
-    default) the unsent mass waits in the residual.
+    feedback has promoted a half-precision gradient), the same on every rank. Values are
+    not rescaled by n/k; with error feedback (the default) the unsent mass waits in the
+    residual.
 
     Args:
         ratio: the fraction of elements sent, in (0, 1], or a warm-up schedule.

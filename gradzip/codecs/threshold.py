@@ -56,9 +56,18 @@ import gradzip.args as args
 import gradzip.kernels as K
 import gradzip.warmup as warmup
 
-from ..wire import FMT_EMPTY, Payload, accum_dtype, narrow
-from .base import Codec, TensorContext, check_input
-from .sparse import call_counts, pack_gaps, unpack_gaps
+from ..wire import FMT_EMPTY, FrameError, Payload, accum_dtype, narrow
+from .base import (
+    Codec,
+    TensorContext,
+    check_empty,
+    check_format,
+    check_input,
+    check_length,
+    check_scale,
+    check_vdtype,
+)
+from .sparse import call_counts, check_codes2, pack_gaps, unpack_gaps
 
 __all__ = ["Threshold", "exact_tau"]
 
@@ -279,25 +288,57 @@ class Threshold(Codec):
         return Payload(body=sel.bitmap(), shape=x.shape, dtype=dtype, fmt=FMT_BITMAP2, scale=tau)
 
     # -- decode ------------------------------------------------------------------------
+    def check_frame(self, payload: Payload) -> None:
+        """EMPTY, SIGNED_INDEX or BITMAP2, each with tau (the scale: > 0 and finite in
+        float32) and value dtype code 0; an empty body for EMPTY; for SIGNED_INDEX the gaps
+        as :func:`~gradzip.codecs.sparse.pack_gaps` codes them, at least one position, and
+        shorter than the 2-bit map (else the encoder sends the map), on a tensor of fewer
+        than 2**31 elements; for BITMAP2 ``ceil(n / 4)`` bytes, codes 0, 1, 2 only, at least
+        one set, none after the ``n``-th. The positions parsed are kept for the decode."""
+        n = payload.numel
+        check_format(self, payload, (FMT_EMPTY, FMT_SIGNED_INDEX, FMT_BITMAP2))
+        if payload.fmt == FMT_EMPTY:
+            check_empty(self, payload, scale="tau")
+            return
+        check_vdtype(self, payload, (torch.float32,))
+        tau = check_scale(self, payload, "tau")
+        bitmap = (n + 3) // 4
+        if payload.fmt == FMT_BITMAP2:
+            check_length(self, payload, bitmap)
+            check_codes2(payload.body, n)
+            return
+        if n >= _MAX_INDEX:
+            raise FrameError("format", f"SIGNED_INDEX frame for a tensor of {n} >= 2**31 elements (always BITMAP2)")
+        idx, neg, _ = unpack_gaps(payload.body, n, 0, extra_bits=1)
+        if not idx.numel():
+            raise FrameError("body.count", "a SIGNED_INDEX frame sends at least one position (else EMPTY)")
+        if payload.body.numel() >= bitmap:
+            raise FrameError(
+                "length", f"{payload.body.numel()} bytes of SIGNED_INDEX, where the 2-bit map takes {bitmap}"
+            )
+        payload.parsed = (idx, neg.bool(), tau)
+
     def decompress(self, payload: Payload) -> torch.Tensor:
         out = self.zeros(payload)
         self.accumulate(payload, out.view(-1))
         return narrow(out, payload.dtype)
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
+        if out.numel() != payload.numel:
+            raise ValueError(f"a frame of {payload.numel} elements decoded into {out.numel()}")
+        self.validated(payload)
         tau = payload.scale
         if payload.fmt == FMT_EMPTY:
             return
         if payload.fmt == FMT_SIGNED_INDEX:
-            idx, neg, rest = unpack_gaps(payload.body, out.numel(), 0, extra_bits=1)
+            if payload.parsed is None:
+                self.check_frame(payload)
+            idx, neg, _ = payload.parsed
             vals = torch.full(idx.shape, tau, dtype=out.dtype, device=out.device)
-            vals[neg.bool()] = -tau
+            vals[neg] = -tau
             K.scatter_add_sparse(out, idx, vals)
             return
-        if payload.fmt == FMT_BITMAP2:
-            K.decode_add_bitmap2(out, [payload.body], [tau])
-            return
-        raise ValueError(f"Threshold cannot decode frame format {payload.fmt}")
+        K.decode_add_bitmap2(out, [payload.body], [tau])
 
     def accumulate_many(self, payloads, out: torch.Tensor) -> None:
         """``accumulate`` each payload in order (one tensor, N peers).
@@ -306,8 +347,9 @@ class Threshold(Codec):
         intermediate); the sums per element are taken in the same order, so the
         floats are those of calling :meth:`accumulate` N times.
         """
+        payloads = [self.validated(p) for p in payloads]
         run: list[Payload] = []
-        for p in list(payloads) + [None]:
+        for p in payloads + [None]:
             if p is not None and p.fmt == FMT_BITMAP2:
                 run.append(p)
                 continue

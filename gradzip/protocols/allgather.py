@@ -56,7 +56,11 @@ class AllGather(Protocol):
                 acc = call.output(zero=True)  # every input was encoded before the first round
             else:
                 acc = torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
-            frames = [unpack_frames(gathered[r], shapes, dtypes) for r in range(call.world_size)]
+            grads = [c.dtype for c in call.contexts]  # what each frame's encoder was told (ctx.dtype)
+            frames = [
+                unpack_frames(gathered[r], shapes, dtypes, grad_dtypes=grads, check=codec, names=call.names, rank=r)
+                for r in range(call.world_size)
+            ]
             for i in range(len(payloads)):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.
                 codec.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])

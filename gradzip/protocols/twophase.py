@@ -107,7 +107,15 @@ class TwoPhase(Protocol):
             acc = out if acc_dtype == call.out_dtype else torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
             for j in range(world):
                 pieces = [torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)]
-                fr = unpack_frames(gathered[j], pieces, [again[i].dtype for i in range(count)])
+                fr = unpack_frames(
+                    gathered[j],
+                    pieces,
+                    [again[i].dtype for i in range(count)],
+                    grad_dtypes=[call.tensors[i].dtype for i in range(count)],
+                    check=codec,
+                    names=[owner_key(call.names[i], j, world) for i in range(count)],
+                    rank=j,
+                )
                 for i in range(count):
                     lo = call.offsets[i]
                     codec.accumulate(fr[i], acc[lo + bounds[i][j] : lo + bounds[i][j + 1]])
@@ -149,7 +157,17 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
         dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
         frames, pos = [], 0
         for s in range(world):
-            frames.append(unpack_frames(recv[pos : pos + out_splits[s]], shapes, dtypes))
+            frames.append(
+                unpack_frames(
+                    recv[pos : pos + out_splits[s]],
+                    shapes,
+                    dtypes,
+                    grad_dtypes=[t.dtype for t in call.tensors],
+                    check=codec,
+                    names=[piece_key(call.names[i], me, world) for i in range(count)],
+                    rank=s,
+                )
+            )
             pos += out_splits[s]
         owned = []
         for i in range(count):

@@ -56,9 +56,14 @@ def test_frames_roundtrip_and_alignment():
         == wire.message_nbytes(ps)
         == 8 + sum(wire.frame_nbytes(b.numel(), bool(p.scale)) for b, p in zip(bodies, ps))
     )
-    # Trailing padding (from a padded all-gather) is ignored.
-    padded = torch.cat([msg, torch.full((13,), 255, dtype=torch.uint8)])
+    # Trailing zero padding (from a padded all-gather) is ignored; anything else after the
+    # last body is no message gradzip writes.
+    padded = torch.cat([msg, torch.zeros(13, dtype=torch.uint8)])
     out = wire.unpack_frames(padded, [p.shape for p in ps], [p.dtype for p in ps])
+    with pytest.raises(wire.FrameError, match="field padding: nonzero bytes after the last body"):
+        wire.unpack_frames(
+            torch.cat([padded, torch.ones(1, dtype=torch.uint8)]), [p.shape for p in ps], [p.dtype for p in ps]
+        )
     for a, b in zip(ps, out):
         assert (a.fmt, a.scale, a.shape, a.dtype) == (b.fmt, b.scale, b.shape, b.dtype)
         assert torch.equal(a.body, b.body)

@@ -1,0 +1,387 @@
+"""Structural corruption of every framed codec's messages: no silent wrong decode.
+
+Every codec configuration below encodes a message of six tensors (shapes and scales chosen
+so that every format it writes occurs: EMPTY, DENSE, the sparse forms, the 2-bit maps, the
+quantizers' blocks), with float32 gradients and with float16 gradients under error feedback
+(float32 frames of a float16 gradient). Each message is then corrupted one field at a time,
+deterministically, and decoded as a receiving protocol decodes it
+(``unpack_frames(..., check=codec)``, then the codec's ``accumulate_many``):
+
+* the header: version, flags, reserved bytes, frame count;
+* each frame's entry: the format byte (every code 0..31 and a few above), the value-dtype
+  code (0..7 and 127), the scale flag, the scale (0, negative, NaN, infinities, another
+  positive value), the length field (off by 1, 2, 4, zero, huge, doubled);
+* each frame's body: the fields a decoder reads to find its way (gap width, LEB128 count,
+  padding bits, mask bits, 2-bit codes 3 and padding codes, quantizer codes no encoder
+  writes, negative block scales), and value bytes (DENSE and sparse values, quantizer
+  scales and codes, 2-bit codes, gap bits);
+* the message's end: one byte cut, a nonzero byte appended.
+
+**What counts as a silent wrong decode.** A corrupted message either raises
+``FrameError`` (a ``ValueError``) that names the field and, for a field of a frame, the
+frame's index, its tensor and the sending rank -- a *refusal* -- or decodes. A decode is
+*explained* when, compared bit for bit with the uncorrupted message's decode, every tensor
+differs only at elements that the corrupted byte encodes: the element a value byte holds
+(DENSE, sparse values), the block of a quantizer scale, the elements packed in a code byte
+or a 2-bit map byte, the positions a frame sends for its tau or mu. The bytes that code a
+sparse frame's positions (gap width, count, gaps) encode every position of the frame: a
+change there that leaves a frame its codec could have written (positions moved, one more
+sign-frame position read from what was zero padding) is explained when that frame's decode
+differs only at positions it sends before or after the change, and nothing else differs
+(counted apart: these are the corruptions only a checksum catches). Header, entry and the
+other structural fields encode no element: a decode after changing one of them is explained
+only if nothing differs. Anything else is a *silent wrong decode*; there must be none.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+import gradzip as gz
+from gradzip import wire
+from gradzip.codecs.base import TensorContext
+from gradzip.codecs.quant import qsgd_bits
+from gradzip.codecs.sparse import (
+    FMT_SPARSE,
+    FMT_SPARSE_MASK,
+    FMT_SPARSE_SIGN,
+    FMT_SPARSE_SIGN2,
+)
+from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX
+from gradzip.wire import FMT_DENSE, FMT_EMPTY, FrameError, accum_dtype, pack_frames, unpack_frames
+
+SHAPES = [(40, 30), (300,), (6, 5), (1,), (0,), (37, 11)]
+SCALES = [1.0, 1.0, 3.0, 1.0, 1.0, 1e-4]  # the last: nothing reaches Threshold's tau
+NAMES = [f"t{i}" for i in range(len(SHAPES))]
+
+CODECS = [
+    gz.Identity(),
+    gz.FP16(),
+    gz.BF16(),
+    gz.TopK(0.01),
+    gz.TopK(0.3),  # the mask form
+    gz.TopK(1.0),  # DENSE
+    gz.TopK(0.05, values="fp16"),
+    gz.TopK(0.05, values="bf16"),
+    gz.TopK(0.02, values="sign"),
+    gz.TopK(0.6, values="sign"),  # the 2-bit map
+    gz.TopK(0.05, scope="call"),  # EMPTY for tensors allotted nothing
+    gz.Threshold(tau=1.5),  # index lists, the 2-bit map, EMPTY
+    gz.Threshold(policy="target", density=0.4),
+    gz.SignSGD(),
+    gz.SignSGD(block=7),
+    gz.QSGD(),
+    gz.QSGD(levels=1, block=16),
+    gz.QSGD(levels=127),
+    gz.TernGrad(),
+    gz.Int8(block=5),
+]
+
+
+def _message(codec, dtype, feedback, seed=0):
+    """The frames one rank sends for the six tensors: (message, shapes, payload dtypes,
+    gradient dtypes) as AllGather frames them."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(s, generator=g) * c).to(dtype) for s, c in zip(SHAPES, SCALES)]
+    ctxs = [TensorContext(name=n, step=3, dtype=dtype, store={}) for n in NAMES]
+    if codec.scope == "call":
+        for ctx, k in zip(ctxs, codec.allot([x.float() for x in xs], ctxs)):
+            ctx.k = k
+    pays = [codec.encode(x, ctx, feedback=feedback)[0] for x, ctx in zip(xs, ctxs)]
+    return pack_frames(pays), [p.shape for p in pays], [p.dtype for p in pays], [c.dtype for c in ctxs]
+
+
+def _decode(codec, msg, shapes, dtypes, grads):
+    frames = unpack_frames(msg, shapes, dtypes, grad_dtypes=grads, check=codec, names=NAMES, rank=1)
+    outs = []
+    for p in frames:
+        acc = torch.zeros(p.numel, dtype=accum_dtype(p.dtype))
+        codec.accumulate_many([p], acc)
+        outs.append(acc)
+    return frames, outs
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+class _Entry:
+    """Where a frame lies in a message (parsed independently of gradzip.wire)."""
+
+    def __init__(self, raw: bytes, pos: int):
+        self.pos = pos
+        self.fmt, self.vcode, self.nb = struct.unpack_from("<BBI", raw, pos)
+        self.has_scale = bool(self.vcode & 0x80)
+        self.scale = struct.unpack_from("<f", raw, pos + 6)[0] if self.has_scale else 0.0
+        self.end = pos + 6 + (4 if self.has_scale else 0)
+
+
+def _layout(msg):
+    raw = bytes(msg.numpy())
+    pos = 8 + (4 if raw[1] & wire.FLAG_CRC32 else 0)
+    entries = []
+    for _ in range(struct.unpack_from("<I", raw, 4)[0]):
+        e = _Entry(raw, pos)
+        entries.append(e)
+        pos = e.end
+    off = pos
+    for e in entries:
+        e.body = off
+        off += e.nb
+    return raw, entries, off
+
+
+def _elements_of_byte(codec, p, b: int, n: int) -> torch.Tensor:
+    """Mask of the elements whose encoding holds body byte ``b`` of a clean frame ``p``
+    (value bytes only; structural bytes hold none)."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    fmt = p.fmt
+    if fmt == FMT_DENSE:
+        mask[b // p.vdtype.itemsize] = True
+    elif fmt in (FMT_SPARSE, FMT_SPARSE_MASK):
+        idx, vals = p.parsed
+        vstart = p.body.numel() - vals.numel() * p.vdtype.itemsize
+        if b >= vstart:
+            mask[idx[(b - vstart) // p.vdtype.itemsize]] = True
+    elif fmt in (FMT_BITMAP2, FMT_SPARSE_SIGN2):
+        mask[4 * b : 4 * b + 4] = True
+    elif isinstance(codec, (gz.SignSGD, gz.QSGD, gz.TernGrad, gz.Int8)):
+        block = codec.block or max(n, 1)
+        nb = -(-n // block)
+        if b < 4 * nb:
+            blk = b // 4
+            mask[blk * block : (blk + 1) * block] = True
+        else:
+            bits = 1 if isinstance(codec, gz.SignSGD) else 2 if isinstance(codec, gz.TernGrad) else 8
+            if isinstance(codec, gz.QSGD):
+                bits = qsgd_bits(codec.levels)
+            per = 8 // bits
+            c = b - 4 * nb
+            mask[c * per : (c + 1) * per] = True
+    return mask
+
+
+def _mutations(codec, msg, clean):
+    """(label, frame index or None, corrupted message, allowed element masks per frame or
+    "moved": the gap-change rule, see the module docstring)."""
+    raw, entries, end = _layout(msg)
+    nothing = [torch.zeros(p.numel, dtype=torch.bool) for p in clean]
+
+    def put(edits):
+        m = bytearray(raw)
+        for off, val in edits:
+            m[off] = val
+        return torch.frombuffer(m, dtype=torch.uint8).clone()
+
+    def put_bytes(off, data):
+        m = bytearray(raw)
+        m[off : off + len(data)] = data
+        return torch.frombuffer(m, dtype=torch.uint8).clone()
+
+    out = []
+    for v in (1, 3, 255):
+        out.append(("header.version", None, put([(0, v)]), nothing))
+    for f in (0x02, 0x80, wire.FLAG_CRC32):
+        out.append(("header.flags", None, put([(1, f)]), nothing))
+    out.append(("header.reserved", None, put([(2, 1)]), nothing))
+    out.append(("header.reserved", None, put([(3, 1)]), nothing))
+    for d in (-1, 1):
+        out.append(("header.count", None, put_bytes(4, struct.pack("<I", len(entries) + d)), nothing))
+    out.append(("message.truncated", None, msg[:-1].clone(), nothing))
+    out.append(("message.trailing", None, torch.cat([msg, torch.tensor([7], dtype=torch.uint8)]), nothing))
+
+    for i, (e, p) in enumerate(zip(entries, clean)):
+        n = p.numel
+        for code in [*range(32), 64, 127, 128, 255]:
+            if code != e.fmt:
+                out.append(("format", i, put([(e.pos, code)]), nothing))
+        low = e.vcode & 0x7F
+        for code in [*range(8), 0x7F]:
+            if code != low:
+                out.append(("value dtype", i, put([(e.pos + 1, code | (e.vcode & 0x80))]), nothing))
+        out.append(("scale flag", i, put([(e.pos + 1, e.vcode ^ 0x80)]), nothing))
+        for nb in {e.nb + 1, e.nb - 1, e.nb + 2, e.nb - 2, e.nb + 4, e.nb - 4, 0, 0xFFFFFFFF, 2 * e.nb + 1} - {e.nb}:
+            if 0 <= nb <= 0xFFFFFFFF:
+                out.append(("length", i, put_bytes(e.pos + 2, struct.pack("<I", nb)), nothing))
+        if e.has_scale:
+            for s in (0.0, -e.scale, math.nan, math.inf, -math.inf):
+                out.append(("scale", i, put_bytes(e.pos + 6, struct.pack("<f", s)), nothing))
+            support = [m.clone() for m in nothing]
+            support[i] = _outs_clean[i] != 0  # the positions it sends (tau, mu: every sent value)
+            out.append(("scale.value", i, put_bytes(e.pos + 6, struct.pack("<f", e.scale * 2)), support))
+        body = raw[e.body : e.body + e.nb]
+        if not e.nb:
+            continue
+
+        def at(j, val, label, allowed=nothing):
+            out.append((label, i, put([(e.body + j, val)]), allowed))
+
+        def value(j, val, label):
+            allowed = [m.clone() for m in nothing]
+            allowed[i] = _elements_of_byte(codec, p, j, n)
+            at(j, val, label, allowed)
+
+        if p.fmt in (FMT_SPARSE, FMT_SPARSE_SIGN, FMT_SIGNED_INDEX):
+            w = body[0]
+            for nw in (w + 1, w - 1, 0, 64):
+                if 0 <= nw <= 255:
+                    at(0, nw, "body.width", "positions")
+            at(1, (body[1] + 1) & 0xFF, "body.count", "positions")
+            at(1, body[1] - 1 if body[1] else 0x7F, "body.count", "positions")
+            at(1, body[1] | 0x80, "body.count", "positions")
+            k, pos, shift = 0, 1, 0
+            while True:
+                k |= (body[pos] & 0x7F) << shift
+                shift += 7
+                pos += 1
+                if not body[pos - 1] & 0x80:
+                    break
+            used = k * w
+            plen = (used + 7) // 8
+            if used % 8:
+                at(pos + plen - 1, body[pos + plen - 1] | 0x80, "body.padding")
+            if plen:
+                for bit in (0, 3):
+                    at(pos, body[pos] ^ (1 << bit), "gap bits", "positions")
+            for j in range(pos + plen, min(e.nb, pos + plen + 6)):
+                value(j, body[j] ^ 0x5A, "value bytes")
+        elif p.fmt == FMT_SPARSE_MASK:
+            mlen = (n + 7) // 8
+            if n % 8:
+                at(mlen - 1, body[mlen - 1] | 0x80, "body.padding")
+            at(0, body[0] ^ 1, "body.mask")
+            for j in range(mlen, min(e.nb, mlen + 6)):
+                value(j, body[j] ^ 0x5A, "value bytes")
+        elif p.fmt in (FMT_BITMAP2, FMT_SPARSE_SIGN2):
+            at(0, 0xFF, "body.codes")  # code 3
+            if n % 4:
+                at(e.nb - 1, body[-1] | 0xC0, "body.padding")
+            out.append(("body.codes", i, put([(e.body + j, 0) for j in range(e.nb)]), nothing))  # nothing set
+            for j in range(min(e.nb, 4)):
+                c = body[j]
+                if c & 3 in (1, 2):
+                    value(j, c ^ 3, "code bytes")  # + <-> -
+        elif p.fmt == FMT_DENSE:
+            for j in range(0, min(e.nb, 24), 3):
+                value(j, body[j] ^ 0x5A, "value bytes")
+        elif isinstance(codec, (gz.SignSGD, gz.QSGD, gz.TernGrad, gz.Int8)):
+            block = codec.block or max(n, 1)
+            nb = -(-n // block)
+            at(3, body[3] | 0x80, "body.scales")  # a negative block scale (-0.0 for a zero scale)
+            value(1, body[1] ^ 0x21, "scale bytes")
+            c0 = 4 * nb
+            if isinstance(codec, gz.Int8):
+                at(c0, 0x80, "body.codes")  # -128
+                value(c0, body[c0] ^ 0x01, "code bytes")
+            elif isinstance(codec, gz.TernGrad):
+                at(c0, body[c0] | 0x03, "body.codes")  # code 3
+                value(c0, (body[c0] & 0xFC) | ((body[c0] & 3) ^ 3 if body[c0] & 3 in (1, 2) else 1), "code bytes")
+            elif isinstance(codec, gz.QSGD):
+                bits = qsgd_bits(codec.levels)
+                bad = (1 << bits) - 1  # above 2s for every s here
+                at(c0, (body[c0] & ~((1 << bits) - 1) & 0xFF) | bad, "body.codes")
+                value(c0, (body[c0] & ~((1 << bits) - 1) & 0xFF) | codec.levels, "code bytes")
+            else:
+                value(c0, body[c0] ^ 0x01, "code bytes")
+    return [m for m in out if m[2].numel() != msg.numel() or not torch.equal(m[2], msg)]  # no no-op edits
+
+
+_outs_clean: list = []
+
+
+def _run(codec, dtype, feedback):
+    global _outs_clean
+    msg, shapes, dtypes, grads = _message(codec, dtype, feedback)
+    clean, outs = _decode(codec, msg, shapes, dtypes, grads)
+    _outs_clean = outs
+    stats = {"cases": 0, "refused": 0, "explained": 0, "positions": 0, "unchanged": 0, "silent": []}
+    for label, frame, bad, allowed in _mutations(codec, msg, clean):
+        stats["cases"] += 1
+        try:
+            _, got = _decode(codec, bad, shapes, dtypes, grads)
+        except FrameError as e:
+            stats["refused"] += 1
+            text = str(e)
+            assert f"field {e.field}:" in text and "from rank 1" in text, text
+            if e.frame is not None:
+                assert f"frame {e.frame} (tensor '{NAMES[e.frame]}')" in text, text
+                if frame is not None and label != "scale flag":  # a flag moves every body: any frame may fail
+                    assert e.frame >= frame, (label, frame, text)  # frames before the corrupted one parse as they were
+            else:
+                assert e.field in ("version", "flags", "reserved", "count", "length", "padding", "checksum"), text
+            continue
+        diffs = [_bits(a) != _bits(b) for a, b in zip(got, outs)]
+        if not any(bool(d.any()) for d in diffs):
+            stats["unchanged"] += 1
+            continue
+        if allowed == "positions":  # the frame's positions changed: only where it sends, before or after
+            ok = all(not bool(d.any()) for j, d in enumerate(diffs) if j != frame)
+            a, b = outs[frame], got[frame]
+            ok = ok and bool((~diffs[frame] | (a != 0) | (b != 0)).all())
+            stats["positions"] += ok
+        else:
+            ok = all(not bool((d & ~m).any()) for d, m in zip(diffs, allowed))
+        if ok:
+            stats["explained"] += 1
+        else:
+            stats["silent"].append((label, frame, clean[frame].fmt if frame is not None else None))
+    return stats
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: repr(c)[:48])
+def test_structural_corruptions_never_decode_silently_to_a_wrong_tensor(codec):
+    totals = {"cases": 0, "refused": 0, "explained": 0, "positions": 0, "unchanged": 0}
+    for dtype, feedback in ((torch.float32, False), (torch.float16, True)):
+        stats = _run(codec, dtype, feedback)
+        assert not stats["silent"], (dtype, stats["silent"][:10])
+        for k in totals:
+            totals[k] += stats[k]
+    assert totals["refused"] >= 0.8 * totals["cases"], totals
+    print(f"\n{codec!r}: {totals}")
+
+
+def test_every_format_occurs_in_the_fuzzed_messages():
+    """The messages above hold every format each codec writes (else a format goes unfuzzed)."""
+    seen = {}
+    for codec in CODECS:
+        for dtype, feedback in ((torch.float32, False), (torch.float16, True)):
+            msg, shapes, dtypes, grads = _message(codec, dtype, feedback)
+            for p in unpack_frames(msg, shapes, dtypes, grad_dtypes=grads, check=codec):
+                seen.setdefault(type(codec).__name__, set()).add(p.fmt)
+    assert seen["TopK"] >= {FMT_EMPTY, FMT_DENSE, FMT_SPARSE, FMT_SPARSE_MASK, FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2}
+    assert seen["Threshold"] == {FMT_EMPTY, FMT_SIGNED_INDEX, FMT_BITMAP2}
+    for name in ("Identity", "FP16", "BF16"):
+        assert seen[name] == {FMT_DENSE}
+
+
+@pytest.mark.parametrize("codec", [gz.TopK(0.01), gz.Threshold(tau=1.5), gz.Int8(block=5), gz.FP16()], ids=repr)
+def test_with_the_checksum_every_corruption_is_refused(codec):
+    """``wire.set_checksum(True)``: a CRC-32 after the header; every corruption above, value
+    bytes and positions included, is refused (the checksum, or a field checked before it)."""
+    old = wire.set_checksum(True)
+    try:
+        msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
+        assert msg[1] == wire.FLAG_CRC32 and wire.message_nbytes([]) == wire.HEADER_BYTES + 4
+        clean, outs = _decode(codec, msg, shapes, dtypes, grads)
+        global _outs_clean
+        _outs_clean = outs
+        cases = _mutations(codec, msg, clean)
+        assert len(cases) > 300
+        for _, _, bad, _ in cases:
+            with pytest.raises(FrameError):
+                _decode(codec, bad, shapes, dtypes, grads)
+        value = [c for c in cases if c[0] in ("value bytes", "scale bytes", "code bytes", "gap bits")]
+        for _, _, bad, _ in value:
+            with pytest.raises(FrameError, match="field checksum"):
+                _decode(codec, bad, shapes, dtypes, grads)
+    finally:
+        wire.set_checksum(old)
+    # a message with a CRC decodes on a receiver whose own setting is off
+    old = wire.set_checksum(True)
+    msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
+    wire.set_checksum(old)
+    assert all(torch.equal(a, b) for a, b in zip(_decode(codec, msg, shapes, dtypes, grads)[1], outs))
