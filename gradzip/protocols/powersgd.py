@@ -260,6 +260,27 @@ def _orthogonalize_rows_(ts: torch.Tensor, eps: float) -> None:
         orthogonalize_(ts[j : j + 1].transpose(1, 2), eps)
 
 
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+def _check_bf16_range(factors: list, which: str) -> None:
+    """``factors="bf16"`` with float64 gradients: a finite factor beyond bfloat16's range
+    (float32's exponent range) would travel as an infinity and the step would be reported
+    non-finite. Refuse it, as Threshold and TopK(values="sign") refuse float64 values beyond
+    float32's range (one host sync)."""
+    if not factors:
+        return
+    tops = torch.stack([f.abs().amax() if f.numel() else f.new_zeros(()) for f in factors])
+    finite = tops[torch.isfinite(tops)]
+    top = float(finite.max()) if finite.numel() else 0.0
+    if top > _BF16_MAX:
+        raise ValueError(
+            f"PowerSGD(factors='bf16') sends its factors in bfloat16, which has float32's range (up to "
+            f"{_BF16_MAX:.3g}); a {which} factor of magnitude {top:.3g} from float64 gradients beyond float32's "
+            "range cannot be sent: scale the gradient, or use factors=None (float64 factors)"
+        )
+
+
 def _matrix_shape(shape) -> tuple[int, int]:
     n = int(shape[0])
     return n, (math.prod(shape[1:]) if n else 0)
@@ -352,7 +373,7 @@ class PowerSGD(Protocol):
         finite are redrawn: one host sync per call, not per group.
         """
         qts = []
-        for (n, m, k), idx in groups:
+        for (_n, m, k), idx in groups:
             qt = _slots(len(idx), k, m, wd, dev)
             for j, i in enumerate(idx):
                 ctx = call.contexts[i]
@@ -368,7 +389,7 @@ class PowerSGD(Protocol):
         if qts:
             norms = torch.cat([torch.linalg.vector_norm(qt, dim=2).reshape(-1) for qt in qts])  # column norms
             if not bool(((norms > 0) & norms.isfinite()).all()):
-                for ((n, m, k), idx), qt in zip(groups, qts):
+                for ((_n, m, k), idx), qt in zip(groups, qts):
                     cn = torch.linalg.vector_norm(qt, dim=2)
                     bad = ~((cn > 0) & cn.isfinite())
                     for j, i in enumerate(idx):
@@ -445,6 +466,8 @@ class PowerSGD(Protocol):
                 pflat[pos : pos + pt.numel()].view(pt.shape).copy_(pt)
                 pos += pt.numel()
                 work.append((idx, mats, pt, qtb, rows))
+            if fdt != wd and wd == torch.float64:
+                _check_bf16_range([w[2] for w in work], "P")
             if track:
                 sq = torch.stack([torch.linalg.vector_norm(call.tensors[i], dtype=wd) ** 2 for i in track])
                 flat[tail:].copy_(sq.div_(world))
@@ -459,13 +482,15 @@ class PowerSGD(Protocol):
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=fdt, device=dev)
                 ppos, qpos = p0, 0
-                for ((n, m, k), idx), (_, mats, pt, qt, _) in zip(groups, work):
+                for _group, (_, mats, pt, qt, _) in zip(groups, work):
                     pt.copy_(pflat[ppos : ppos + pt.numel()].view(pt.shape))  # sum_w P_w^T
                     ppos += pt.numel()
                     _orthogonalize_rows_(pt, self.eps)  # the columns of P
                     _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M (over the start Q^T)
                     qflat[qpos : qpos + qt.numel()].view(qt.shape).copy_(qt)
                     qpos += qt.numel()
+                if fdt != wd and wd == torch.float64:
+                    _check_bf16_range([w[3] for w in work], "Q")
                 call.comm.stats.add(bytes_payload=qflat.numel() * qflat.element_size())
         if work:
             yield Round([call.comm.allreduce(qflat)], last=True)

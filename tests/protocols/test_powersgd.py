@@ -750,3 +750,18 @@ def test_fused_block_passes_match_the_whole_matrix_passes(monkeypatch, rank, dty
         torch.testing.assert_close(a, b, rtol=1e-3 if dtype == torch.float16 else 1e-4, atol=1e-4)
     for a, b in zip(fres, wres):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_factors_refuse_float64_values_beyond_float32_range():
+    """``factors="bf16"`` on finite float64 gradients beyond float32's range: a ValueError naming
+    float32's range (as Threshold and TopK(values="sign") give), not a step reported non-finite.
+    Within float32's range float64 gradients go through; float64 factors take any finite value."""
+    g = torch.Generator().manual_seed(0)
+    big = [[torch.randn(40, 30, generator=g, dtype=torch.float64) * 1e39 for _ in range(1)] for _ in range(2)]
+    with pytest.raises(ValueError, match="factors='bf16'.*float32's range"):
+        Sim(PowerSGD(rank=2, factors="bf16"), 2).reduce(["w"], big)
+    small = [[t / 1e39 for t in grads] for grads in big]
+    outs = Sim(PowerSGD(rank=2, factors="bf16"), 2).reduce(["w"], small)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    outs = Sim(PowerSGD(rank=2), 2).reduce(["w"], big)  # float64 factors
+    assert torch.isfinite(outs[0]).all() and float(outs[0].abs().max()) > 1e38
