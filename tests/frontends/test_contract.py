@@ -236,8 +236,7 @@ def _fsdp(rank, root, hsdp):
 
     fresh = []
     out = _exercise(state, _counter(steps), lambda: fresh.append(build(1)) or fresh[-1][1], root, rank, per_rank=False)
-    pending = {k: v.full_tensor() for k, v in state.state_dict().items() if k != "step"}
-    again = {k: v.full_tensor() for k, v in fresh[-1][1].state_dict().items() if k != "step"}
+    pending, again = _pending(state), _pending(fresh[-1][1])
     out["loaded_state"] = _equal(pending, again) and fresh[-1][1].step == state.step
     out["pending_mass"] = sum(float(v.abs().sum()) for v in pending.values())
     out["collectives"] = sorted({r.get("collective") for r in state.routes()})
@@ -252,6 +251,13 @@ def _fsdp(rank, root, hsdp):
         )
         out["former_spelling"] = state.stats("replicate") == state.stats(which="replicate")
     return out
+
+
+def _pending(state) -> dict:
+    """The pending updates of an ``FSDPState`` (its DTensor entries), gathered whole (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() for k, v in state.state_dict().items() if isinstance(v, DTensor)}
 
 
 def _all(rank, world, root):
