@@ -42,7 +42,7 @@ import gradzip.args as args
 
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
-from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes
+from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, future_devices
 from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
@@ -155,6 +155,74 @@ def check_owner(sd: dict, rank: int, world_size: int) -> None:
         )
 
 
+class _Held:
+    """A front end's call held until ``flush()`` in the first step after a load (the engine
+    then runs the calls as the saved run made them, and fills this call's result)."""
+
+    def __init__(self, names, tensors, out_dtype, dest, zero_is_unused, params, device) -> None:
+        self.names, self.tensors, self.out_dtype = names, tensors, out_dtype
+        self.dest, self.zero_is_unused, self.params, self.device = dest, zero_is_unused, params, device
+        self.future = torch.futures.Future(devices=future_devices(device))
+        self.offsets = [0]
+        for t in tensors:
+            self.offsets.append(self.offsets[-1] + t.numel())
+        self.parts = 0  # regrouped calls still to land here
+        self._lock = threading.Lock()
+        self._failed = False
+        self._out = None
+
+    def pass_on(self, fut) -> None:
+        try:
+            value = fut.value()
+        except BaseException as e:  # noqa: BLE001  (handed to the front end's future)
+            self.future.set_exception(e)
+            return
+        self.future.set_result(value)
+
+    def put(self, pi: int, value: torch.Tensor) -> None:
+        with self._lock:
+            if self._out is None:
+                d, n = self.dest, self.offsets[-1]
+                fits = d is not None and d.dtype == self.out_dtype and d.numel() == n and d.is_contiguous()
+                self._out = d.view(-1) if fits else torch.empty(n, dtype=self.out_dtype, device=self.device)
+        self._out[self.offsets[pi] : self.offsets[pi + 1]].copy_(value)
+
+    def landed(self, error: BaseException | None = None) -> None:
+        """One regrouped call is done (or failed) for this call's tensors."""
+        with self._lock:
+            if self._failed:
+                return
+            if error is not None:
+                self._failed = True
+            else:
+                self.parts -= 1
+                if self.parts:
+                    return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(self._out)
+
+
+def _scatter(fut, members: list, held: list) -> None:
+    """A regrouped call's flat result into the held calls its tensors came from."""
+    calls = sorted({ci for ci, _ in members})
+    try:
+        flat = fut.value()
+        pos = 0
+        for ci, pi in members:
+            h = held[ci]
+            n = h.offsets[pi + 1] - h.offsets[pi]
+            h.put(pi, flat[pos : pos + n])
+            pos += n
+    except BaseException as e:  # noqa: BLE001  (handed to the front ends' futures)
+        for ci in calls:
+            held[ci].landed(e)
+        return
+    for ci in calls:
+        held[ci].landed()
+
+
 class Engine:
     """What every front end shares: runs a method's protocol with error feedback and the
     safety nets of the module docstring, and owns the per-tensor state.
@@ -213,6 +281,12 @@ class Engine:
         self._step_ended = False
         self._nonfinite = False
         self._undo_store: dict = {}
+        # Call layout (which names share a call): this step's, the last finished step's (saved
+        # in the state), and, for the first step after a load, the saved one to regroup by.
+        self._layout_now: list[tuple] = []
+        self._layout_last: list[tuple] = []
+        self._regroup: list[tuple] | None = None
+        self._held: list[_Held] = []
 
     # -- the step ----------------------------------------------------------------------
     def reduce(
@@ -251,6 +325,12 @@ class Engine:
             if n not in self._seen:
                 self._seen[n] = (t.numel(), t.element_size())
         out_dtype = out_dtype or (tensors[0].dtype if tensors else torch.float32)
+        if self._regroup is not None:  # the first step after a load: calls as the saved run made them
+            return self._hold(names, tensors, out_dtype, dest, zero_is_unused, params)
+        return self._submit(names, tensors, out_dtype, dest, zero_is_unused, params)
+
+    def _submit(self, names, tensors, out_dtype, dest, zero_is_unused, params) -> torch.futures.Future:
+        self._layout_now.append(tuple(names))
         with self._lock:
             self._inflight += 1
         device = tensors[0].device if tensors else (dest.device if dest is not None else None)
@@ -258,10 +338,71 @@ class Engine:
 
     def flush(self) -> None:
         """Issue all outstanding collectives (call after the last bucket of a step)."""
+        if self._held:
+            self._release()
         self.comm.flush()
+
+    # -- the saved call layout -----------------------------------------------------------
+    # A call-wide choice (TopK(scope="call")) and an allreduce's summation order (gloo sums a
+    # buffer in chunks set by its layout) depend on which tensors share a call. DDP's first
+    # step after a restart groups them into its initial buckets, the unbroken run into its
+    # rebuilt ones; so the state records the last step's calls, and the first step after a
+    # load holds the front end's calls until flush() and runs them as the saved run did.
+    def _hold(self, names, tensors, out_dtype, dest, zero_is_unused, params) -> torch.futures.Future:
+        device = tensors[0].device if tensors else (dest.device if dest is not None else None)
+        h = _Held(names, tensors, out_dtype, dest, zero_is_unused, params, device)
+        self._held.append(h)
+        return h.future
+
+    def _release(self) -> None:
+        """Submit the held calls regrouped by the saved layout: every saved call whose tensors
+        all arrived (in one dtype, device and unused-parameter mode) runs as one call, in the
+        saved order; the tensors of no complete saved call then run in their own calls. A held
+        call that is exactly a saved one runs as it is, into its own destination."""
+        held, self._held = self._held, []
+        where = {n: (ci, pi) for ci, h in enumerate(held) for pi, n in enumerate(h.names)}
+        groups, used = [], set()
+        for saved in self._regroup or []:
+            members = [where.get(n) for n in saved]
+            if None in members or len(set(members)) != len(members) or used.intersection(members):
+                continue
+            calls = [held[ci] for ci, _ in members]
+            key = {(h.out_dtype, h.device, h.zero_is_unused, h.params is None) for h in calls}
+            if len(key) == 1:
+                groups.append(members)
+                used.update(members)
+        for ci, h in enumerate(held):
+            rest = [(ci, pi) for pi in range(len(h.names)) if (ci, pi) not in used]
+            if rest or not h.names:
+                groups.append(rest or [(ci, None)])
+        pending = []  # (future, the held call it is, or the held positions it covers)
+        for members in groups:
+            h0 = held[members[0][0]]
+            if members in ([(members[0][0], pi) for pi in range(len(h0.names))], [(members[0][0], None)]):  # as it came
+                fut = self._submit(h0.names, h0.tensors, h0.out_dtype, h0.dest, h0.zero_is_unused, h0.params)
+                pending.append((fut, h0))
+                continue
+            for ci in {ci for ci, _ in members}:
+                held[ci].parts += 1
+            params = None if h0.params is None else [held[ci].params[pi] for ci, pi in members]
+            # copies: the results land in the front end's buffers, which the gradients may be views of
+            tensors = [held[ci].tensors[pi].detach().clone() for ci, pi in members]
+            names = [held[ci].names[pi] for ci, pi in members]
+            fut = self._submit(names, tensors, h0.out_dtype, None, h0.zero_is_unused, params)
+            pending.append((fut, members))
+        self.comm.flush()  # every call encoded and issued before a result lands in a destination
+        for fut, to in pending:
+            if isinstance(to, _Held):
+                fut.add_done_callback(to.pass_on)
+            else:
+                fut.add_done_callback(lambda f, m=to: _scatter(f, m, held))
 
     def end_step(self) -> None:
         """Close the step. Its rollback (if any rank saw a NaN/Inf) happens once its calls are done."""
+        if self._held:
+            self.flush()
+        self._layout_last, self._layout_now = self._layout_now, []
+        self._regroup = None
         self.step += 1
         self.stats_.add(steps=1)
         with self._lock:
@@ -542,6 +683,8 @@ class Engine:
             "momentum": self.moments.state_dict() if self.moments is not None else {},
             "tensor_state": {k: dict(v) for k, v in self.tensor_state.items()},
             "stats": self.stats_.state_dict(),
+            # which tensors shared a call in the last step: the first step after a load runs so
+            "calls": [list(c) for c in self._layout_last],
         }
 
     def check_state(self, sd: dict) -> None:
@@ -580,3 +723,6 @@ class Engine:
             self.moments.load_state_dict(sd.get("momentum", {}))
         self.tensor_state = {k: dict(v) for k, v in sd["tensor_state"].items()}
         self.stats_.load_state_dict(sd["stats"])
+        calls = sd.get("calls")
+        self._regroup = [tuple(c) for c in calls] if calls else None
+        self._layout_last = list(self._regroup or [])
