@@ -58,11 +58,16 @@ feedback still owes (the *pending update*, in units of the averaged gradient) as
 ``Stateful``) in the dict given to ``dcp.save`` / ``dcp.load``. On load every rank puts
 its shard of the pending update into its own (self-addressed) residual row, times the
 new shard-group size, so the next reduce-scatter adds exactly the update the saved run
-still owed, whatever the new number of ranks.
+still owed, whatever the new number of ranks. The pending update gives each owner's sum
+of the senders' rows, not the rows, so the next encode sees other inputs than an unbroken
+run's: for a bit-identical resume on the same ranks, give DCP ``state.exact()`` instead,
+which adds every rank's whole engine states under a key of the rank's own
+(``exact.rank<r>``) and restores them where the ranks, layout and methods are the same.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -436,12 +441,64 @@ class FSDPState(FrontEnd):
             sd[f"replicate.{s.name}"] = _as_dtensor(v.view(s.shape).clone(), s.param)
         return sd
 
+    def exact(self) -> _Exact:
+        """A ``Stateful`` to give DCP in place of this state for a bit-identical resume on the
+        same ranks: ``{"gradzip": state.exact()}``. Its ``state_dict()`` is :meth:`state_dict`
+        plus every rank's whole engine states (residual rows towards every owner, codec state,
+        step, the last step's calls) under a key of the rank's own (``exact.rank<r>``); loading
+        it on the same ranks, layout and methods restores them as they were, and anywhere else
+        loads the pending update as :meth:`load_state_dict` does. A run on more ranks than the
+        checkpoint's finds no key for its last ranks: load the plain state there (``"gradzip":
+        state``; DCP reads the keys the loading state names, so it reads either checkpoint)."""
+        return _Exact(self)
+
+    def _exact_state(self, slots: list[_Slot]) -> bytes:
+        """This rank's engines' states, whole (the residual rows towards every owner, codec
+        state, the step, the last step's calls), as bytes: a DCP entry of this rank's own,
+        read back by a run on the same ranks and layout (:meth:`_load_exact`)."""
+        buf = io.BytesIO()
+        blob = {
+            "world": dist.get_world_size(),
+            "rank": dist.get_rank(),
+            "layout": [(s.name, s.padded, s.valid) for s in slots],
+            "engine": self.engine.state_dict() if self.engine is not None else None,
+            "replicate": self.replicate_engine.state_dict() if self.replicate_engine is not None else None,
+        }
+        torch.save(blob, buf)
+        return buf.getvalue()
+
+    def _load_exact(self, state_dict: dict, slots: list[_Slot], template) -> bool:
+        """Load this rank's whole engine states where the checkpoint holds them for this run's
+        ranks, layout and methods; False (nothing changed) otherwise."""
+        value = state_dict.get(f"exact.rank{dist.get_rank()}")
+        if not isinstance(value, (bytes, bytearray)) or value is template:
+            return False  # no such entry, or DCP left it as it was (a partial load)
+        dev = slots[0].param.device if slots else torch.device("cpu")
+        blob = torch.load(io.BytesIO(value), weights_only=True, map_location=dev)
+        same = (blob.get("world"), blob.get("rank")) == (dist.get_world_size(), dist.get_rank()) and [
+            tuple(x) for x in blob.get("layout", [])
+        ] == [(s.name, s.padded, s.valid) for s in slots]
+        pairs = [(self.engine, blob.get("engine")), (self.replicate_engine, blob.get("replicate"))]
+        if not same or any((eng is None) != (part is None) for eng, part in pairs):
+            return False
+        try:
+            for eng, part in pairs:
+                if eng is not None:
+                    eng.check_state(part)
+        except ValueError:
+            return False  # another method or error feedback: the pending update carries over
+        for eng, part in pairs:
+            if eng is not None:
+                eng.load_state_dict(part, checked=True)
+        return True
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`state_dict` saved, resharded by DCP to this run's placements. The
         pending update goes into this rank's self-addressed residual row (times the shard
         group size) and, with a replica engine, into its residual; a pending update of a
         collective this run does not compress is carried by the other one. Codec state
-        (PowerSGD's warm start, adaptive thresholds) starts afresh."""
+        (PowerSGD's warm start, adaptive thresholds) starts afresh: for a bit-identical resume
+        on the same ranks, save and load :meth:`exact` instead."""
         slots = self._slots()
         world, me = self._shard_world(), dist.get_rank(self.rs_group)
 
@@ -489,6 +546,24 @@ class FSDPState(FrontEnd):
             if self.replicate_engine is not None:
                 g.module.set_all_reduce_hook(None)
             g.module.__dict__.pop("set_allocate_memory_from_process_group_for_comm", None)
+
+
+class _Exact:
+    """:meth:`FSDPState.exact`: the state for DCP, plus every rank's whole engine states."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self.state = state
+        self._template = None
+
+    def state_dict(self) -> dict:
+        sd = self.state.state_dict()
+        self._template = sd[f"exact.rank{dist.get_rank()}"] = self.state._exact_state(self.state._slots())
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        st = self.state
+        if not st._load_exact(state_dict, st._slots(), self._template):
+            st.load_state_dict({k: v for k, v in state_dict.items() if not k.startswith("exact.")})
 
 
 def _offsets(slots: list[_Slot]) -> list[int]:
