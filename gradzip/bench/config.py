@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Registering is defining: import every module that defines a method of the grammar.
-from .. import codecs, local_sgd, policy, protocols, schedules  # noqa: F401
 from ..codecs.base import Codec
 from ..momentum import Momentum
 from ..options import (
@@ -27,26 +25,70 @@ from ..options import (
     OPTIMIZERS,
 )
 from ..protocols.base import Protocol
-from ..registry import Spec, parse_list, register_value
+from ..registry import Spec, load_methods, parse_list, register_value
 from . import lm
 
+# Registering is defining: every module that defines a method of the grammar is imported.
+load_methods()
 register_value("DDP", None)  # plain DDP: no hook
+
+
+@dataclass
+class Hook:
+    """A row's DDP hook with options of its own, in the method grammar:
+    ``Hook(TopK(0.01), momentum_correction='on', precondition=True)``. An option left at None
+    takes the bench's (``--momentum-correction``, ``--precondition``); ``error_feedback`` as
+    :func:`~gradzip.hooks.register_hook` takes it."""
+
+    method: Codec | Protocol
+    momentum_correction: str | None = None
+    precondition: bool | None = None
+    error_feedback: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, (Codec, Protocol)):
+            raise TypeError(f"Hook() takes a codec or a protocol, got {self.method!r}")
+        if self.momentum_correction is not None and self.momentum_correction not in MOMENTUM_CORRECTION:
+            raise ValueError(
+                f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}"
+            )
+        if self.precondition is not None and not isinstance(self.precondition, bool):
+            raise TypeError(f"precondition must be True or False, got {self.precondition!r}")
+
+
+register_value("Hook", Hook)
 
 
 @dataclass
 class Method:
     """One row of the benchmark: a DDP hook running a codec or protocol, plain DDP
-    (``method=None``), or a front end such as local SGD (a :class:`~gradzip.registry.Spec`)."""
+    (``method=None``), or a front end such as local SGD (a :class:`~gradzip.registry.Spec`).
+    ``momentum_correction`` and ``precondition``: the row's own hook options (None: the
+    bench's)."""
 
     name: str
     method: Codec | Protocol | Spec | None = None
     error_feedback: bool | None = None  # None: on for biased methods
+    momentum_correction: str | None = None
+    precondition: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.method, Hook):
+            hook = self.method
+            self.method = hook.method
+            for key in ("error_feedback", "momentum_correction", "precondition"):
+                if getattr(hook, key) is not None:
+                    setattr(self, key, getattr(hook, key))
 
     def describe(self) -> str:
         if self.method is None:
             return "plain DDP"
-        ef = "" if self.error_feedback is None else f" (error_feedback={self.error_feedback})"
-        return repr(self.method) + ef
+        opts = [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("error_feedback", "momentum_correction", "precondition")
+            if getattr(self, k) is not None
+        ]
+        return repr(self.method) + (f" ({', '.join(opts)})" if opts else "")
 
     @property
     def hookless(self) -> bool:
@@ -262,8 +304,9 @@ def _codec_of(method):
 
 
 def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> bool:
-    """Whether the hook takes over ``opt``'s momentum for ``method`` (``cfg.momentum_correction``)."""
-    mode = "auto" if cfg is None else cfg.momentum_correction
+    """Whether the hook takes over ``opt``'s momentum for ``method`` (the row's
+    ``momentum_correction``, else ``cfg.momentum_correction``)."""
+    mode = method.momentum_correction or ("auto" if cfg is None else cfg.momentum_correction)
     if mode == "off" or method.method is None or not Momentum.adoptable(opt):
         return False
     biased = bool(getattr(method.method, "biased", False))
@@ -282,11 +325,19 @@ def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | 
     kw = {"error_feedback": method.error_feedback}
     if corrects_momentum(method, opt, cfg):
         kw["optimizer"] = opt
-        if cfg is not None and cfg.precondition:
+        if preconditions(method, cfg):
             kw["precondition"] = True
     if cfg is not None and cfg.clip is not None and cfg.clip_mode == "local":
         kw["clip"] = cfg.clip
     return kw
+
+
+def preconditions(method: Method, cfg: BenchConfig | None) -> bool:
+    """Whether the row's hook keeps Adam's second moment too (the row's ``precondition``, else
+    ``cfg.precondition``)."""
+    if method.precondition is not None:
+        return method.precondition
+    return cfg is not None and cfg.precondition
 
 
 def takes_over(method: Method, cfg: BenchConfig) -> bool:
@@ -300,6 +351,11 @@ def takes_over(method: Method, cfg: BenchConfig) -> bool:
 
 def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
     """Options that some rows cannot honour, refused before any rank starts (ValueError)."""
+    for label, m in methods.items():
+        if m.precondition and (m.hookless or cfg.optimizer != "adamw"):
+            raise ValueError(f"{label}: precondition takes over AdamW's second moment in a DDP hook")
+        if m.precondition and not takes_over(m, cfg):
+            raise ValueError(f"{label}: precondition is part of momentum correction: give it momentum_correction='on'")
     if cfg.clip is None:
         return
     if cfg.clip_mode == "local":

@@ -84,8 +84,9 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
 
     Image tasks: test accuracy at the end of every epoch (``curve``, rank 0's model; for a front
     end such as local SGD, the ranks' average; the last entry after ``synchronize()``). The
-    language model: validation loss every ``cfg.resolved_eval_every()`` steps on a fixed subset
-    of the validation text, and at the end on all of it (``val_loss``), scored by every rank.
+    language model: validation loss every ``cfg.resolved_eval_every()`` steps and at the end on a
+    fixed subset of the validation text (``curve``), and at the end on all of it (``val_loss``),
+    scored by every rank.
     ``on_step(steps)`` after each step; ``on_optimizer(opt)`` once, with the optimizer that
     steps the model (after the hook has taken its momentum over), to observe it."""
     if not isinstance(method, Method):
@@ -161,7 +162,7 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0 - evaluating
         final = lm.val_loss(model, every_window, world, rank)
-        curve.append([total, final])
+        curve.append([total, lm.val_loss(model, few, world, rank)])
         result = {
             "val_loss": final,
             "bits_per_byte": final / math.log(2),
