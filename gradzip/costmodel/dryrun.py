@@ -9,7 +9,8 @@ to a collective, exactly what :class:`gradzip.stats.Stats` counts in a real run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,11 @@ class DryRun:
     #: The protocol sums every tensor as it is (``Protocol.plain``): the engine then sends
     #: no non-finite flag for the call.
     plain: bool = False
+    #: Wall seconds of the whole dry run, and of the loopback's stand-ins for the collectives
+    #: in it (``LoopbackComm.complete``: a multiply or a copy per round); with ``sync`` given,
+    #: the device is synchronized at the start, the end and around each stand-in.
+    wall_seconds: float = 0.0
+    loopback_seconds: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +146,7 @@ def dry_run(
     decode: bool = True,
     stores: dict | None = None,
     step: int = 0,
+    sync: Callable[[], None] | None = None,
 ) -> DryRun:
     """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
 
@@ -150,8 +157,13 @@ def dry_run(
     last round is: the bytes are known, no peer is decoded. ``error_feedback=None``
     follows ``method.biased``, as the engine does. ``stores`` maps names to the
     per-tensor state dicts to use (fresh ones by default, so nothing real is touched).
-    The input tensors are not modified.
+    The input tensors are not modified. ``sync`` (e.g. ``torch.cuda.synchronize``) is
+    called before the clocks are read (:attr:`DryRun.wall_seconds`).
     """
+    sync = sync or (lambda: None)
+    sync()
+    t_start = time.perf_counter()
+    loopback = 0.0
     tensors = list(tensors)
     names = [f"t{i}" for i in range(len(tensors))] if names is None else list(names)
     if len(names) != len(tensors):
@@ -186,7 +198,11 @@ def dry_run(
             rounds += 1
             if rnd.last and not decode:
                 break
+            sync()
+            t0 = time.perf_counter()
             comm.complete()
+            sync()
+            loopback += time.perf_counter() - t0
     except StopIteration as stop:
         out = stop.value
     except ValueError as err:
@@ -198,4 +214,6 @@ def dry_run(
         ) from err
     finally:
         gen.close()
-    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, plain)
+    sync()
+    wall = time.perf_counter() - t_start
+    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, plain, wall, loopback)

@@ -72,6 +72,8 @@ def measure_codec(
     repeats: int = 5,
     threads: int | None = None,
     dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    whole_call: bool = False,
 ) -> tuple[CodecFit, dict]:
     """Time ``comp``'s codec on this machine; returns the fit and the raw timings.
 
@@ -86,6 +88,13 @@ def measure_codec(
     slopes (timing noise) are clipped to 0. ``threads`` sets torch's intra-op
     threads while timing (``None``: leave them as they are); CPU codecs run one
     rank per core or so, and more threads than free cores makes timings erratic.
+
+    ``device``: where the sample tensors live (default the CPU). ``whole_call``: time the
+    whole dry run instead of its ``call.codec()`` blocks, less the loopback's stand-ins
+    for the collectives (:attr:`DryRun.loopback_seconds`), with the device synchronized
+    around each (kernels run asynchronously on a GPU, so a block's wall clock would time
+    their launches only). It includes the protocol's Python between the blocks, as a
+    real step pays it. A CUDA ``device`` implies ``whole_call``.
     """
     n0, n1 = sizes
     w0, w1 = worlds
@@ -95,6 +104,9 @@ def measure_codec(
         raise ValueError(f"worlds must be two integers 1 <= w0 < w1, got {worlds!r}")
     repeats = args.integer("repeats", repeats, 1)
     threads = args.optional(args.integer, "threads", threads, 1)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    whole_call = bool(whole_call) or device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     raw: dict[str, float] = {}
     gathers = False
     saved = torch.get_num_threads()
@@ -102,14 +114,14 @@ def measure_codec(
         torch.set_num_threads(threads)
     try:
         for n in (n0, n1):
-            x = sample(sample_shape(n), dtype, seed=n)
+            x = sample(sample_shape(n), dtype, seed=n).to(device)
             for w in (w0, w1):
                 times = []
                 for r in range(repeats + 1):
-                    d = dry_run(comp, [x], world_size=w, names=["sample"], error_feedback=error_feedback)
+                    d = dry_run(comp, [x], world_size=w, names=["sample"], error_feedback=error_feedback, sync=sync)
                     gathers = gathers or any(c.kind == "allgather" for c in d.collectives)
                     if r:
-                        times.append(d.codec_seconds)
+                        times.append(max(d.wall_seconds - d.loopback_seconds, 0.0) if whole_call else d.codec_seconds)
                 raw[f"n={n},W={w}"] = min(times)
     finally:
         torch.set_num_threads(saved)
@@ -129,11 +141,17 @@ PROFILE_VERSION = 1
 class CodecProfile:
     """Codec fits per (compressor config, error feedback), measured or loaded.
 
-    ``fit(comp)`` returns the stored fit, or measures it on this machine when
-    ``measure_missing`` (the default) and stores it; otherwise it raises
-    ``KeyError`` naming the compressor. ``save(path)``/``load(path)`` use the JSON
-    schema in ``docs/costmodel.md``; a file records the machine it was measured on.
+    ``fit(comp)`` returns the stored fit; for a compressor it has no fit for, ``missing``
+    says what happens: ``"measure"`` (the default; ``measure_missing=True``) measures it on
+    this machine and stores it, ``"raise"`` (``measure_missing=False``) raises ``KeyError``
+    naming the compressor, ``"omit"`` returns a zero fit and stores nothing (a profile of
+    another device: its codec time is not known here, and this machine's is no stand-in).
+    Every lookup answered by this machine or by the zero fit is logged in ``fallbacks``.
+    ``save(path)``/``load(path)`` use the JSON schema in ``docs/costmodel.md``; a file
+    records the machine it was measured on.
     """
+
+    MISSING = ("measure", "raise", "omit")
 
     def __init__(
         self,
@@ -148,10 +166,14 @@ class CodecProfile:
         classes: list | None = None,
         dtype: str = "float32",
         elem_scale: float = 1.0,
+        missing: str | None = None,
     ) -> None:
         self.entries: dict[str, dict] = dict(entries or {})
         self.machine = machine
-        self.measure_missing = measure_missing
+        #: What ``fit`` does without a fit: ``"measure"``, ``"raise"`` or ``"omit"`` (above).
+        self.missing = args.choice(
+            "missing", missing if missing is not None else ("measure" if measure_missing else "raise"), self.MISSING
+        )
         self.sizes = tuple(sizes)
         self.worlds = tuple(worlds)
         self.repeats = repeats
@@ -167,6 +189,21 @@ class CodecProfile:
         self.elem_scale = args.number("elem_scale", elem_scale, 0.0, lo_open=True)
         #: Compressors this profile measured on this machine because it had no fit for them.
         self.measured_here: list[str] = []
+        #: Compressors ``"omit"`` gave a zero fit because the profile had none (once each).
+        self.not_measured: list[str] = []
+        #: One item (the compressor's repr) per ``fit`` answered by a fit measured on this
+        #: machine or by the zero fit of ``"omit"``: a caller slices it to see which of its
+        #: lookups the profile's own figures did not answer (``gradzip plan`` marks those rows).
+        self.fallbacks: list[str] = []
+        self._here: set[int] = set()  # ids of the entries measured here
+
+    @property
+    def measure_missing(self) -> bool:
+        return self.missing == "measure"
+
+    @measure_missing.setter
+    def measure_missing(self, value: bool) -> None:
+        self.missing = "measure" if value else "raise"
 
     @staticmethod
     def key(comp, error_feedback: bool | None = None) -> str:
@@ -220,8 +257,13 @@ class CodecProfile:
             e = self._class_entry(comp, error_feedback)
         if e is None and inner is not None:
             e = self._class_entry(inner, error_feedback)
+        if e is None and self.missing == "omit":
+            self.fallbacks.append(repr(comp))
+            if repr(comp) not in self.not_measured:
+                self.not_measured.append(repr(comp))
+            return CodecFit(0.0, 0.0)
         if e is None:
-            if not self.measure_missing:
+            if self.missing == "raise":
                 raise KeyError(f"the codec profile has no entry for {comp!r} (error_feedback={error_feedback})")
             fit, raw = measure_codec(
                 comp,
@@ -235,6 +277,9 @@ class CodecProfile:
             self.add(comp, fit, error_feedback=error_feedback, raw=raw)
             self.measured_here.append(repr(comp))
             e = self.entries[self.key(comp, error_feedback)]
+            self._here.add(id(e))
+        if id(e) in self._here:
+            self.fallbacks.append(repr(comp))
         s = self.elem_scale
         return CodecFit(
             e["encode_s"], s * e["encode_s_per_elem"], e.get("peer_s", 0.0), s * e.get("peer_s_per_elem", 0.0)
@@ -262,7 +307,7 @@ class CodecProfile:
             json.dump(d, f, indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict, *, measure_missing: bool = False) -> CodecProfile:
+    def from_dict(cls, d: dict, *, measure_missing: bool = False, missing: str | None = None) -> CodecProfile:
         if not isinstance(d, dict) or d.get("kind") != PROFILE_KIND:
             raise ValueError(f"not a gradzip codec profile (expected kind {PROFILE_KIND!r})")
         if d.get("version") != PROFILE_VERSION:
@@ -279,6 +324,7 @@ class CodecProfile:
             threads=d.get("threads"),
             classes=d.get("classes"),
             dtype=d.get("dtype", "float32"),
+            missing=missing,
         )
         if not isinstance(getattr(torch, prof.dtype, None), torch.dtype):
             raise ValueError(f"codec profile dtype {prof.dtype!r} is not a torch dtype")
@@ -296,9 +342,9 @@ class CodecProfile:
         return prof
 
     @classmethod
-    def load(cls, path: str, *, measure_missing: bool = False) -> CodecProfile:
+    def load(cls, path: str, *, measure_missing: bool = False, missing: str | None = None) -> CodecProfile:
         with open(path) as f:
-            return cls.from_dict(json.load(f), measure_missing=measure_missing)
+            return cls.from_dict(json.load(f), measure_missing=measure_missing, missing=missing)
 
 
 def as_profile(profile) -> CodecProfile:

@@ -220,6 +220,38 @@ def test_measure_codec_times_this_machine():
         measure_codec(TopK(0.05), sizes=(4096, 256))
 
 
+def test_profile_without_a_fit_measures_raises_or_omits():
+    fit = CodecFit(1e-4, 2e-9)
+    prof = CodecProfile(machine={"cpu": "elsewhere"}, missing="omit")
+    prof.add(FP16(), fit)
+    assert prof.fit(FP16()) == fit and prof.fallbacks == []
+    assert prof.fit(TopK(0.01)) == CodecFit(0.0, 0.0) and prof.fit(TopK(0.01)).seconds(1 << 20, 8) == 0.0
+    top = repr(TopK(0.01))
+    assert prof.fallbacks == [top, top] and prof.not_measured == [top]  # every lookup; each once
+    assert prof.measured_here == [] and len(prof.entries) == 1  # nothing stored as if measured
+    assert CodecProfile(missing="raise").measure_missing is False and CodecProfile().missing == "measure"
+    with pytest.raises(ValueError, match="missing must be one of"):
+        CodecProfile(missing="guess")
+    here = CodecProfile(sizes=(256, 4096), worlds=(1, 3), repeats=1)
+    here.add(FP16(), fit)
+    here.fit(FP16())
+    here.fit(SignSGD())
+    here.fit(SignSGD())
+    sign = repr(SignSGD())
+    assert here.fallbacks == [sign, sign] and here.measured_here == [sign]
+    back = CodecProfile.from_dict(here.to_dict(), missing="omit")
+    assert back.missing == "omit" and back.fit(Int8()) == CodecFit(0.0, 0.0)
+
+
+def test_dry_run_wall_time_and_whole_call_timing():
+    calls = []
+    run = dry_run(TopK(0.05), [sample((64, 64))], world_size=3, sync=lambda: calls.append(1))
+    assert run.wall_seconds >= run.loopback_seconds > 0 and run.wall_seconds >= run.codec_seconds > 0
+    assert len(calls) == 2 + 2 * run.rounds  # start, end, and around each round's stand-in collectives
+    fit, raw = measure_codec(TopK(0.05), sizes=(256, 4096), worlds=(1, 3), repeats=1, whole_call=True, device="cpu")
+    assert all(v > 0 for v in raw.values()) and fit.seconds(4096, 3) > 0
+
+
 # -- a step ----------------------------------------------------------------------------------
 def _profile(fits: dict) -> CodecProfile:
     prof = CodecProfile(machine={"cpu": "hand-made"}, measure_missing=False)
