@@ -9,8 +9,10 @@ their defaults from here.
 from __future__ import annotations
 
 import argparse
+import decimal
 import math
 import os
+import re
 
 import gradzip.args as args
 
@@ -320,14 +322,39 @@ def _device(s: str) -> str:
     )
 
 
+#: ``--params`` suffixes: thousands, millions, billions (B or G), trillions.
+COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+#: ``--arch`` names: the architectures whose real tensors ``gradzip.plan.ARCHS`` lists.
+ARCHS = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "gpt2-small",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+)
+
+
+def parse_count(s: str) -> int:
+    """A parameter count: ``25600000``, ``25.6e6``, ``25.6M``, ``124M``, ``1.2B`` (k, M, B or G,
+    T: powers of 1000), exactly (decimal arithmetic); ``ValueError`` unless a whole number >= 1."""
+    m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBgGtT]?)\s*", str(s))
+    if not m:
+        raise ValueError(f"expected a parameter count like 25e6, 25.6M, 124M or 1.2B, got {s!r}")
+    v = decimal.Decimal(m.group(1)) * COUNT_SUFFIXES.get(m.group(2).lower(), 1)
+    if v < 1 or v != v.to_integral_value():
+        raise ValueError(f"params must be a whole number in [1, inf), got {s!r}")
+    return int(v)
+
+
 def _int_count(s: str) -> int:
     try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a parameter count like 25e6, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 1 and v == int(v)):
-        raise argparse.ArgumentTypeError(f"params must be a whole number in [1, inf), got {s!r}")
-    return int(v)
+        return parse_count(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _shape(s: str) -> tuple[int, int]:
@@ -386,15 +413,40 @@ def _dur(name):
     return _arg(lambda s: args.duration(name, s, unit=True), "duration")
 
 
+def check_local_size(local_size: int, worlds) -> None:
+    """``ValueError`` unless every world size is whole nodes of ``local_size`` ranks: a multiple
+    of it, or at most one node (fewer ranks than a node holds, all in one node)."""
+    bad = sorted({w for w in worlds if w > local_size and w % local_size})
+    if bad:
+        raise ValueError(
+            f"--local-size {local_size} does not divide the world size{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad))}: a world is whole nodes of {local_size} ranks (give --worlds that are "
+            f"multiples of {local_size}, or the ranks per node your cluster has)"
+        )
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The ``gradzip plan`` options. Bandwidths and durations need their units (a bare ``10``
     is refused: bits/s or Gbit/s?)."""
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument(
-        "--params", type=_int_count, help="parameter count, e.g. 25e6 (a stand-in model of --layer-shape matrices)"
+        "--params",
+        type=_int_count,
+        metavar="N",
+        help="parameter count, e.g. 25.6M, 124M, 1.2B or 25e6: a stand-in model of --layer-shape matrices "
+        "(real shapes can change the choice: --arch or --state-dict give them)",
     )
     model.add_argument(
-        "--state-dict", help="a saved state_dict (torch.save) whose floating-point tensors are the gradients"
+        "--arch",
+        choices=ARCHS,
+        metavar="NAME",
+        help=f"a named architecture, costed with its real tensors: {', '.join(ARCHS)} (resnet50: 161 tensors, "
+        "25.6M parameters; gpt2-small: 148 tensors, 124M)",
+    )
+    model.add_argument(
+        "--state-dict",
+        metavar="FILE",
+        help="a saved state_dict (torch.save) whose floating-point tensors are the gradients",
     )
     p.add_argument(
         "--layer-shape", type=_shape, default=(1024, 1024), help="matrix shape for --params (default 1024x1024)"
@@ -422,7 +474,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--local-size",
         type=_int_at_least(1, "--local-size"),
         default=1,
-        help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank",
+        help="ranks per node, sharing the node's link (--bandwidth); 1 (default): a link per rank. "
+        "Every world size above it must be a multiple of it (whole nodes)",
     )
     p.add_argument(
         "--intra-bandwidth",

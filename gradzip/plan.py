@@ -11,10 +11,13 @@ a :class:`~gradzip.costmodel.CodecProfile` measured on this machine (or read
 with ``--profile``), the wire from the ring formulas. Scaling efficiency is
 ``compute / step`` (weak scaling: the per-rank batch stays fixed, so one rank's
 step is ``compute`` alone). It prints the step time and efficiency per method,
-the fastest method per world size, a one-line recommendation and the plan's measured
-error band, and with ``--plot FILE`` draws both curves. ``--device h100`` reads the shipped
-H100 codec profile (``gradzip/costmodel/profiles/``), ``--dtype`` sets the gradients' dtype,
-``--overlap`` hides the wire under the backward pass as DDP does.
+the fastest method per world size, a one-line recommendation, how to check its accuracy and
+the plan's measured error band, and with ``--plot FILE`` draws both curves. ``--device h100``
+reads the shipped H100 codec profile (``gradzip/costmodel/profiles/``); a method it has no
+figure for is never costed with this CPU's codec times: its codec time is left out, its row
+is marked ``*`` (dashed in the plot) and it is not ranked. ``--arch resnet50`` costs a named
+architecture's real tensors (:data:`ARCHS`), ``--dtype`` sets the gradients'
+dtype, ``--overlap`` hides the wire under the backward pass as DDP does.
 
 Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
 compression=Int8(), fragments=4, delay=2)``) are costed by
@@ -43,6 +46,7 @@ import gradzip.args as args
 from . import options
 from .costmodel import CodecProfile, Link, WireCache, step_cost
 from .costmodel.periodic import periodic_step_cost
+from .machine import machine
 from .registry import Spec, load_methods, parse_list, register_value
 
 load_methods()  # registering is defining: every module of gradzip's table that defines a method
@@ -123,6 +127,95 @@ def layers_from_state_dict(path: str) -> list[tuple[str, tuple]]:
     return layers
 
 
+#: ``--arch`` names -> (family, blocks per stage or (layers, width)). ``gradzip plan`` costs each
+#: DDP bucket of the real gradients, and a stand-in of equal matrices (``--params``) can choose
+#: another method than the real tensors (PowerSGD's cost depends on each matrix's shape, DDP's
+#: buckets on the tensors' sizes). These give the real parameter tensors, in parameter order
+#: (DDP fills buckets from the last), without torchvision or transformers: torchvision's names
+#: for the ResNets, Hugging Face's names and Conv1D shapes for GPT-2; BatchNorm's running
+#: statistics are buffers, not gradients.
+#:
+#: =========== ================================================ ======= =============
+#: name        layout                                           tensors parameters
+#: =========== ================================================ ======= =============
+#: resnet18    basic blocks 2-2-2-2, 1000 classes               62      11,689,512
+#: resnet34    basic blocks 3-4-6-3                             110     21,797,672
+#: resnet50    bottleneck blocks 3-4-6-3                        161     25,557,032
+#: resnet101   bottleneck blocks 3-4-23-3                       314     44,549,160
+#: resnet152   bottleneck blocks 3-8-36-3                       467     60,192,808
+#: gpt2-small  12 layers, width 768, vocabulary 50257, ctx 1024 148     124,439,808
+#: gpt2-medium 24 layers, width 1024                            292     354,823,168
+#: gpt2-large  36 layers, width 1280                            436     774,030,080
+#: gpt2-xl     48 layers, width 1600                            580     1,557,611,200
+#: =========== ================================================ ======= =============
+ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "resnet18": ("resnet-basic", (2, 2, 2, 2)),
+    "resnet34": ("resnet-basic", (3, 4, 6, 3)),
+    "resnet50": ("resnet-bottleneck", (3, 4, 6, 3)),
+    "resnet101": ("resnet-bottleneck", (3, 4, 23, 3)),
+    "resnet152": ("resnet-bottleneck", (3, 8, 36, 3)),
+    "gpt2-small": ("gpt2", (12, 768)),
+    "gpt2-medium": ("gpt2", (24, 1024)),
+    "gpt2-large": ("gpt2", (36, 1280)),
+    "gpt2-xl": ("gpt2", (48, 1600)),
+}
+
+
+def _bn(name: str, c: int) -> list[tuple[str, tuple]]:
+    return [(f"{name}.weight", (c,)), (f"{name}.bias", (c,))]
+
+
+def _resnet(blocks: tuple[int, ...], bottleneck: bool, classes: int = 1000) -> list[tuple[str, tuple]]:
+    layers = [("conv1.weight", (64, 3, 7, 7)), *_bn("bn1", 64)]
+    cin, expansion = 64, 4 if bottleneck else 1
+    for stage, n in enumerate(blocks):
+        width = 64 * 2**stage
+        cout = expansion * width
+        for j in range(n):
+            p = f"layer{stage + 1}.{j}"
+            if bottleneck:
+                layers += [(f"{p}.conv1.weight", (width, cin, 1, 1)), *_bn(f"{p}.bn1", width)]
+                layers += [(f"{p}.conv2.weight", (width, width, 3, 3)), *_bn(f"{p}.bn2", width)]
+                layers += [(f"{p}.conv3.weight", (cout, width, 1, 1)), *_bn(f"{p}.bn3", cout)]
+            else:
+                layers += [(f"{p}.conv1.weight", (width, cin, 3, 3)), *_bn(f"{p}.bn1", width)]
+                layers += [(f"{p}.conv2.weight", (width, width, 3, 3)), *_bn(f"{p}.bn2", width)]
+            if j == 0 and (stage > 0 or cin != cout):  # a stride-2 or widening block projects its input
+                layers += [(f"{p}.downsample.0.weight", (cout, cin, 1, 1)), *_bn(f"{p}.downsample.1", cout)]
+            cin = cout
+    return layers + [("fc.weight", (classes, cin)), ("fc.bias", (classes,))]
+
+
+def _gpt2(n_layer: int, d: int, vocab: int = 50257, ctx: int = 1024) -> list[tuple[str, tuple]]:
+    layers = [("wte.weight", (vocab, d)), ("wpe.weight", (ctx, d))]
+    for i in range(n_layer):
+        h = f"h.{i}"
+        layers += [
+            *_bn(f"{h}.ln_1", d),
+            (f"{h}.attn.c_attn.weight", (d, 3 * d)),
+            (f"{h}.attn.c_attn.bias", (3 * d,)),
+            (f"{h}.attn.c_proj.weight", (d, d)),
+            (f"{h}.attn.c_proj.bias", (d,)),
+            *_bn(f"{h}.ln_2", d),
+            (f"{h}.mlp.c_fc.weight", (d, 4 * d)),
+            (f"{h}.mlp.c_fc.bias", (4 * d,)),
+            (f"{h}.mlp.c_proj.weight", (4 * d, d)),
+            (f"{h}.mlp.c_proj.bias", (d,)),
+        ]
+    return layers + _bn("ln_f", d)  # the output layer is the token embedding (tied)
+
+
+def layers_from_arch(name: str) -> list[tuple[str, tuple]]:
+    """``[(name, shape)]`` of the parameters of the architecture ``name`` (:data:`ARCHS`), for ``--arch``."""
+    try:
+        family, shape = ARCHS[name]
+    except KeyError:
+        raise ValueError(f"unknown architecture {name!r}; choose from {', '.join(ARCHS)}") from None
+    if family == "gpt2":
+        return _gpt2(*shape)
+    return _resnet(shape, bottleneck=family == "resnet-bottleneck")
+
+
 # -- projection ----------------------------------------------------------------------------
 def project(
     layers,
@@ -138,16 +231,22 @@ def project(
     intra: Link | None = None,
     dtype: torch.dtype = torch.float32,
     overlap: bool = False,
+    mark: bool = False,
 ) -> list[dict]:
-    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label`` and ``speedup``.
-    ``overlap`` applies to DDP-style methods (:func:`~gradzip.costmodel.step_cost`); a front end
-    that averages now and then has its own (``delay``)."""
+    """One row per (method, world size): ``StepCost.as_dict()`` plus ``label``, ``speedup`` and
+    ``codec_not_measured``. ``overlap`` applies to DDP-style methods
+    (:func:`~gradzip.costmodel.step_cost`); a front end that averages now and then has its own
+    (``delay``). ``mark``: the profile is another device's; a method any of whose codec seconds
+    the profile's own figures did not give (``CodecProfile.fallbacks``: measured on this machine,
+    or left out) lists those compressors in ``codec_not_measured`` in all its rows."""
     worlds = sorted(set(worlds))
     probe = (min(w for w in worlds if w > 1), max(worlds)) if any(w > 1 for w in worlds) else None
     cache = WireCache(probe_worlds=probe)
     rows = []
     for label, method in methods.items():
         t0 = time.perf_counter()
+        seen = len(profile.fallbacks)
+        first = len(rows)
         terms = frontend_terms(method)
         for n in worlds:
             if terms is not None:
@@ -184,27 +283,41 @@ def project(
             d = sc.as_dict()
             d.update(label=label, speedup=n * sc.efficiency)
             rows.append(d)
+        missing = sorted(set(profile.fallbacks[seen:])) if mark else []
+        for d in rows[first:]:
+            d["codec_not_measured"] = missing
         if progress is not None:
             progress(label, time.perf_counter() - t0)
     return rows
 
 
+def ranked(row: dict) -> bool:
+    """A row whose codec seconds all come from the profile's device (``codec_not_measured`` empty)."""
+    return not row.get("codec_not_measured")
+
+
 def best_per_world(rows: list[dict]) -> dict[int, str]:
+    """The fastest ranked method per world size (a world where no row is ranked has none)."""
     best: dict[int, dict] = {}
     for r in rows:
+        if not ranked(r):
+            continue
         b = best.get(r["world"])
         if b is None or r["total_s"] < b["total_s"]:
             best[r["world"]] = r
     return {n: r["label"] for n, r in sorted(best.items())}
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], unmeasured: str = "") -> str:
+    """The table; a row that is not ranked (:func:`ranked`) carries ``*`` and the line
+    ``unmeasured`` (what its figures are) follows the table."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
     worlds = sorted({r["world"] for r in rows})
     at = {(r["label"], r["world"]): r for r in rows}
     best = best_per_world(rows)
-    short = {lab: f"[{i + 1}]" for i, lab in enumerate(labels)}
-    width = 15
+    marked = {r["label"] for r in rows if not ranked(r)}
+    short = {lab: f"[{i + 1}]{'*' if lab in marked else ''}" for i, lab in enumerate(labels)}
+    width = 16
     lines = ["methods: " + "; ".join(f"{short[lab]} {lab}" for lab in labels), ""]
     head = f"{'N':>5} | " + " | ".join(f"{short[lab]:>{width}}" for lab in labels) + " | best"
     lines += [
@@ -216,24 +329,41 @@ def format_table(rows: list[dict]) -> str:
         cells = []
         for lab in labels:
             r = at[(lab, n)]
-            cells.append(f"{1e3 * r['total_s']:>8.1f} ({100 * r['efficiency']:>3.0f}%)".rjust(width))
-        lines.append(f"{n:>5} | " + " | ".join(cells) + f" | {short[best[n]]} {best[n]}")
+            mark = " " if ranked(r) else "*"
+            cells.append(f"{1e3 * r['total_s']:>8.1f} ({100 * r['efficiency']:>3.0f}%){mark}".rjust(width))
+        pick = f"{short[best[n]]} {best[n]}" if n in best else "none ranked"
+        lines.append(f"{n:>5} | " + " | ".join(cells) + f" | {pick}")
+    if marked:
+        missing = sorted({c for r in rows for c in r.get("codec_not_measured", ())})
+        lines.append(
+            f"* not ranked ({unmeasured or 'codec seconds not from the profile'}): no figure for {', '.join(missing)}"
+        )
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, title: str = "") -> str:
+def plot_lines(rows: list[dict], unmeasured: str = "codec not measured") -> list[tuple[str, str, list[dict]]]:
+    """``(legend label, line style, rows by world size)`` per method, as :func:`plot` draws
+    them: a method that is not ranked (:func:`ranked`) dashed, its label saying ``unmeasured``."""
+    lines = []
+    for lab in dict.fromkeys(r["label"] for r in rows):
+        rs = sorted((r for r in rows if r["label"] == lab), key=lambda r: r["world"])
+        ok = all(ranked(r) for r in rs)
+        lines.append((lab if ok else f"{lab} ({unmeasured})", "-" if ok else "--", rs))
+    return lines
+
+
+def plot(rows: list[dict], path: str, title: str = "", unmeasured: str = "codec not measured") -> str:
+    """Step time and efficiency per method (:func:`plot_lines`)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for lab in labels:
-        rs = sorted((r for r in rows if r["label"] == lab), key=lambda r: r["world"])
+    for label, ls, rs in plot_lines(rows, unmeasured):
         ns = [r["world"] for r in rs]
-        ax1.plot(ns, [1e3 * r["total_s"] for r in rs], marker="o", ms=3, label=lab)
-        ax2.plot(ns, [100 * r["efficiency"] for r in rs], marker="o", ms=3, label=lab)
+        ax1.plot(ns, [1e3 * r["total_s"] for r in rs], marker="o", ms=3, ls=ls, label=label)
+        ax2.plot(ns, [100 * r["efficiency"] for r in rs], marker="o", ms=3, ls=ls, label=label)
     ax1.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="predicted step time (ms)")
     ax2.set(xscale="log", xlabel="ranks N", ylabel="scaling efficiency (%) = compute / step", ylim=(0, 105))
     for ax in (ax1, ax2):
@@ -278,9 +408,11 @@ def format_band(b: dict) -> str:
     )
 
 
-def recommend(rows: list[dict], band: float) -> str:
-    """One line: the fastest method per range of world sizes and its predicted gain over
-    plain DDP; a gain smaller than ``band`` (the median error) is called within the band."""
+def recommend(rows: list[dict], band: float, unmeasured: str = "", lower_bound: bool = False) -> str:
+    """One line: the fastest ranked method per range of world sizes and its predicted gain over
+    plain DDP; a gain smaller than ``band`` (the median error) is called within the band. The
+    methods that are not ranked (:func:`ranked`) are named, with ``unmeasured`` (why); with
+    ``lower_bound`` (their rows leave the codec out), those whose row is below the best say so."""
     at = {(r["label"], r["world"]): r for r in rows}
     best = best_per_world(rows)
     runs: list[list] = []
@@ -306,7 +438,44 @@ def recommend(rows: list[dict], band: float) -> str:
                 else f"{min(gains):.2g}x-{max(gains):.2g}x"
             )
             parts.append(f"{lab} at {where} ({span} DDP's predicted speed)")
-    return "recommendation: " + "; ".join(parts) + "; check accuracy with `gradzip bench`"
+    unranked = list(dict.fromkeys(r["label"] for r in rows if not ranked(r)))
+    if unranked:
+        parts.append(f"not ranked: {', '.join(unranked)} ({unmeasured or 'codec seconds not from the profile'})")
+    if lower_bound:
+        for lab in unranked:
+            below = [n for n, b in best.items() if (lab, n) in at and at[(lab, n)]["total_s"] < at[(b, n)]["total_s"]]
+            if below:
+                parts.append(
+                    f"{lab} could be faster: without its codec time it is below the best at "
+                    f"{', '.join(map(str, below))} ranks (measure it there before choosing)"
+                )
+    return "recommendation: " + ("; ".join(parts) or "none")
+
+
+def advice(rows: list[dict], methods: dict) -> str:
+    """How to check what the recommended methods cost in accuracy, on a language model and on
+    the user's own model (the plan predicts time per step, not the steps a method needs)."""
+    picks = [lab for lab in dict.fromkeys(best_per_world(rows).values()) if lab != "DDP"]
+    if not picks:
+        return (
+            "accuracy: plain DDP is predicted fastest; it trains as before. The plan predicts time per step, "
+            "not the steps a method needs to reach an accuracy."
+        )
+    lab = picks[0]
+    spec = lab.replace('"', "'")
+    own = (
+        f'train with `register_hook(ddp_model, gz.parse("{spec}"))` (from gradzip.hooks) for the same steps '
+        "and seeds as a plain DDP run"
+        if not isinstance(methods.get(lab), Spec)
+        else f"wrap your optimizer in `{spec}` as the README's local SGD section shows, for the same steps and "
+        "seeds as a plain run"
+    )
+    return (
+        f"accuracy: the plan predicts time per step, not the steps a method needs. Before switching to {lab}, "
+        f'compare it with plain DDP on a language model, `gradzip bench --dataset shakespeare --methods "{spec}"` '
+        f"(a byte-level GPT, validation loss and its gap to Identity), and on your own model: {own}, "
+        "then compare the validation loss" + (f" (likewise for {', '.join(picks[1:])})" if len(picks) > 1 else "") + "."
+    )
 
 
 def run(args) -> int:
@@ -325,28 +494,28 @@ def run(args) -> int:
         import_plugins(args.plugins)
         if args.device not in (None, "cpu") and args.profile:
             raise ValueError("give --device or --profile, not both")
+        options.check_local_size(args.local_size, args.worlds)
         device = args.device or "cpu"
-        if args.profile or device != "cpu":
-            path = args.profile or os.path.join(options.PROFILE_DIR, f"{device}.json")
-            profile = CodecProfile.load(path, measure_missing=True)
-            where = (profile.machine or {}).get("cpu", "an unnamed machine")
-            if args.profile:
-                source = f"read from {args.profile} (measured on {where}); missing entries measured here"
-            else:  # what it lacks is measured here as --device cpu would
-                profile.sizes, profile.worlds = args.profile_sizes, (1, 8)
-                profile.repeats, profile.threads = args.repeats, args.threads
-                source = (
-                    f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): "
-                    "kernel times only, without Python and launch overhead, so a lower bound; "
-                    "FP16/BF16 from the measured copy bandwidth"
-                )
-            if profile.dtype != dtype_name:
-                profile.elem_scale = dtype.itemsize / getattr(torch, profile.dtype).itemsize
-                notes.append(
-                    f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
-                    f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
-                    "memory traffic)"
-                )
+        mark, unmeasured = False, ""
+        if args.profile:
+            profile = CodecProfile.load(args.profile, measure_missing=True)
+            pm, here = profile.machine or {}, machine()
+            where = pm.get("device") or pm.get("cpu", "an unnamed machine")
+            mark = bool(pm.get("device") or pm.get("gpu")) or pm.get("cpu") != here["cpu"]
+            unmeasured = f"codec seconds partly measured on this machine's CPU, not on {where}"
+            source = f"read from {args.profile} (measured on {where}); missing entries measured here"
+        elif device != "cpu":  # a shipped profile: what it lacks stays unknown, never this CPU's figure
+            path = os.path.join(options.PROFILE_DIR, f"{device}.json")
+            with open(path) as f:
+                timing = json.load(f).get("timing")
+            profile = CodecProfile.load(path, missing="omit")
+            mark = True
+            unmeasured = f"codec time not measured on {device}, left out: a lower bound"
+            source = f"shipped for {device} ({path}, from {(profile.machine or {}).get('source', '?')}): " + (
+                timing
+                or "kernel times only, without Python and launch overhead, so a lower bound; "
+                "FP16/BF16 from the measured copy bandwidth"
+            )
         else:
             profile = CodecProfile(
                 sizes=args.profile_sizes, repeats=args.repeats, threads=args.threads, dtype=dtype_name
@@ -354,6 +523,13 @@ def run(args) -> int:
             source = (
                 f"measured on this machine's CPU (sizes {args.profile_sizes[0]} and {args.profile_sizes[1]}, "
                 f"{dtype_name}, fastest of {args.repeats}, {args.threads} thread(s))"
+            )
+        if (args.profile or device != "cpu") and profile.dtype != dtype_name:
+            profile.elem_scale = dtype.itemsize / getattr(torch, profile.dtype).itemsize
+            notes.append(
+                f"the codec profile was measured at {profile.dtype}: its per-element seconds are scaled "
+                f"by {profile.elem_scale:g} for {dtype_name} gradients (an assumption: codecs bound by "
+                "memory traffic)"
             )
         intra = None
         if args.intra_bandwidth is not None or args.intra_latency is not None:
@@ -369,9 +545,18 @@ def run(args) -> int:
         if args.state_dict:
             layers = layers_from_state_dict(args.state_dict)
             what = args.state_dict
+        elif getattr(args, "arch", None):
+            layers = layers_from_arch(args.arch)
+            what = f"{args.arch} (its real tensors)"
         else:
             layers = layers_from_params(args.params, args.layer_shape)
-            what = f"{args.params:,} parameters as {args.layer_shape[0]}x{args.layer_shape[1]} matrices"
+            shape = f"{args.layer_shape[0]}x{args.layer_shape[1]}"
+            what = f"{args.params:,} parameters as {shape} matrices (stand-ins)"
+            notes.append(
+                f"--params models the gradients as {shape} stand-in matrices: a model's real tensors can change "
+                "the choice (PowerSGD's cost follows each matrix's shape, DDP's buckets the tensors' sizes); "
+                f"--arch ({', '.join(options.ARCHS)}) or --state-dict FILE costs the real ones"
+            )
         band = error_band()
     except (OSError, ValueError, TypeError, ImportError, json.JSONDecodeError) as exc:
         print(f"gradzip plan: {exc}", file=sys.stderr)
@@ -402,25 +587,37 @@ def run(args) -> int:
         intra=intra,
         dtype=dtype,
         overlap=args.overlap,
+        mark=mark,
     )
-    if profile.measured_here and (args.profile or device != "cpu"):
+    if profile.measured_here and args.profile:
         notes.append(
             f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
-            "codec seconds measured on this machine's CPU instead"
+            "codec seconds measured on this machine's CPU instead" + (" (rows marked *, not ranked)" if mark else "")
         )
+    if profile.not_measured:
+        notes.append(
+            f"no {device} figure for {', '.join(profile.not_measured)}: left out, not taken from this CPU; "
+            "python -m benchmarks.gpu_suite measures every method on a device (or give --profile FILE measured there)"
+        )
+    recommendation = recommend(rows, band["median_abs_error"], unmeasured, lower_bound=not args.profile)
     print()
-    print(format_table(rows))
+    print(format_table(rows, unmeasured))
     print()
-    print(recommend(rows, band["median_abs_error"]))
+    print(recommendation)
+    print(advice(rows, methods))
     print(format_band(band))
     for note in notes:
         print(f"note: {note}")
-    print("Predicted time per step only; methods differ in steps to reach an accuracy (see `gradzip bench`).")
     if args.save_profile:
         profile.save(args.save_profile)
         print(f"wrote {args.save_profile}")
     if args.plot:
-        plot(rows, args.plot, title=f"{what}; compute {1e3 * args.compute:g} ms; {link}")
+        plot(
+            rows,
+            args.plot,
+            title=f"{what}; compute {1e3 * args.compute:g} ms; {link}",
+            unmeasured=f"codec not measured on {device}" if device != "cpu" else "codec partly measured here",
+        )
         print(f"wrote {args.plot}")
     if args.json:
         out = {
@@ -437,11 +634,14 @@ def run(args) -> int:
                 "bucket_cap_mb": args.bucket_cap_mb,
                 "overlap": args.overlap,
                 "device": args.device,
+                "arch": getattr(args, "arch", None),
                 "methods": list(methods),
             },
             "profile": {"source": source, "measured_here": profile.measured_here, **profile.to_dict()},
             "best": {str(k): v for k, v in best_per_world(rows).items()},
-            "recommendation": recommend(rows, band["median_abs_error"]),
+            "recommendation": recommendation,
+            "advice": advice(rows, methods),
+            "not_ranked": {"why": unmeasured, "methods": sorted({r["label"] for r in rows if not ranked(r)})},
             "error_band": band,
             "notes": notes,
             "rows": rows,

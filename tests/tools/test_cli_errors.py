@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradzip import bench, cli, options, plan
-from gradzip.costmodel import CodecProfile, Link, step_cost
+from gradzip.costmodel import CodecFit, CodecProfile, Link, step_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ["plan", "--params", "1e6", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us"]
@@ -155,10 +155,11 @@ def test_plan_without_matplotlib_prints_no_traceback_and_plots_only_when_asked(t
     assert "codec profile: shipped for h100" in text and "kernel times only" in text
     assert "\nrecommendation: " in text and "\nerror band: on 50 measured steps" in text
     assert "benchmarks/results/plan_check.json" in text
-    # SignSGD(block=4096) has no H100 figure: measured here, and said so
+    # SignSGD(block=4096) has no H100 figure: not measured here, its row marked and said so
+    assert "[4]* SignSGD(block=4096)" in text and "not taken from this CPU" in text
     assert (
-        "note: no fit in the profile for TwoPhase(SignSGD(block=4096))" in text
-        or "note: no fit in the profile for AllGather(SignSGD(block=4096))" in text
+        "note: no h100 figure for TwoPhase(SignSGD(block=4096))" in text
+        or "note: no h100 figure for AllGather(SignSGD(block=4096))" in text
     )
 
 
@@ -182,8 +183,14 @@ def test_shipped_files_are_what_the_script_derives_from_the_measurements():
     gen = _generator()
     kernels = json.loads((ROOT / gen.KERNELS).read_text())
     checks = json.loads((ROOT / gen.PLAN_CHECK).read_text())
+    derived = gen.shipped()
+    on_disk = sorted(p.name for p in Path(options.PROFILE_DIR).glob("*.json"))
+    assert on_disk == sorted(derived)  # every shipped file, and nothing else, comes from the script
+    for name, doc in derived.items():
+        assert json.loads((Path(options.PROFILE_DIR) / name).read_text()) == json.loads(json.dumps(doc)), name
     shipped = json.loads((Path(options.PROFILE_DIR) / "h100.json").read_text())
-    assert shipped == json.loads(json.dumps(gen.h100_profile(kernels)))
+    if not list(ROOT.glob(gen.CODEC_PROFILES)):  # no whole-call H100 profile yet: its kernel timings
+        assert shipped == json.loads(json.dumps(gen.h100_profile(kernels)))
     band = json.loads((Path(options.PROFILE_DIR) / "_plan_check.json").read_text())
     assert band == json.loads(json.dumps(gen.error_band(checks)))
     errs = [r["error"] for r in checks["rows"]]
@@ -237,3 +244,121 @@ def test_recommendation_names_the_fastest_and_respects_the_band():
     assert line.startswith("recommendation: DDP at 2 ranks; X at 8-64 ranks (2x-4x DDP's predicted speed)")
     close = [row("DDP", 4, 1.0), row("X", 4, 0.9)]
     assert "DDP at 4 ranks (X is predicted at most 1.11x faster, within the error band)" in plan.recommend(close, 0.25)
+
+
+# -- gradzip plan never mixes devices, and the traps a newcomer met --------------------------------
+def _plan_json(tmp_path, argv, capsys):
+    out = tmp_path / "plan.json"
+    assert plan.main(argv + ["--json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_plan_device_never_uses_this_cpus_codec_times(tmp_path, capsys, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("measured a codec on this CPU for a --device plan")
+
+    monkeypatch.setattr("gradzip.costmodel.profile.measure_codec", refuse)
+    argv = ["--params", "1e6", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us", "--worlds", "2,8"]
+    argv += ["--device", "h100", "--methods", "DDP, FP16, PowerSGD(rank=2), Int8"]
+    res, text = _plan_json(tmp_path, argv, capsys)
+    rows = {(r["label"], r["world"]): r for r in res["rows"]}
+    for n in (2, 8):
+        assert rows[("FP16", n)]["codec_not_measured"] == [] and rows[("FP16", n)]["codec_s"] > 0
+        assert rows[("DDP", n)]["codec_not_measured"] == []
+        for lab in ("PowerSGD(rank=2)", "Int8"):
+            assert rows[(lab, n)]["codec_not_measured"] and rows[(lab, n)]["codec_s"] == 0.0, lab
+    assert set(res["best"].values()) <= {"DDP", "FP16"}  # an unmeasured row is never ranked
+    assert res["not_ranked"]["methods"] == ["Int8", "PowerSGD(rank=2)"]
+    assert "[3]* PowerSGD(rank=2)" in text and "[4]* Int8" in text and "[2] FP16" in text
+    assert "* not ranked (codec time not measured on h100, left out: a lower bound): no figure for" in text
+    assert "not ranked: PowerSGD(rank=2), Int8" in res["recommendation"]
+    assert res["profile"]["measured_here"] == []
+    # the plot draws them dashed and says why
+    lines = {lab: ls for lab, ls, _ in plan.plot_lines(res["rows"], "codec not measured on h100")}
+    assert lines["FP16"] == "-" and lines["PowerSGD(rank=2) (codec not measured on h100)"] == "--"
+
+
+def test_plan_marks_rows_a_foreign_profile_fills_in_here(tmp_path, capsys):
+    prof = CodecProfile(machine={"cpu": "NVIDIA A100 (hand-made)"}, measure_missing=False)
+    prof.add(plan.parse_methods("FP16")["FP16"], CodecFit(1e-5, 1e-12))
+    path = tmp_path / "a100.json"
+    prof.save(str(path))
+    argv = ["--params", "1e5", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us", "--worlds", "2"]
+    argv += ["--profile", str(path), "--methods", "DDP, FP16, Int8", "--repeats", "1", "--profile-sizes", "256,4096"]
+    res, text = _plan_json(tmp_path, argv, capsys)
+    marked = {r["label"] for r in res["rows"] if r["codec_not_measured"]}
+    assert marked == {"Int8"} and "Int8" not in res["best"].values()
+    assert "partly measured on this machine's CPU, not on NVIDIA A100 (hand-made)" in text
+
+
+def test_topk_rows_use_the_mode_the_method_asks_for():
+    prof = CodecProfile.from_dict(json.loads((Path(options.PROFILE_DIR) / "h100.json").read_text()))
+    exact, sampled, approx = (
+        plan.parse_methods(s)[s] for s in ("TopK(ratio=0.01)", "TopK(ratio=0.01, mode='sampled')", "TopK(mode='auto')")
+    )
+    assert exact.mode == "exact"  # the default
+    assert "torch.topk" in prof.basis(exact) and "sampled_topk" not in prof.basis(exact).split("torch.topk")[0]
+    assert prof.basis(sampled).startswith("class: kernel times of sampled_topk + ")
+    assert prof.fit(exact) != prof.fit(sampled)
+    assert prof.basis(approx) == "missing"  # auto switches kernels by size: no one figure
+
+
+@pytest.mark.parametrize(
+    "text,count", [("124M", 124_000_000), ("25.6M", 25_600_000), ("25.6e6", 25_600_000), ("1.2B", 1_200_000_000)]
+)
+def test_plan_params_take_the_usual_spellings(text, count):
+    p = cli.argparse.ArgumentParser()
+    options.add_plan_arguments(p)
+    assert p.parse_args(["--params", text, "--compute", "1ms", "--bandwidth", "1G", "--latency", "0"]).params == count
+
+
+def test_plan_params_warns_that_stand_ins_can_change_the_choice(tmp_path, capsys):
+    argv = ["--params", "2.5M", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us", "--worlds", "2"]
+    _, text = _plan_json(tmp_path, argv + ["--methods", "DDP"], capsys)
+    assert "2,500,000 parameters as 1024x1024 matrices (stand-ins)" in text
+    assert (
+        "note: --params models the gradients as 1024x1024 stand-in matrices: a model's real tensors can change" in text
+    )
+    assert "--arch (resnet18, " in text
+
+
+def test_plan_arch_costs_the_real_tensors(tmp_path, capsys):
+    from benchmarks import gpu_step
+
+    assert tuple(plan.ARCHS) == options.ARCHS
+    resnet = plan.layers_from_arch("resnet50")
+    assert len(resnet) == 161 and sum(math.prod(s) for _, s in resnet) == 25_557_032
+    gpt = plan.layers_from_arch("gpt2-small")
+    assert len(gpt) == 148 and sum(math.prod(s) for _, s in gpt) == 124_439_808
+    with torch.device("meta"):  # the benchmark's own models, shapes only
+        r50, g2 = gpu_step.ResNet(), gpu_step.GPT()
+    assert [tuple(p.shape) for p in r50.parameters()] == [s for _, s in resnet]
+    assert sorted(p.numel() for p in g2.parameters()) == sorted(math.prod(s) for _, s in gpt)
+    argv = ["--arch", "resnet50", "--compute", "100ms", "--bandwidth", "10Gbit", "--latency", "20us", "--worlds", "8"]
+    res, text = _plan_json(tmp_path, argv + ["--methods", "DDP"], capsys)
+    assert "resnet50 (its real tensors)" in text and "in 161 tensors" in text and "stand-in" not in text
+    assert res["inputs"]["tensors"] == 161 and res["inputs"]["arch"] == "resnet50"
+    with pytest.raises(SystemExit):
+        cli.main(PLAN[:1] + ["--arch", "resnet51"] + PLAN[3:])
+    assert "invalid choice: 'resnet51'" in capsys.readouterr().err
+
+
+def test_plan_local_size_must_divide_the_worlds(capsys):
+    argv = PLAN[1:] + ["--methods", "DDP", "--local-size", "3", "--worlds", "64"]
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "gradzip plan: --local-size 3 does not divide the world size 64: a world is whole nodes of 3 ranks "
+        "(give --worlds that are multiples of 3, or the ranks per node your cluster has)"
+    ]
+    assert plan.main(PLAN[1:] + ["--methods", "DDP", "--local-size", "4", "--worlds", "2,8,64"]) == 0  # 2: one node
+
+
+def test_plan_advice_says_how_to_check_accuracy_on_your_model(tmp_path, capsys):
+    argv = ["--params", "3e6", "--compute", "10ms", "--bandwidth", "100Mbit", "--latency", "5us", "--worlds", "8"]
+    res, text = _plan_json(tmp_path, argv + ["--device", "h100", "--methods", "DDP, FP16"], capsys)
+    assert res["best"] == {"8": "FP16"}
+    line = next(ln for ln in text.splitlines() if ln.startswith("accuracy: "))
+    assert 'gradzip bench --dataset shakespeare --methods "FP16"' in line
+    assert 'register_hook(ddp_model, gz.parse("FP16"))' in line and "validation loss" in line
+    assert "check accuracy with `gradzip bench`" not in text
