@@ -231,8 +231,8 @@ def check_length(codec, payload: Payload, want: int, why: str = "") -> None:
     if got != want:
         raise FrameError(
             "length",
-            f"corrupt {frame_label(codec)} frame: {got} bytes, a {fmt_name(payload.fmt)} frame of "
-            f"{payload.numel} elements has {want}{why}",
+            f"corrupt {frame_label(codec)} frame: {got} bytes, where {fmt_name(payload.fmt)} for "
+            f"{payload.numel} elements takes {want}{why}",
         )
 
 

@@ -385,3 +385,63 @@ def test_with_the_checksum_every_corruption_is_refused(codec):
     msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
     wire.set_checksum(old)
     assert all(torch.equal(a, b) for a, b in zip(_decode(codec, msg, shapes, dtypes, grads)[1], outs))
+
+
+def _one(codec, x, feedback=False, dtype=None):
+    ctx = TensorContext(name="w", step=0, dtype=dtype or x.dtype, store={})
+    p = codec.encode(x, ctx, feedback=feedback)[0]
+    return bytearray(pack_frames([p]).numpy().tobytes()), p, ctx.dtype
+
+
+def _refused(codec, raw, p, grad, field):
+    msg = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    with pytest.raises(FrameError, match=f"from rank 3: frame 0 \\(tensor 'w'\\), field {field}"):
+        frames = unpack_frames(msg, [p.shape], [p.dtype], grad_dtypes=[grad], check=codec, names=["w"], rank=3)
+        codec.decompress(frames[0])
+
+
+def test_the_reported_corruptions_are_refused_naming_rank_frame_tensor_and_field():
+    """The cases the adversarial run of issue #33 decoded silently (or with a bare RuntimeError)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 30, generator=g) + 4.0  # values near 4
+    # a TopK or Threshold frame's format byte set to EMPTY (decoded zeros): TopK(scope="tensor")
+    # never writes EMPTY for a nonempty tensor, Threshold's EMPTY has no body
+    for codec, field in ((gz.TopK(0.01), "format"), (gz.Threshold(tau=5.5), "length")):
+        raw, p, grad = _one(codec, x)
+        raw[8] = FMT_EMPTY
+        _refused(codec, raw, p, grad, field)
+    # the value-dtype byte swapped fp16 <-> bf16 (values near 4 decoded as 616)
+    for codec in (gz.FP16(), gz.BF16(), gz.TopK(0.05, values="fp16"), gz.TopK(0.05, values="bf16")):
+        raw, p, grad = _one(codec, x)
+        raw[9] = {1: 2, 2: 1}[raw[9]]
+        _refused(codec, raw, p, grad, "value dtype")
+    raw, p, grad = _one(gz.TopK(0.05), x.half(), feedback=True)  # float16 gradient, float32 frame
+    raw[9] = 2
+    _refused(gz.TopK(0.05), raw, p, grad, "value dtype")
+    # a Threshold frame's scale flag cleared (decoded +-2 tau off): its 4 scale bytes are then a body's
+    raw, p, grad = _one(gz.Threshold(tau=5.5), x)
+    raw[9] &= 0x7F
+    msg = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    with pytest.raises(FrameError, match="from rank 3"):
+        unpack_frames(msg, [p.shape], [p.dtype], check=gz.Threshold(tau=5.5), names=["w"], rank=3)
+    # a TopK DENSE frame whose length says 4 (one value broadcast over the tensor)
+    raw, p, grad = _one(gz.TopK(1.0), x)
+    assert raw[8] == FMT_DENSE
+    raw[10:14] = struct.pack("<I", 4)
+    raw = raw[: 8 + 6 + 4]
+    _refused(gz.TopK(1.0), raw, p, grad, "length")
+    # a Threshold 2-bit map with code 3 (decoded as 0)
+    raw, p, grad = _one(gz.Threshold(tau=3.0), x)
+    assert raw[8] == FMT_BITMAP2
+    raw[8 + 10] = 0xFF
+    _refused(gz.Threshold(tau=3.0), raw, p, grad, "body.codes")
+    # FP16, BF16 and Identity read the format byte
+    for codec in (gz.FP16(), gz.BF16(), gz.Identity()):
+        raw, p, grad = _one(codec, x)
+        raw[8] = FMT_SPARSE
+        _refused(codec, raw, p, grad, "format")
+    # lengths that used to raise a bare RuntimeError (shape '[40, 30]' is invalid for input of size 0)
+    raw, p, grad = _one(gz.Identity(), x)
+    raw[10:14] = struct.pack("<I", 0)
+    raw = raw[: 8 + 6]
+    _refused(gz.Identity(), raw, p, grad, "length")
