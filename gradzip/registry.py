@@ -13,8 +13,10 @@ method is its file and one entry there.
 arguments, read back from attributes of the same names: :meth:`Registered.config`
 is ``{"name": ClassName, arg: value, ...}`` with nested methods as their own
 configs, and ``repr`` spells the object in the method grammar with the arguments
-that differ from their defaults. Parameters listed in ``_not_config`` (a local
-measurement, say) are left out of both.
+the caller passed and those that differ from their defaults (``TopK(0.01)`` is
+``TopK(ratio=0.01)``, though 0.01 is the default; ``TopK()`` is ``TopK()``). Equality
+and hashing go by the configuration alone. Parameters listed in ``_not_config`` (a
+local measurement, say) are left out of both.
 
 **Grammar** (:func:`parse`): a Python expression of registered names, calls with
 positional and keyword arguments, and literals (numbers, strings, booleans,
@@ -31,6 +33,7 @@ such as local SGD, which need an optimizer and a model to exist) parse to a
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,6 +55,7 @@ __all__ = [
 ]
 
 _CLASSES: dict[str, type] = {}
+_SIGNATURES: dict[type, inspect.Signature] = {}  # a class's __init__, read once
 _VALUES: dict[str, Any] = {}  # other names the grammar accepts (e.g. Link)
 _FRONTENDS: set = set()  # front ends that are not Registered subclasses
 KINDS = ("codec", "protocol", "frontend", "schedule")
@@ -77,13 +81,32 @@ class Registered:
             raise TypeError(f"a method named {cls.__name__!r} is already registered by {old.__module__}")
         _CLASSES[cls.__name__] = cls
 
+    def __new__(cls, *args, **kwargs):
+        # Records which arguments the caller passed, so that repr keeps them (TopK(0.01) is not
+        # TopK()). A call that does not bind leaves the error to __init__.
+        self = super().__new__(cls)
+        try:
+            bound = cls._signature().bind(None, *args, **kwargs)
+        except TypeError:
+            given: frozenset = frozenset()
+        else:
+            given = frozenset(list(bound.arguments)[1:])
+        self.__dict__["_given"] = given
+        return self
+
     # -- configuration -----------------------------------------------------------------------
     @classmethod
+    def _signature(cls) -> inspect.Signature:
+        sig = _SIGNATURES.get(cls)
+        if sig is None:
+            sig = _SIGNATURES[cls] = inspect.signature(cls.__init__)
+        return sig
+
+    @classmethod
     def _params(cls) -> list[inspect.Parameter]:
-        sig = inspect.signature(cls.__init__)
         return [
             p
-            for p in list(sig.parameters.values())[1:]
+            for p in list(cls._signature().parameters.values())[1:]
             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in cls._not_config
         ]
 
@@ -91,13 +114,11 @@ class Registered:
         """``{"name": ClassName, arg: value, ...}`` in plain values (compared across ranks, saved with state)."""
         return {"name": type(self).__name__, **{p.name: config_of(getattr(self, p.name)) for p in self._params()}}
 
-    def __repr__(self) -> str:
-        """The method in the grammar of :func:`parse`: arguments without a default first, as
-        positional ones, then the keyword arguments that differ from their defaults."""
+    def _spell(self, given: frozenset) -> str:
         parts = []
         for p in self._params():
             v = getattr(self, p.name)
-            if p.default is not inspect.Parameter.empty:
+            if p.default is not inspect.Parameter.empty and p.name not in given:
                 d = config_of(p.default)
                 if config_of(v) == d or (d is None and isinstance(v, (dict, list, tuple)) and not v):
                     continue
@@ -105,11 +126,17 @@ class Registered:
             parts.append(text if p.default is inspect.Parameter.empty else f"{p.name}={text}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
+    def __repr__(self) -> str:
+        """The method in the grammar of :func:`parse`: arguments without a default first, as
+        positional ones, then, as keywords, those the caller passed and those that differ from
+        their defaults (``TopK(0.01)`` reads ``TopK(ratio=0.01)``)."""
+        return self._spell(self.__dict__.get("_given", frozenset()))
+
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.config() == self.config()
 
     def __hash__(self) -> int:
-        return hash(repr(self))
+        return hash(self._spell(frozenset()))  # the configuration's spelling: equal objects hash alike
 
 
 def config_of(value: Any) -> Any:
@@ -162,7 +189,14 @@ def lookup(name: str) -> type:
     try:
         return _CLASSES[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; choose from {names()}") from None
+        raise ValueError(f"unknown method {name!r}{_did_you_mean(name, names())}; choose from {names()}") from None
+
+
+def _did_you_mean(word: str, choices) -> str:
+    """``" (did you mean 'TopK'?)"`` for the closest of ``choices`` (case aside), or ``""``."""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def names(kind: str | None = None) -> list[str]:
@@ -195,6 +229,11 @@ def _build(node, context: dict):
         args = [_build(a, context) for a in node.args]
         if any(k.arg is None for k in node.keywords):
             raise ValueError("a method spec cannot use **kwargs")
+        seen: set = set()
+        for k in node.keywords:  # Python refuses f(x=1, x=2) when it compiles; ast.parse does not
+            if k.arg in seen:
+                raise ValueError(f"{node.func.id}: keyword argument repeated: {k.arg}")
+            seen.add(k.arg)
         kwargs = {k.arg: _build(k.value, context) for k in node.keywords}
         if node.func.id in _VALUES:
             return _VALUES[node.func.id](*args, **kwargs)
@@ -225,7 +264,12 @@ def _make(cls: type, args: list, kwargs: dict, context: dict):
     try:
         return cls(*args, **kwargs)
     except TypeError as e:
-        raise ValueError(f"{cls.__name__}: {e}") from None
+        hint = ""
+        params = [p.name for p in cls._params()] if issubclass(cls, Registered) else []
+        unknown = [k for k in kwargs if k not in params]
+        if params and unknown and "unexpected keyword" in str(e):
+            hint = _did_you_mean(unknown[0], params)
+        raise ValueError(f"{cls.__name__}: {e}{hint}") from None
 
 
 def parse(spec: str, context: dict[str, Any] | None = None) -> Any:
@@ -249,11 +293,16 @@ def parse_list(spec: str, context: dict[str, Any] | None = None) -> dict[str, An
     except SyntaxError as exc:
         raise ValueError(f"cannot parse methods {spec!r}: {exc.msg}") from None
     out: dict = {}
-    for node in tree.body.elts:
+    items = tree.body.elts
+    for i, node in enumerate(items, 1):
         label = ast.unparse(node)
         if label in out:
             raise ValueError(f"method {label!r} is listed twice")
-        out[label] = _build(node, context or {})
+        try:
+            out[label] = _build(node, context or {})
+        except ValueError as exc:
+            where = f"method {i} of {len(items)}, {label!r}" if len(items) > 1 else f"method {label!r}"
+            raise ValueError(f"{where}: {exc}") from None
     if not out:
         raise ValueError("methods must name at least one method")
     return out

@@ -66,6 +66,43 @@ def test_grammar_reads_literals_only():
     assert gz.parse("PowerSGD(rank=-(-2))").rank == 2
 
 
+def test_repr_keeps_the_arguments_the_caller_wrote():
+    """``TopK(0.01)`` read ``TopK()`` (0.01 is the default) in routes, CSVs and errors."""
+    assert repr(gz.parse("TopK(0.01)")) == "TopK(ratio=0.01)" == repr(gz.TopK(ratio=0.01))
+    assert repr(gz.TopK()) == "TopK()" and repr(gz.TopK(0.05)) == "TopK(ratio=0.05)"
+    pol = gz.parse("Policy(PowerSGD(rank=1), min_numel=10000, fallback=TopK(0.01))")
+    assert repr(pol) == "Policy(PowerSGD(rank=1), min_numel=10000, fallback=TopK(ratio=0.01))"
+    assert repr(gz.Threshold(tau=1e-3)) == "Threshold(tau=0.001)"
+    # what is written is what equality and hashing ignore: the configuration decides
+    assert gz.TopK(0.01) == gz.TopK() and hash(gz.TopK(0.01)) == hash(gz.TopK())
+    assert len({gz.TopK(0.01), gz.TopK()}) == 1
+    import copy
+    import pickle
+
+    assert repr(copy.deepcopy(pol)) == repr(pickle.loads(pickle.dumps(pol))) == repr(pol)
+    assert gz.parse(repr(pol)) == pol and repr(gz.parse(repr(pol))) == repr(pol)
+
+
+def test_a_repeated_keyword_is_refused_as_python_refuses_it():
+    with pytest.raises(SyntaxError, match="keyword argument repeated"):
+        compile("TopK(ratio=0.01, ratio=0.02)", "<spec>", "eval")
+    with pytest.raises(ValueError, match="TopK: keyword argument repeated: ratio"):
+        gz.parse("TopK(ratio=0.01, ratio=0.02)")  # was TopK(ratio=0.02): the last one won
+    with pytest.raises(ValueError, match="keyword argument repeated: min_numel"):
+        gz.parse("Policy(TopK(0.01), min_numel=10, min_numel=20)")
+
+
+def test_a_bad_method_in_a_list_is_named_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"method 2 of 3, 'Int9\(\)': unknown method 'Int9' \(did you mean 'Int8'\?\)"):
+        registry.parse_list("TopK(0.01), Int9(), PowerSGD(rank=2)")
+    with pytest.raises(ValueError, match=r"method 'topk\(0.1\)': unknown method 'topk' \(did you mean 'TopK'\?\)"):
+        registry.parse_list("topk(0.1)")
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'rnak' \(did you mean 'rank'\?\)"):
+        gz.parse("PowerSGD(rnak=2)")
+    with pytest.raises(ValueError, match=r"unknown method 'Zzz'; choose from"):  # nothing close: no guess
+        gz.parse("Zzz()")
+
+
 def test_numpy_and_torch_scalars_are_numbers():
     np = pytest.importorskip("numpy")
     assert gz.TopK(np.float32(0.25)).ratio == 0.25
