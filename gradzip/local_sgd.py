@@ -537,13 +537,28 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
     # -- state (the surface of gradzip.frontend.FrontEnd) ------------------------------------
     def stats(self, reset: bool = False) -> dict:
         """The engine's stats with ``steps`` = local steps and ``syncs`` = pushes (fragment pushes);
-        ``reset=True``: those since the previous ``stats(reset=True)``."""
+        ``reset=True``: those since the previous ``stats(reset=True)``.
+
+        ``ratio`` means what it means on every front end: the bytes plain DDP would have sent
+        over the same steps (a ring allreduce of every parameter's gradient at every local step,
+        ``bytes_link_raw``; ``bytes_raw`` handed over) over the bytes sent (``bytes_link``;
+        ``ratio_handed`` against ``bytes_sent``). The average of the deltas against an
+        uncompressed allreduce of the same deltas, sync by sync, is ``ratio_per_sync`` (from
+        ``bytes_link_raw_per_sync`` and ``bytes_raw_per_sync``)."""
         d = super().stats(reset=reset)
         steps = self.local_step
         if reset:
             steps, self._steps_mark = self.local_step - getattr(self, "_steps_mark", 0), self.local_step
+        world = self.engine.comm.world_size
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         d["syncs"] = d["steps"]
         d["steps"] = steps
+        d["bytes_raw_per_sync"], d["bytes_link_raw_per_sync"] = d["bytes_raw"], d["bytes_link_raw"]
+        d["ratio_per_sync"] = d["ratio"]
+        d["bytes_raw"] = grad_bytes * steps
+        d["bytes_link_raw"] = 2 * (world - 1) / world * grad_bytes * steps if world > 1 else 0.0
+        d["ratio"] = d["bytes_link_raw"] / d["bytes_link"] if d["bytes_link"] else 1.0
+        d["ratio_handed"] = d["bytes_raw"] / d["bytes_sent"] if d["bytes_sent"] else 1.0
         d["bytes_sent_per_step"] = d["bytes_sent"] / steps if steps else 0.0
         return d
 

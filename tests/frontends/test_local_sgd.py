@@ -885,7 +885,7 @@ def _diloco_two(rank, world):
     data = bench.load_dataset("digits", 0)
     cfg = bench.BenchConfig(dataset="digits", workers=world, epochs=2)
     res = bench.train_one(rank, world, bench.Method("d", gz.parse("DiLoCo(period=8, compression=Int8())")), cfg, data)
-    out["bench"] = {k: res[k] for k in ("accuracy", "steps", "ratio")}
+    out["bench"] = {k: res[k] for k in ("accuracy", "steps", "ratio", "stats_ratio")}
     return out
 
 
@@ -1003,6 +1003,13 @@ def test_bench_runs_diloco_from_its_spec(two):
     b = two[0]["diloco"]["bench"]
     assert b["steps"] == 44 and b["ratio"] > 8 * 3  # period 8 and int8
     assert b["accuracy"] > 0.8, b
+
+
+def test_stats_ratio_is_against_plain_ddp_over_the_same_steps(two):
+    """DiLoCo's ``stats()["ratio"]`` is what the bench reports (plain DDP's link bytes over the
+    same local steps / bytes sent), not the per-sync ratio of deltas against deltas."""
+    b = two[0]["diloco"]["bench"]
+    assert b["stats_ratio"] == pytest.approx(b["ratio"], rel=1e-9)
 
 
 # -- multi-rank: 4 ranks ----------------------------------------------------------------
