@@ -1,38 +1,21 @@
-"""``import gradzip.horovod as hvd``: a drop-in for ``horovod.torch`` in a training script.
+"""``horovod.torch.optimizer``: Horovod's ``DistributedOptimizer`` on gradzip's engine.
 
-    import gradzip.horovod as hvd                 # was: import horovod.torch as hvd
-    hvd.init()
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.none)   # or gz.TopK(0.01), "PowerSGD(rank=2)"
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
-
-**Transports.** ``init()`` sets up ``torch.distributed`` (gloo) from the environment of
-``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``) or of ``horovodrun
---gloo`` (``HOROVOD_RANK``, ``HOROVOD_SIZE``, and the rendezvous server it runs: rank 0
-publishes the address of a ``TCPStore`` there, the others read it), or uses a process group
-that is already initialised; without a launcher it is a world of one process. That is
-``transport="torch"``, the default. ``init(transport="horovod")`` (or
-``GRADZIP_HOROVOD_TRANSPORT=horovod``) instead initialises Horovod itself under ``horovodrun``
-and runs everything on Horovod's collectives: the optimizer's protocols through
-:class:`gradzip.comm_horovod.HorovodCommunicator`, the broadcasts and ``allreduce`` through
-``horovod.torch``. ``DistributedOptimizer(..., transport=...)`` picks per optimizer.
-
-**DistributedOptimizer** has Horovod 0.28.1's signature, argument order and semantics, and
-returns, as Horovod does, an instance of a subclass of the wrapped optimizer's class
-(``isinstance(opt, torch.optim.SGD)`` holds) that shares its parameter groups. Underneath it is
-:class:`gradzip.optim.DistributedOptimizer` (buckets, the engine, error feedback, byte stats):
+It has Horovod 0.28.1's signature, argument order and semantics, and returns, as Horovod does,
+an instance of a subclass of the wrapped optimizer's class (``isinstance(opt, torch.optim.SGD)``
+holds) built anew on its parameter groups: state the wrapped optimizer already had is dropped,
+as Horovod drops it. Underneath it is :class:`gradzip.optim.DistributedOptimizer` (buckets,
+the engine, error feedback, byte stats):
 
 * ``compression``: a gradzip codec, protocol or ``Policy``, a method string in the grammar of
   ``gradzip.parse`` (``"TopK(0.01)"``), or ``Compression.none``/``Compression.fp16`` (this
-  module's or ``horovod.torch``'s). ``fp16`` runs gradzip's ``FP16`` with error feedback: a
-  finite value beyond ±65504 is sent saturated and its excess kept in the residual (never
+  package's or ``horovod.torch``'s; ``GRADZIP_COMPRESSION`` replaces these two, see
+  :mod:`gradzip.horovod.compression`). ``fp16`` runs gradzip's ``FP16`` with error feedback:
+  a finite value beyond ±65504 is sent saturated and its excess kept in the residual (never
   clipped silently); a NaN/Inf gradient takes the engine's non-finite path.
-* ``op``: ``Average`` (default) or ``Sum`` (``Adasum``, ``Min``, ``Max``, ``Product`` are refused:
-  gradzip averages). ``gradient_predivide_factor`` in Horovod's convention (the wire carries
+* ``op``: ``Average`` (default) or ``Sum``; ``Adasum`` gives Horovod's delta optimizer (each
+  parameter's update ``-lr f(g)`` is combined by :func:`gradzip.horovod.mpi_ops.adasum_` when
+  its gradient is ready; no compression, power-of-two worlds); ``Min``, ``Max``, ``Product``
+  are refused. ``gradient_predivide_factor`` in Horovod's convention (the wire carries
   ``g / f`` before the sum): it is gradzip's ``f / size()``, except ``f = 1``, where gradzip
   pre-divides by the world size as DDP does (the same average; for 2 ranks bit for bit).
 * ``num_groups`` / ``groups``: Horovod's explicit grouping: each group is one engine call (a
@@ -50,261 +33,36 @@ returns, as Horovod does, an instance of a subclass of the wrapped optimizer's c
 * Keyword-only extras: ``transport``, ``error_feedback``, ``on_nonfinite``, ``start_iter``,
   ``momentum_correction``, ``clip``, ``bucket_mb`` (see :class:`gradzip.optim.DistributedOptimizer`).
 
-**Compression adapters** (:func:`adapt`, :class:`Compression`) put gradzip's summable casts
-behind Horovod's own ``Compression`` interface, for scripts that keep ``horovod.torch``'s
-optimizer. ``Compression.fp16`` keeps Horovod's overflow semantics: a value beyond ±65504
-becomes ±inf, as with ``horovod.torch.Compression.fp16``, so ``GradScaler`` sees the overflow
-(no saturation: that interface has no residual to keep the excess). ``BF16`` is refused at
-construction: Horovod's torch binding has no bfloat16 allreduce. Sparsifiers and quantizers
-are refused too: Horovod's allreduce adds payloads element by element, which is no sum of
-index/value lists, and its static ``compress(tensor)`` has no name, step or residual for
-error feedback; give them to this module's ``DistributedOptimizer`` instead.
+With the method chosen by ``GRADZIP_COMPRESSION``, rank 0 reports the choice once on stderr
+when the first such optimizer is made, and at exit one line per such optimizer: its steps and
+compression ratio (``GRADZIP_LOG_EVERY=N`` adds a line every ``N`` steps).
 """
 
 from __future__ import annotations
 
-import io
+import atexit
 import os
-import socket
-import time
-import urllib.error
-import urllib.request
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 import gradzip.args as args
 
-from .codecs.base import Codec
-from .codecs.cast import BF16, FP16, Identity
-from .engine import Engine
-from .frontend import FrontEnd
-from .optim import DistributedOptimizer as _GzOptimizer
-from .optim import _Bucket
-from .protocols.base import Protocol
-from .registry import parse
-from .wire import Payload
+from ..codecs.base import Codec
+from ..engine import Engine
+from ..frontend import FrontEnd
+from ..optim import DistributedOptimizer as _GzOptimizer
+from ..optim import _Bucket
+from ..protocols.base import Protocol
+from . import mpi_ops
+from .compression import ENV, Compression, method_of
+from .mpi_ops import OP_NAMES, TRANSPORTS, Adasum, Average, Sum, global_process_set
 
-__all__ = [
-    "init",
-    "shutdown",
-    "is_initialized",
-    "size",
-    "rank",
-    "local_rank",
-    "local_size",
-    "cross_rank",
-    "cross_size",
-    "transport",
-    "Average",
-    "Sum",
-    "Adasum",
-    "Min",
-    "Max",
-    "Product",
-    "global_process_set",
-    "allreduce",
-    "allreduce_",
-    "allgather",
-    "broadcast",
-    "broadcast_",
-    "broadcast_object",
-    "broadcast_parameters",
-    "broadcast_optimizer_state",
-    "barrier",
-    "Compression",
-    "HorovodCompressor",
-    "adapt",
-    "DistributedOptimizer",
-]
-
-# Horovod's reduce-op constants (horovod.torch.mpi_ops: the same integers).
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
-_TRANSPORTS = ("torch", "horovod")
-_RDZV_TIMEOUT_S = 300.0
-
-
-class _GlobalProcessSet:
-    """The global process set (all ranks); the only one gradzip.horovod supports."""
-
-    def __repr__(self) -> str:
-        return "gradzip.horovod.global_process_set"
-
-
-global_process_set = _GlobalProcessSet()
-_state: dict = {"transport": None, "local_rank": 0, "local_size": 1, "cross_rank": 0, "cross_size": 1}
-
-
-# -- init and the process layout --------------------------------------------------------
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        if os.environ.get(n, "") != "":
-            return int(os.environ[n])
-    return None
-
-
-def _horovod():
-    """``horovod.torch``, initialised (under horovodrun); ImportError with the reason otherwise."""
-    try:
-        import horovod.torch as hvd
-    except ImportError as exc:
-        raise ImportError(f"transport='horovod' needs Horovod (horovod.torch): {exc}") from exc
-    if not hvd.is_initialized():
-        hvd.init()
-    return hvd
-
-
-def _kv(url: str, value: str | None = None) -> str | None:
-    """GET (``value`` None; None while the key is missing) or PUT a key of horovodrun's rendezvous server."""
-    req = urllib.request.Request(
-        url, data=None if value is None else value.encode(), method="GET" if value is None else "PUT"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404 and value is None:
-            return None
-        raise
-
-
-def _init_from_horovodrun(rank_: int, world: int, backend: str) -> None:
-    """torch.distributed from horovodrun's environment: rank 0 starts a TCPStore on a free port and
-    publishes ``host:port`` on horovodrun's rendezvous server (scope ``gradzip``), the others read it."""
-    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-    if not addr or not port:
-        raise RuntimeError(
-            "HOROVOD_RANK is set but HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT are not: run with `horovodrun --gloo`"
-        )
-    if os.environ.get("HOROVOD_GLOO_IFACE") and not os.environ.get("GLOO_SOCKET_IFACE"):
-        os.environ["GLOO_SOCKET_IFACE"] = os.environ["HOROVOD_GLOO_IFACE"]
-    url = f"http://{addr}:{port}/gradzip/store"
-    timeout = timedelta(seconds=_RDZV_TIMEOUT_S)
-    if rank_ == 0:
-        host = socket.gethostbyname(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
-        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        _kv(url, f"{host}:{store.port}")
-    else:
-        deadline = time.monotonic() + _RDZV_TIMEOUT_S
-        while (where := _kv(url)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 did not publish its store at {url} within {_RDZV_TIMEOUT_S:.0f}s")
-            time.sleep(0.05)
-        host, _, p = where.rpartition(":")
-        store = dist.TCPStore(host, int(p), world, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
-
-
-def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
-    """Join the job (Horovod's ``init``). ``comm`` (an MPI communicator) and ``process_sets``
-    are Horovod's MPI/process-set options: gradzip supports neither (pass None).
-
-    ``transport``: ``"torch"`` (default; ``GRADZIP_HOROVOD_TRANSPORT`` overrides the default)
-    or ``"horovod"`` (module docstring). Under torchrun, horovodrun, or with torch.distributed
-    already initialised, every process learns the real world size; a launcher environment that
-    is neither (``mpirun``: ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` > 1) raises rather than
-    silently making each process a world of one.
-    """
-    if comm is not None or process_sets is not None:
-        raise ValueError("gradzip.horovod.init() supports neither an MPI comm nor process_sets (the global set only)")
-    transport = transport or os.environ.get("GRADZIP_HOROVOD_TRANSPORT") or "torch"
-    args.choice("transport", transport, _TRANSPORTS)
-    if transport == "horovod":
-        hvd = _horovod()
-        _state.update(
-            transport="horovod",
-            local_rank=hvd.local_rank(),
-            local_size=hvd.local_size(),
-            cross_rank=hvd.cross_rank(),
-            cross_size=hvd.cross_size(),
-        )
-        return
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        if _env_int("RANK") is not None and _env_int("WORLD_SIZE") is not None:  # torchrun
-            dist.init_process_group(backend, init_method="env://")
-        elif _env_int("HOROVOD_RANK") is not None:  # horovodrun --gloo
-            _init_from_horovodrun(_env_int("HOROVOD_RANK"), _env_int("HOROVOD_SIZE"), backend)
-        elif (_env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1) > 1:
-            raise RuntimeError(
-                "launched by mpirun: gradzip.horovod.init() reads torchrun's or horovodrun --gloo's environment; "
-                "use one of them, or initialise torch.distributed yourself before init()"
-            )
-        else:  # a plain `python train.py`: a world of one, as Horovod gives
-            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-            dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    world = dist.get_world_size()
-    lsize = _env_int("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE") or (1 if world == 1 else None)
-    lrank = _env_int("LOCAL_RANK", "HOROVOD_LOCAL_RANK")
-    if lsize is None or lrank is None:  # torch.distributed set up by hand: assume one node
-        lsize, lrank = world, dist.get_rank()
-    _state.update(
-        transport="torch",
-        local_rank=lrank,
-        local_size=lsize,
-        cross_rank=dist.get_rank() // lsize,
-        cross_size=max(1, world // lsize),
-    )
-
-
-def _require() -> str:
-    if _state["transport"] is None:
-        raise ValueError("gradzip.horovod has not been initialized; use gradzip.horovod.init()")
-    return _state["transport"]
-
-
-def transport() -> str:
-    """``"torch"`` or ``"horovod"``: what ``init()`` chose."""
-    return _require()
-
-
-def is_initialized() -> bool:
-    return _state["transport"] is not None
-
-
-def shutdown() -> None:
-    """Leave the job: destroys the process group (transport ``torch``) or shuts Horovod down."""
-    t = _state["transport"]
-    _state["transport"] = None
-    if t == "horovod":
-        _horovod().shutdown()
-    elif t == "torch" and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def size() -> int:
-    return _horovod().size() if _require() == "horovod" else dist.get_world_size()
-
-
-def rank() -> int:
-    return _horovod().rank() if _require() == "horovod" else dist.get_rank()
-
-
-def local_rank() -> int:
-    _require()
-    return _state["local_rank"]
-
-
-def local_size() -> int:
-    _require()
-    return _state["local_size"]
-
-
-def cross_rank() -> int:
-    _require()
-    return _state["cross_rank"]
-
-
-def cross_size() -> int:
-    _require()
-    return _state["cross_size"]
+__all__ = ["DistributedOptimizer"]
 
 
 def _check_process_set(process_set) -> None:
@@ -312,324 +70,7 @@ def _check_process_set(process_set) -> None:
         return
     if type(process_set).__module__.startswith("horovod.") and getattr(process_set, "process_set_id", None) == 0:
         return  # horovod.torch.global_process_set
-    raise ValueError(f"gradzip.horovod supports the global process set only, got {process_set!r}")
-
-
-# -- collectives --------------------------------------------------------------------------
-def _op_of(average, op) -> int:
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass op or average, not both")
-        return Average if average else Sum
-    return Average if op is None else int(op)
-
-
-class _Allreduce(torch.autograd.Function):
-    """Allreduce whose backward allreduces the gradient with the same op, as Horovod's."""
-
-    @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale):
-        ctx.op, ctx.scales = op, (prescale, postscale)
-        return _allreduce_torch(tensor.detach().clone(), op, prescale, postscale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _allreduce_torch(grad.clone(), ctx.op, *ctx.scales), None, None, None
-
-
-_DIST_OPS = {
-    Sum: dist.ReduceOp.SUM,
-    Average: dist.ReduceOp.SUM,
-    Min: dist.ReduceOp.MIN,
-    Max: dist.ReduceOp.MAX,
-    Product: dist.ReduceOp.PRODUCT,
-}
-
-
-def _allreduce_torch(t: torch.Tensor, op: int, prescale: float, postscale: float) -> torch.Tensor:
-    """In place on ``t``: Horovod's order (scale by ``prescale``, reduce, then ``postscale``, and
-    ``1 / size`` for Average)."""
-    if op not in _DIST_OPS:
-        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product; got {_OP_NAMES.get(op, op)!r}")
-    if prescale != 1.0:
-        t.mul_(prescale)
-    dist.all_reduce(t, op=_DIST_OPS[op])
-    post = postscale / dist.get_world_size() if op == Average else postscale
-    if post != 1.0:
-        t.mul_(post)
-    return t
-
-
-def allreduce(
-    tensor,
-    average=None,
-    name=None,
-    compression=None,
-    op=None,
-    prescale_factor=1.0,
-    postscale_factor=1.0,
-    process_set=global_process_set,
-):
-    """A new tensor: ``tensor`` reduced over the ranks (Horovod's ``allreduce``; autograd-aware).
-    ``compression`` is a Horovod-interface class (``Compression.none``/``fp16``)."""
-    _check_process_set(process_set)
-    op = _op_of(average, op)
-    comp = Compression.none if compression is None else compression
-    if _require() == "horovod":
-        hvd = _horovod()
-        return hvd.allreduce(
-            tensor,
-            name=name,
-            compression=comp,
-            op=op,
-            prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor,
-        )
-    compressed, ctx = comp.compress(tensor)
-    out = _Allreduce.apply(compressed, op, float(prescale_factor), float(postscale_factor))
-    return comp.decompress(out, ctx)
-
-
-def allreduce_(
-    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
-):
-    """``allreduce`` in place; returns ``tensor``."""
-    _check_process_set(process_set)
-    op = _op_of(average, op)
-    if _require() == "horovod":
-        return _horovod().allreduce_(
-            tensor, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor
-        )
-    with torch.no_grad():
-        return _allreduce_torch(tensor, op, float(prescale_factor), float(postscale_factor))
-
-
-def allgather(tensor, name=None, process_set=global_process_set):
-    """Every rank's ``tensor`` concatenated along dimension 0 (their first dimensions may differ)."""
-    _check_process_set(process_set)
-    if _require() == "horovod":
-        return _horovod().allgather(tensor, name=name)
-    n = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
-    rows = [int(s) for s in sizes]
-    t = tensor.detach().reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.detach().reshape(1)
-    pad = max(rows)
-    if t.shape[0] < pad:
-        t = torch.cat([t, t.new_zeros(pad - t.shape[0], *t.shape[1:])])
-    out = [torch.empty_like(t) for _ in rows]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat([o[:r] for o, r in zip(out, rows)])
-
-
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns it."""
-    _check_process_set(process_set)
-    if _require() == "horovod":
-        return _horovod().broadcast_(tensor, root_rank, name=name)
-    with torch.no_grad():
-        dist.broadcast(tensor, src=root_rank)
-    return tensor
-
-
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """A new tensor holding ``root_rank``'s ``tensor``."""
-    _check_process_set(process_set)
-    if _require() == "horovod":
-        return _horovod().broadcast(tensor, root_rank, name=name)
-    return broadcast_(tensor.detach().clone(), root_rank)
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """``root_rank``'s ``obj`` (pickled; tensors included) on every rank."""
-    _check_process_set(process_set)
-    if _require() == "horovod":
-        return _horovod().broadcast_object(obj, root_rank, name=name)
-    box = [obj if dist.get_rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank)
-    return box[0]
-
-
-def barrier(process_set=global_process_set) -> None:
-    _check_process_set(process_set)
-    if _require() == "horovod":
-        _horovod().barrier()
-    else:
-        dist.barrier()
-
-
-def broadcast_parameters(params, root_rank) -> None:
-    """Horovod's ``broadcast_parameters``: ``params`` is a ``state_dict()`` (broadcast in sorted
-    key order) or a list of ``(name, tensor)`` pairs or tensors; each is overwritten in place."""
-    if isinstance(params, dict):
-        params = sorted(params.items())
-    elif isinstance(params, list):
-        params = [p if isinstance(p, tuple) else (None, p) for p in params]
-    else:
-        raise ValueError(f"invalid params of type {type(params).__name__}: a dict (state_dict) or a list")
-    for name, p in params:
-        if isinstance(p, torch.Tensor):
-            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name)
-
-
-def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
-    """Every rank's optimizer state becomes ``root_rank``'s (hyper-parameters and buffers),
-    through one object broadcast. The gradzip state of this module's ``DistributedOptimizer``
-    (error-feedback residuals, momentum buffers: per rank) stays each rank's own: it is not
-    broadcast (the root's residuals are not another rank's). ``model`` (Horovod's hint for
-    sparse parameters) is not needed: the state travels pickled."""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    sd = None
-    if rank() == root_rank:
-        sd = dict(optimizer.state_dict())
-        sd.pop("gradzip", None)
-    buf = io.BytesIO()
-    if sd is not None:
-        torch.save(sd, buf)
-    got = broadcast_object(buf.getvalue() if sd is not None else None, root_rank)
-    if rank() != root_rank:
-        optimizer.load_state_dict(torch.load(io.BytesIO(got), weights_only=False))
-
-
-# -- Horovod's Compression interface ------------------------------------------------------
-class HorovodCompressor:
-    """Horovod's interface: static ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``."""
-
-    gradzip_compressor: Codec
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):  # pragma: no cover - overridden by adapt()
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):  # pragma: no cover - overridden by adapt()
-        raise NotImplementedError
-
-
-class _Ctx(NamedTuple):
-    shape: torch.Size
-    dtype: torch.dtype
-    vdtype: torch.dtype | None
-    fmt: int
-    scale: float
-
-
-def adapt(compressor: Codec) -> type:
-    """A Horovod ``Compression`` class (static ``compress``/``decompress``) that runs ``compressor``.
-
-    Raises ``ValueError`` at construction for what Horovod's allreduce cannot carry: payloads
-    that are not summable, biased codecs (they need per-parameter error feedback), codecs with a
-    protocol of their own, and ``BF16`` (Horovod's torch binding has no bfloat16 allreduce).
-    ``FP16`` casts as Horovod's ``Compression.fp16`` does (beyond ±65504 becomes ±inf: the
-    overflow stays visible). Non-floating-point tensors pass through unchanged, as in Horovod.
-    """
-    if not isinstance(compressor, Codec):
-        raise TypeError(f"compressor must be a gradzip codec, got {type(compressor).__name__}")
-    name = type(compressor).__name__
-    if isinstance(compressor, BF16):
-        raise ValueError(
-            "BF16 cannot go through Horovod: its torch binding has no bfloat16 allreduce "
-            "(ValueError 'Tensor type torch.BFloat16Tensor is not supported'); use "
-            "gradzip.horovod.DistributedOptimizer(compression=gz.BF16()) on transport='torch', or FP16"
-        )
-    if not compressor.summable:
-        raise ValueError(
-            f"{name} cannot go through Horovod's allreduce: its payloads are not summable "
-            "(index/value lists differ across ranks); use gradzip.horovod.DistributedOptimizer"
-        )
-    if compressor.biased:
-        raise ValueError(
-            f"{name} cannot go through Horovod's Compression interface: it is biased and needs per-parameter "
-            "error feedback (and per-tensor state), which the static compress(tensor) cannot keep; "
-            "use gradzip.horovod.DistributedOptimizer"
-        )
-    if compressor.protocol is not None:
-        raise ValueError(
-            f"{name} travels by its own protocol ({compressor.protocol}), which Horovod's single allreduce "
-            "cannot carry; use gradzip.horovod.DistributedOptimizer"
-        )
-    if isinstance(compressor, FP16):
-
-        def compress(tensor: torch.Tensor):
-            if not tensor.is_floating_point():
-                return tensor, None
-            return tensor.to(torch.float16), tensor.dtype  # IEEE rounding: overflow is ±inf, as Horovod
-
-        def decompress(tensor: torch.Tensor, ctx):
-            return tensor if ctx is None else tensor.to(ctx)
-
-    else:
-
-        def compress(tensor: torch.Tensor):
-            if not tensor.is_floating_point():
-                return tensor, None
-            p = compressor.compress(tensor)
-            body = p.body
-            if body.numel() == tensor.numel():
-                body = body.reshape(tensor.shape)
-            return body, _Ctx(p.shape, p.dtype, p.vdtype, p.fmt, p.scale)
-
-        def decompress(tensor: torch.Tensor, ctx):
-            if ctx is None:
-                return tensor
-            payload = Payload(
-                body=tensor.reshape(-1),
-                shape=ctx.shape,
-                dtype=ctx.dtype,
-                fmt=ctx.fmt,
-                vdtype=ctx.vdtype,
-                scale=ctx.scale,
-            )
-            return compressor.decompress(payload)
-
-    return type(
-        f"Horovod{name}",
-        (HorovodCompressor,),
-        {
-            "__doc__": f"Horovod Compression running gradzip's {compressor!r}.",
-            "gradzip_compressor": compressor,
-            "compress": staticmethod(compress),
-            "decompress": staticmethod(decompress),
-        },
-    )
-
-
-class _CompressionMeta(type):
-    def __getattr__(cls, name):
-        if name == "bf16":
-            raise AttributeError(
-                "Compression.bf16 does not exist: Horovod's torch binding has no bfloat16 allreduce. Use "
-                "gradzip.horovod.DistributedOptimizer(compression=gz.BF16()) (transport 'torch') instead"
-            )
-        raise AttributeError(f"type object 'Compression' has no attribute {name!r}")
-
-
-class Compression(metaclass=_CompressionMeta):
-    """Ready-made adapters, named as in ``horovod.torch.Compression``."""
-
-    none = adapt(Identity())
-    fp16 = adapt(FP16())
-
-
-def _method(compression):
-    """(gradzip method, error feedback default) for a ``compression=`` argument."""
-    if compression is None:
-        return Identity(), None
-    if isinstance(compression, str):
-        compression = parse(compression)
-    if isinstance(compression, (Codec, Protocol)):
-        return compression, None
-    if isinstance(compression, type):
-        codec = getattr(compression, "gradzip_compressor", None)
-        if codec is None and compression.__module__.startswith("horovod."):
-            codec = {"NoneCompressor": Identity(), "FP16Compressor": FP16()}.get(compression.__name__)
-        if codec is not None:
-            # FP16 saturates beyond ±65504; error feedback keeps the excess (never a silent clip).
-            return codec, (True if isinstance(codec, FP16) else None)
-    raise TypeError(
-        f"compression must be a gradzip codec, protocol or method string, or Compression.none/fp16; got {compression!r}"
-    )
+    raise ValueError(f"gradzip.horovod.DistributedOptimizer supports the global process set only, got {process_set!r}")
 
 
 # -- DistributedOptimizer --------------------------------------------------------------------
@@ -765,6 +206,42 @@ class _HorovodOptimizer(FrontEnd):
             raise RuntimeError("load_state_dict() called in the middle of a step (after backward, before step())")
 
 
+_reported: dict = {"choice": False, "optimizers": []}
+
+
+def _report_choice(method, compression) -> None:
+    """Rank 0, once per process: which method GRADZIP_COMPRESSION put in place of what."""
+    if _reported["choice"] or mpi_ops.rank() != 0:
+        return
+    _reported["choice"] = True
+    was = getattr(compression, "__name__", repr(compression))
+    print(
+        f"gradzip.horovod: {ENV}={os.environ.get(ENV)!r}: DistributedOptimizer runs {method!r} "
+        f"in place of {was} (Horovod's compression of this script)",
+        file=sys.stderr,
+        flush=True,
+    )
+    atexit.register(_report_ratios)
+
+
+def _report_ratios() -> None:
+    for name, opt in _reported["optimizers"]:
+        try:
+            s = opt.stats()
+        except Exception:  # noqa: BLE001 - never fail an exit over a report
+            continue
+        print(
+            f"gradzip.horovod: {name}: {s['steps']} steps, compression ratio {s['ratio']:.1f}x "
+            f"({s['bytes_link_raw'] / 1e6:.2f} MB uncompressed, {s['bytes_link'] / 1e6:.2f} MB on the links)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _log_line(step: int, s: dict) -> None:
+    print(f"gradzip.horovod: step {step}: ratio {s['ratio']:.1f}x over the last {s['steps']} steps", file=sys.stderr)
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -792,33 +269,39 @@ def DistributedOptimizer(
     ``log_every``, ``save``/``load``); see the module docstring."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, (_HorovodOptimizer, _GzOptimizer)):
+    if isinstance(optimizer, (_HorovodOptimizer, _GzOptimizer, _AdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     _check_process_set(process_set)
     op = int(op)
-    if op not in (Average, Sum):
-        raise ValueError(f"op={_OP_NAMES.get(op, op)}: gradzip averages or sums gradients (Average, Sum)")
     f = args.number("gradient_predivide_factor", gradient_predivide_factor, 0.0, lo_open=True)
     if f != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op={OP_NAMES.get(op, op)}: gradzip averages or sums gradients (Average, Sum, Adasum)")
     args.integer("backward_passes_per_step", backward_passes_per_step, 1)
     args.integer("num_groups", num_groups, 0)
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if groups is None:
             groups = num_groups
     if groups is not None and not isinstance(groups, list):
         args.integer("groups", groups, 1)
     args.flag("sparse_as_dense", sparse_as_dense)
-    method, ef_default = _method(compression)
+    t = transport or mpi_ops.transport()
+    args.choice("transport", t, TRANSPORTS)
+    if op == Adasum and mpi_ops.size() > 1:
+        return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, t)
+    method, ef_default, source = method_of(compression)
     if error_feedback is None:
         error_feedback = ef_default
-    t = transport or _require()
-    args.choice("transport", t, _TRANSPORTS)
     if t == "horovod":
-        from .comm_horovod import HorovodCommunicator
+        from ..comm_horovod import HorovodCommunicator
 
-        _horovod()
+        mpi_ops.horovod()
         inner = getattr(method, "codec", method)
         if getattr(inner, "wire_dtype", None) == torch.bfloat16:
             raise ValueError(
@@ -834,13 +317,7 @@ def DistributedOptimizer(
 
     base = type(optimizer)
     cls = type(base.__name__, (_HorovodOptimizer, base), {"__module__": __name__})
-    self = cls.__new__(cls)
-    try:
-        base.__init__(self, optimizer.param_groups)
-    except TypeError:  # an optimizer whose constructor needs more than its parameters
-        torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
-    self.defaults = dict(optimizer.defaults)
-    self.state.update(optimizer.state)
+    self = _fresh(cls, base, optimizer)
     self.sparse_as_dense = sparse_as_dense
     self.op = op
     self.gradient_predivide_factor = f
@@ -863,4 +340,167 @@ def DistributedOptimizer(
         groups=groups,
         check_parameters=check_parameters,
     )
+    if source == "environment":
+        _report_choice(method, compression)
+        if mpi_ops.rank() == 0:
+            _reported["optimizers"].append((f"{base.__name__} with {method!r}", self))
+            every = int(os.environ.get("GRADZIP_LOG_EVERY", "0") or 0)
+            if every > 0:
+                self.log_every(every, _log_line)
+    return self
+
+
+def _fresh(cls, base, optimizer):
+    """An instance of ``cls`` made on ``optimizer``'s parameter groups, as Horovod's
+    ``cls(optimizer.param_groups, ...)``: the groups' hyper-parameters are kept, the wrapped
+    optimizer's state is not (Horovod drops it too)."""
+    self = cls.__new__(cls)
+    try:
+        base.__init__(self, optimizer.param_groups)
+    except TypeError:  # an optimizer whose constructor needs more than its parameters
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
+    self.defaults = dict(optimizer.defaults)
+    return self
+
+
+# -- Adasum ------------------------------------------------------------------------------------
+class _AdasumOptimizer:
+    """Horovod's delta optimizer for ``op=Adasum`` (mixed into a subclass of the wrapped class).
+
+    When a parameter's gradient is ready (after ``backward_passes_per_step`` passes) the wrapped
+    optimizer steps on that parameter alone from a zero start, which gives its update
+    ``delta = -lr f(g)``; ``delta`` is combined over the ranks by Adasum and ``step()`` adds it
+    to the parameter's value at the start of the step. ``synchronize()`` does nothing and
+    ``skip_synchronize()`` raises, as in Horovod."""
+
+    def _adasum_setup(self, named_parameters, compression, backward_passes_per_step) -> None:
+        named = _named(self, named_parameters)
+        self._compression = compression
+        self._parameter_names = {p: n for n, p in sorted(named, key=lambda x: x[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
+        self._handles: dict = {}
+        self._requires_update: set = set()
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}
+        self._grad_accs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = p.data.new(p.size()).zero_()
+                    self._requires_update.add(p)
+                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    acc.register_hook(self._adasum_hook(p))
+                    self._grad_accs.append(acc)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = args.integer("backward_passes_per_step", passes, 1)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _adasum_delta(self, p):
+        start = self._starting_models[p]
+        stashed = []
+        for group in self.param_groups:
+            stashed.append(group["params"])
+            group["params"] = [p] if any(p is v for v in group["params"]) else []
+        try:
+            start.data.copy_(p)
+            super().step()  # the wrapped class's step, on p alone
+            p.data.sub_(start)
+        finally:
+            for s, group in zip(stashed, self.param_groups):
+                group["params"] = s
+        compressed, ctx = self._compression.compress(p.data)
+        mpi_ops.adasum_(compressed)
+        return compressed, ctx
+
+    def _adasum_hook(self, p):
+        def hook(*_):
+            if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally."
+                )
+            self._allreduce_delay[p] -= 1
+            delta = None
+            if self._allreduce_delay[p] == 0:
+                delta = self._adasum_delta(p)
+            self._handles[p] = delta
+
+        return hook
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+        yield  # pragma: no cover
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for p in sorted(self._requires_update - set(self._handles), key=lambda q: self._parameter_names[q]):
+            self._handles[p] = self._adasum_delta(p)
+        for p in sorted(self._handles, key=lambda q: self._parameter_names[q]):
+            if self._handles[p] is None:
+                self._handles[p] = self._adasum_delta(p)
+            compressed, ctx = self._handles[p]
+            delta = self._compression.decompress(compressed, ctx)
+            start = self._starting_models[p]
+            start.data.add_(delta.data)
+            p.data.copy_(start)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+            )
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _named(opt, named_parameters) -> list:
+    if named_parameters is not None:
+        named = list(named_parameters)
+    else:
+        named = [(f"allreduce.noname.{i}", v) for g in opt.param_groups for i, v in enumerate(g["params"])]
+    if any(not isinstance(p, tuple) for p in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+            "model.named_parameters()."
+        )
+    seen, dups = set(), set()
+    for k, _ in named:
+        (dups if k in seen else seen).add(k)
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    named_ids = {id(v) for _, v in named}
+    unnamed = [id(v) for g in opt.param_groups for v in g["params"] if id(v) not in named_ids]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. Python object ids: "
+            + ", ".join(str(i) for i in unnamed)
+        )
+    return named
+
+
+def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, transport):
+    if transport != "torch":
+        raise ValueError("op=Adasum runs on transport='torch' (this build of Horovod has no Adasum operation)")
+    n = mpi_ops.size()
+    if n & (n - 1):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+    comp = Compression.none if compression is None else compression
+    if not (isinstance(comp, type) and hasattr(comp, "compress") and hasattr(comp, "decompress")):
+        raise ValueError(
+            "op=Adasum combines whole updates: pass Compression.none or Compression.fp16 (Horovod's interface), "
+            f"not {comp!r}"
+        )
+    base = type(optimizer)
+    cls = type(base.__name__, (_AdasumOptimizer, base), {"__module__": __name__})
+    self = _fresh(cls, base, optimizer)
+    self._adasum_setup(named_parameters, comp, backward_passes_per_step)
     return self
