@@ -32,8 +32,9 @@ codecs from 4 ranks) fails on tensors whose size is not a multiple of ``--world`
 (``corrupt ... frame``); every tensor of the models here is a multiple of 8.
 
 Writes ``benchmarks/results/gpu_step_<device>.json`` (``--out`` to change), naming the
-device, torch, triton, the models' sizes and every figure. The kernels chosen
-(``gradzip.kernels.backend_report()``) are recorded per op.
+device, torch, triton, the models' sizes and every figure, rewritten after each model. The
+kernels chosen (``gradzip.kernels.backend_report()``) are recorded per op. ``--budget SECONDS``
+starts no model or method after that many seconds; those are listed under ``skipped``.
 
 Models (written here; torchvision is not needed):
 
@@ -210,7 +211,9 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def measure_model(name, methods, device, world, steps, warmup, log=print) -> dict:
+def measure_model(name, methods, device, world, steps, warmup, log=print, deadline=None) -> dict:
+    """One model's figures (above); ``deadline`` (a ``time.perf_counter()`` value): a method not
+    started by then is listed under ``skipped`` instead of timed."""
     import gradzip as gz
     from gradzip.costmodel import Link, ddp_buckets, dry_run, wire_time
 
@@ -252,8 +255,11 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
         f"compute {compute_s * 1e3:.2f} ms/step"
     )
 
-    rows = {}
+    rows, skipped = {}, []
     for spec in methods:
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped.append(spec)
+            continue
         method = gz.parse(spec)
         stores: dict = {}
         times, colls = [], []
@@ -316,6 +322,7 @@ def measure_model(name, methods, device, world, steps, warmup, log=print) -> dic
         "compute_ms_all": [c * 1e3 for c in compute],
         "allreduce_wire_bits_per_step": raw_bits,
         "methods": rows,
+        "skipped": skipped,
     }
 
 
@@ -339,6 +346,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 3 on CUDA, 1 on CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_step_<device>.json)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds: start no model or method after this; what was measured is written (skipped lists the rest)",
+    )
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -361,8 +374,8 @@ def main(argv=None) -> int:
     for spec in methods:
         gz.parse(spec)  # a bad spec fails before anything is timed
     K.reset_dispatch()
-    results = {m: measure_model(m, methods, device, args.world, args.steps, warmup) for m in models}
-    report = K.backend_report()
+    t0 = time.perf_counter()
+    deadline = None if args.budget is None else t0 + args.budget
     try:
         import triton
 
@@ -370,38 +383,58 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - recorded, not needed
         triton_version = None
     name = device_name(device)
-    doc = {
-        "benchmark": "benchmarks/gpu_step.py",
-        "argv": list(argv) if argv is not None else sys.argv[1:],
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": name,
-        "machine": {"node": platform.node(), "platform": platform.platform(), "python": platform.python_version()},
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "world": args.world,
-        "threads": torch.get_num_threads(),
-        "steps": args.steps,
-        "warmup": warmup,
-        "cost_model": "ring formulas (gradzip.costmodel.wire_time), latency 0, one flat link, no overlap",
-        "kernels_chosen": {
-            op: {dev: c["backend"] for dev, c in v["chosen"].items()} for op, v in report["ops"].items() if v["chosen"]
-        },
-        "models": results,
-    }
-    failed = [
-        f"{m}: {spec}: {row['error']}"
-        for m, r in results.items()
-        for spec, row in r["methods"].items()
-        if "error" in row
-    ]
-    doc["errors"] = failed
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu_step_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=lambda v: None if v != v else str(v)) + "\n")
+    results: dict = {}
+    skipped: list[str] = []
+
+    def write() -> dict:
+        report = K.backend_report()
+        doc = {
+            "benchmark": "benchmarks/gpu_step.py",
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": name,
+            "machine": {"node": platform.node(), "platform": platform.platform(), "python": platform.python_version()},
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "world": args.world,
+            "threads": torch.get_num_threads(),
+            "steps": args.steps,
+            "warmup": warmup,
+            "budget_s": args.budget,
+            "elapsed_s": time.perf_counter() - t0,
+            "cost_model": "ring formulas (gradzip.costmodel.wire_time), latency 0, one flat link, no overlap",
+            "kernels_chosen": {
+                op: {dev: c["backend"] for dev, c in v["chosen"].items()}
+                for op, v in report["ops"].items()
+                if v["chosen"]
+            },
+            "models": results,
+            "skipped": skipped + [f"{m}: {spec}" for m, r in results.items() for spec in r.get("skipped", [])],
+        }
+        doc["errors"] = [
+            f"{m}: {spec}: {row['error']}"
+            for m, r in results.items()
+            for spec, row in r["methods"].items()
+            if "error" in row
+        ]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2, default=lambda v: None if v != v else str(v)) + "\n")
+        return doc
+
+    for m in models:  # the file is rewritten after each model: a run stopped early leaves what it measured
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped.append(m)
+            continue
+        results[m] = measure_model(m, methods, device, args.world, args.steps, warmup, deadline=deadline)
+        write()
+    doc = write()
     print(f"wrote {out}")
-    for line in failed:
+    if doc["skipped"]:
+        print(f"gpu_step: skipped (budget): {', '.join(doc['skipped'])}", file=sys.stderr)
+    for line in doc["errors"]:
         print(f"gpu_step: FAILED {line}", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if doc["errors"] else 0
 
 
 if __name__ == "__main__":
