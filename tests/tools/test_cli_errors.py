@@ -242,6 +242,18 @@ def test_recommendation_names_the_fastest_and_respects_the_band():
     ]
     line = plan.recommend(rows, band=0.25)
     assert line.startswith("recommendation: DDP at 2 ranks; X at 8-64 ranks (2x-4x DDP's predicted speed)")
+    # a row without its codec time is not ranked; as a lower bound below the best it says so
+    lower = [
+        *rows,
+        {**row("P", 8, 0.5), "codec_not_measured": ["P"]},
+        {**row("P", 64, 9.0), "codec_not_measured": ["P"]},
+    ]
+    line = plan.recommend(lower, 0.25, "codec time not measured on h100, left out: a lower bound", lower_bound=True)
+    assert "X at 8-64 ranks" in line and "not ranked: P (codec time not measured on h100" in line
+    assert line.endswith(
+        "P could be faster: without its codec time it is below the best at 8 ranks (measure it there before choosing)"
+    )
+    assert "could be faster" not in plan.recommend(lower, 0.25, "measured here", lower_bound=False)
     close = [row("DDP", 4, 1.0), row("X", 4, 0.9)]
     assert "DDP at 4 ranks (X is predicted at most 1.11x faster, within the error band)" in plan.recommend(close, 0.25)
 
