@@ -11,7 +11,9 @@ subclass of the wrapped optimizer's class there). So each offers, with the same 
   new interval (the totals are kept).
 * ``routes()``: per tensor, the method and protocol it travels by, and why (``Engine.routes``).
 * ``log_every(every, fn=None)``: call ``fn(step, stats of the last every steps)`` every
-  ``every`` steps (default: one line on the ``"gradzip"`` logger); ``None`` stops it.
+  ``every`` steps (default: one line on the ``"gradzip"`` logger, shown on stderr without any
+  ``logging`` setup; :func:`gradzip.stats.scalars` makes per-step scalars for TensorBoard, W&B,
+  Lightning or Accelerate); ``None`` stops it.
 * ``state_dict()`` / ``load_state_dict(state_dict)``: this rank's state; a state saved by
   another rank or on another number of ranks, or by another method, is refused with
   ``ValueError`` before anything changes (``check_owner``, ``Engine.check_state``).
@@ -34,8 +36,8 @@ from typing import ClassVar
 
 import gradzip.checkpoint as checkpoint
 
-from .engine import Engine, check_owner, route_summary
-from .stats import Stats, log_line, logger
+from .engine import STATE_VERSION, Engine, check_owner, route_summary
+from .stats import Stats, log_line, logger, reach_the_user
 
 __all__ = ["FrontEnd", "combine"]
 
@@ -99,6 +101,8 @@ class FrontEnd:
         """Call ``fn(step, stats)`` every ``every`` steps, ``stats`` being the last ``every`` steps'
         counts and ratios (:func:`gradzip.stats.log_every`); ``every=None`` stops the calls."""
         engines = list(self._engines().values())
+        if fn is None and every is not None:
+            reach_the_user()  # the default lines show without any logging setup
         if len(engines) == 1:
             engines[0].set_log(every, fn)
             return
@@ -160,12 +164,31 @@ class FrontEnd:
             rest = {k: v for k, v in state_dict.items() if k != self._engine_key}
         self._check_loadable()
         if engine_sd is not None:
+            self._check_method(engine_sd)
             self.engine.check_state(engine_sd)
         rest = self._load_own_state_dict(rest)
         if engine_sd is not None:
             self.engine.load_state_dict(engine_sd, checked=True)
         if self._engine_key is not None:
             self._load_wrapped_state_dict(rest)
+
+    def _check_method(self, engine_sd: dict) -> None:
+        """``ValueError`` naming both methods when ``engine_sd`` was saved by another method (a
+        TopK state offered to an Int8 hook), before the engine's field-by-field check."""
+        saved = engine_sd.get("method")
+        if engine_sd.get("version") != STATE_VERSION or not isinstance(saved, dict):
+            return  # the engine's check names what is wrong
+        mine = self.engine.method.config()
+        if saved == mine:
+            return
+        key = next(
+            k for k in sorted(set(saved) | set(mine), key=lambda k: (k != "name", k)) if saved.get(k) != mine.get(k)
+        )
+        raise ValueError(
+            f"the checkpoint holds the state of {engine_sd.get('method_repr') or saved.get('name')}, and this "
+            f"{type(self).__name__} runs {self.engine.method!r}: a method's state loads into the same method only "
+            f"(config differs in {key!r}: saved {saved.get(key)!r}, now {mine.get(key)!r})"
+        )
 
     def check_owner(self, state_dict: dict) -> None:
         """``ValueError`` when ``state_dict`` (this front end's kind) was saved by another rank

@@ -1,12 +1,21 @@
 """DDP communication hook: one line to compress DDP's gradient traffic.
 
-    state = register_hook(ddp_model, gradzip.Threshold(tau=1e-3))
+    state = register_hook(ddp_model, gradzip.Threshold(tau=1e-3))      # or "Threshold(tau=1e-3)"
+    ddp_model.register_comm_hook(*comm_hook(ddp_model, "TopK(0.01)"))  # torch's own API, same thing
 
 The hook is a thin adapter: it names each gradient in the bucket after its
 parameter, hands them to the :class:`gradzip.engine.Engine`, and returns the
 engine's future. Residuals are keyed by parameter name, so DDP's bucket rebuild
 after the first iteration does not touch them.
+
+:func:`comm_hook` returns the ``(state, hook)`` pair that torch's
+``DistributedDataParallel.register_comm_hook(state, hook)`` takes (and that torch's
+wrappers such as ``fp16_compress_wrapper(hook)`` wrap); :func:`register_hook` registers that
+pair. A DDP model takes one gradzip hook: a second one is refused before it changes anything.
 """
+
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,12 +26,17 @@ from gradzip.engine import Engine, check_real, layout_of
 from gradzip.frontend import FrontEnd
 from gradzip.momentum import Momentum
 from gradzip.protocols.base import Protocol
+from gradzip.registry import parse
+
+#: The hook's signature, as DDP calls it.
+Hook = Callable[["HookState", dist.GradBucket], torch.futures.Future]
 
 
 class HookState(FrontEnd):
-    """What :func:`register_hook` returns: the front-end surface of :class:`gradzip.frontend.FrontEnd`
-    (``stats``, ``routes``, ``log_every``, ``state_dict``/``load_state_dict``, ``save``/``load``,
-    ``check_owner``); its state is the engine's own."""
+    """What :func:`register_hook` returns, and the ``state`` of :func:`comm_hook`'s pair: the
+    front-end surface of :class:`gradzip.frontend.FrontEnd` (``stats``, ``routes``, ``log_every``,
+    ``state_dict``/``load_state_dict``, ``save``/``load``, ``check_owner``); its state is the
+    engine's own."""
 
     def __init__(self, engine: Engine, names: dict[int, str], find_unused: bool = False) -> None:
         self.engine = engine
@@ -48,7 +62,9 @@ class HookState(FrontEnd):
             raise RuntimeError("DDP handed the hook a parameter that the wrapped module does not own") from None
 
 
-def _gradzip_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def gradzip_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The communication hook itself, with the :class:`HookState` of :func:`comm_hook` as its
+    state: ``ddp.register_comm_hook(state, gradzip_hook)``."""
     grads = bucket.gradients()
     params = bucket.parameters()
     names = state.names_of(params)
@@ -77,9 +93,107 @@ def _gradzip_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut
 
 
+def as_method(method, what: str = "method") -> Codec | Protocol:
+    """``method`` as a codec or protocol: one of them as it is, or a method spec read by
+    :func:`gradzip.parse` (``"TopK(0.01)"``). ``TypeError`` naming what was given otherwise."""
+    if isinstance(method, str):
+        method = parse(method)
+        if not isinstance(method, (Codec, Protocol)):
+            raise TypeError(f"{what} must name a codec or protocol; {method!r} is not one (an optimizer wrapper?)")
+        return method
+    if isinstance(method, (Codec, Protocol)):
+        return method
+    if method is None:
+        raise TypeError(
+            f"{what} is None: pass a gradzip codec or protocol (gz.TopK(0.01)) or its spec ('TopK(0.01)'); "
+            "for DDP's own allreduce register no hook (gz.Identity() runs it through gradzip, with its stats)"
+        )
+    raise TypeError(
+        f"{what} must be a gradzip codec or protocol (gz.TopK(0.01)) or its spec ('TopK(0.01)'), "
+        f"got {type(method).__name__}"
+    )
+
+
+def _claim(ddp_model: DistributedDataParallel, method: Codec | Protocol) -> None:
+    """Refuse a model that has a communication hook already, or a gradzip state waiting to be
+    registered: DDP takes one hook. Runs before anything changes (the optimizer's momentum)."""
+    ref = ddp_model.__dict__.get("_gradzip_state")
+    held = ref() if ref is not None else None
+    if held is not None:
+        raise RuntimeError(
+            f"this DistributedDataParallel model has a gradzip hook already ({held.method!r}); DDP takes one "
+            "communication hook per model: wrap the module in a new DistributedDataParallel for another method"
+        )
+    try:
+        other = ddp_model._get_ddp_logging_data().get("comm_hook")
+    except Exception:  # noqa: BLE001 - a torch without DDP's logging data: torch refuses on registration
+        other = None
+    if other:
+        raise RuntimeError(
+            f"this DistributedDataParallel model has the communication hook {other!r} already; DDP takes one "
+            f"communication hook per model, so gradzip's ({method!r}) cannot be added"
+        )
+
+
+def comm_hook(
+    ddp_model: DistributedDataParallel,
+    method: Codec | Protocol | str,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    start_iter: int = 0,
+    error_feedback: bool | None = None,
+    on_nonfinite: str = "skip",
+    optimizer: torch.optim.Optimizer | None = None,
+    clip: float | None = None,
+    precondition: bool = False,
+) -> tuple[HookState, Hook]:
+    """The ``(state, hook)`` pair of torch's ``DistributedDataParallel.register_comm_hook``::
+
+        ddp.register_comm_hook(*comm_hook(ddp, "TopK(0.01)"))
+
+        state, hook = comm_hook(ddp, gz.PowerSGD(rank=2))
+        ddp.register_comm_hook(state, fp16_compress_wrapper(hook))  # torch's wrapper around it
+
+    The same engine, checks, stats and checkpoints as :func:`register_hook` (which registers
+    this pair): ``state`` is the :class:`HookState`. The arguments are :func:`register_hook`'s.
+    ``ddp_model`` is claimed at once: a second gradzip hook (or pair) for it, or a model with a
+    hook already, is a ``RuntimeError`` before the optimizer is touched. Torch's wrappers that
+    cast the bucket (``fp16_compress_wrapper``) hand gradzip the cast gradients: the method then
+    compresses float16 values, and its error feedback keeps float32 residuals.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    method = as_method(method)
+    _claim(ddp_model, method)
+    if precondition and optimizer is None:
+        raise ValueError("precondition=True needs the Adam or AdamW optimizer= whose moments it takes over")
+    if process_group is None:
+        process_group = getattr(ddp_model, "process_group", None)
+    trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+    check_real(trained)
+    momentum, buffers = (
+        Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
+    )
+    engine = Engine(
+        method,
+        process_group=process_group,
+        start_iter=start_iter,
+        error_feedback=error_feedback,
+        on_nonfinite=on_nonfinite,
+        layout=layout_of(trained),
+        momentum=momentum,
+        clip=clip,
+    )
+    engine.adopt_momentum(buffers)
+    names = {id(p): n for n, p in trained}
+    state = HookState(engine, names, find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
+    ddp_model.__dict__["_gradzip_state"] = weakref.ref(state)
+    return state, gradzip_hook
+
+
 def register_hook(
     ddp_model: DistributedDataParallel,
-    method: Codec | Protocol,
+    method: Codec | Protocol | str,
     *,
     process_group: dist.ProcessGroup | None = None,
     start_iter: int = 0,
@@ -92,9 +206,11 @@ def register_hook(
     """Register gradzip as ``ddp_model``'s communication hook.
 
     Args:
-        ddp_model: a ``DistributedDataParallel`` model, before its first backward.
+        ddp_model: a ``DistributedDataParallel`` model, before its first backward, without a
+            communication hook (a second one is a ``RuntimeError``, before anything changes).
         method: any gradzip codec (``gz.TopK(0.01)``) or protocol (``gz.PowerSGD(rank=2)``,
-            ``gz.Policy(...)``).
+            ``gz.Policy(...)``), or its spec in the method grammar (``"TopK(0.01)"``,
+            :func:`gradzip.parse`).
         process_group: defaults to DDP's own process group.
         start_iter: steps before this one use a plain allreduce (no compression).
         error_feedback: keep unsent mass in per-parameter residuals. ``None``
@@ -125,30 +241,18 @@ def register_hook(
 
     Returns the :class:`HookState`: ``stats()``, ``routes()``, ``log_every()``, ``state_dict()``,
     ``load_state_dict()``, ``save()``, ``load()`` (:class:`gradzip.frontend.FrontEnd`).
+    Torch's own API takes the same pair: :func:`comm_hook`.
     """
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    if precondition and optimizer is None:
-        raise ValueError("precondition=True needs the Adam or AdamW optimizer= whose moments it takes over")
-    if process_group is None:
-        process_group = getattr(ddp_model, "process_group", None)
-    trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-    check_real(trained)
-    momentum, buffers = (
-        Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
-    )
-    engine = Engine(
+    state, hook = comm_hook(
+        ddp_model,
         method,
         process_group=process_group,
         start_iter=start_iter,
         error_feedback=error_feedback,
         on_nonfinite=on_nonfinite,
-        layout=layout_of(trained),
-        momentum=momentum,
+        optimizer=optimizer,
         clip=clip,
+        precondition=precondition,
     )
-    engine.adopt_momentum(buffers)
-    names = {id(p): n for n, p in trained}
-    state = HookState(engine, names, find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
-    ddp_model.register_comm_hook(state, _gradzip_hook)
+    ddp_model.register_comm_hook(state, hook)
     return state
