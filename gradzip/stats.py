@@ -29,21 +29,31 @@ run asynchronously, so this can overlap compute and each other).
 ``codec_cpu_seconds`` is the CPU time of the threads in those codec blocks: below
 ``codec_seconds`` when a codec thread waits for a core (more busy threads than cores).
 
-**Logging.** ``stats()`` is a flat dict of numbers (``str -> int | float``), what
-TensorBoard's ``SummaryWriter.add_scalars`` and ``wandb.log`` take. The counts are
+**Logging.** ``stats()`` is a flat dict of numbers (``str -> int | float``). The counts are
 cumulative (and checkpointed); ``stats(reset=True)`` gives the counts since the previous
 ``stats(reset=True)`` instead (the derived ratios computed on that interval) and starts a
-new interval, leaving the totals alone. :func:`log_every` calls a function (by default a
-``logging`` logger, ``"gradzip"``) every ``n`` steps with the last ``n`` steps' counts.
+new interval, leaving the totals alone. :func:`scalars` turns such an interval into
+per-step scalars, one a key with its unit in the name (``gradzip/link_bytes_per_step``,
+``gradzip/codec_ms_per_step``, ...), what TensorBoard's ``add_scalar``, ``wandb.log``,
+Lightning's ``log_dict`` and Accelerate's ``log`` take::
+
+    state.log_every(50, lambda step, s: wandb.log(scalars(s), step=step))
+    state.log_every(50, lambda step, s: [writer.add_scalar(k, v, step) for k, v in scalars(s).items()])
+
+:func:`log_every` calls a function every ``n`` steps with the last ``n`` steps' counts; by
+default one line on the ``"gradzip"`` logger, which reaches stderr without any ``logging``
+setup (and logging's default WARNING threshold does not hide it; a level set on the
+``"gradzip"`` logger is kept, and once a handler is configured the lines go there alone).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Stats", "log_every", "logger"]
+__all__ = ["Stats", "log_every", "logger", "scalars", "SCALARS"]
 
 logger = logging.getLogger("gradzip")
 
@@ -136,6 +146,70 @@ class Stats:
             self._marks.clear()
 
 
+#: :func:`scalars`' keys (without the prefix): ``(key, what it is)``, every one per step of the interval.
+SCALARS: tuple[tuple[str, str], ...] = (
+    ("link_ratio", "plain DDP's link bytes over gradzip's (ratio; above 1: gradzip sends less)"),
+    ("link_bytes_per_step", "bytes this rank sent on its link (bytes_link)"),
+    ("link_intra_bytes_per_step", "the part of them inside the node (bytes_link_intra; Hierarchical)"),
+    ("ddp_link_bytes_per_step", "what plain DDP's ring allreduce would have sent (bytes_link_raw)"),
+    ("sent_bytes_per_step", "bytes handed to collectives (bytes_sent)"),
+    ("collectives_per_step", "collectives issued"),
+    ("codec_ms_per_step", "wall milliseconds in gradzip's own work (codec_seconds)"),
+    ("comm_ms_per_step", "milliseconds of collectives, launch to completion, summed (comm_seconds)"),
+)
+
+
+def scalars(stats: dict, prefix: str = "gradzip/") -> dict[str, float]:
+    """Per-step scalars of an interval's stats (``stats(reset=True)``, or what ``log_every``'s
+    ``fn`` receives), one a key with its unit in the name (:data:`SCALARS`), prefixed with
+    ``prefix``: ready for TensorBoard's ``add_scalar`` (one chart each), ``wandb.log``,
+    Lightning's ``log_dict`` and Accelerate's ``log``. ``{}`` for an interval without a step.
+    Cumulative stats (``stats()``) give the run's averages per step."""
+    n = stats["steps"]
+    if not n:
+        return {}
+    d = Stats.derive({k: stats[k] for k in Stats.names()})
+    values = {
+        "link_ratio": d["ratio"],
+        "link_bytes_per_step": d["bytes_link"] / n,
+        "link_intra_bytes_per_step": d["bytes_link_intra"] / n,
+        "ddp_link_bytes_per_step": d["bytes_link_raw"] / n,
+        "sent_bytes_per_step": d["bytes_sent"] / n,
+        "collectives_per_step": d["collectives"] / n,
+        "codec_ms_per_step": 1e3 * d["codec_seconds"] / n,
+        "comm_ms_per_step": 1e3 * d["comm_seconds"] / n,
+    }
+    return {f"{prefix}{k}": float(values[k]) for k, _ in SCALARS}
+
+
+class _Fallback(logging.StreamHandler):
+    """The ``"gradzip"`` logger's lines on stderr while no other handler would take them
+    (``logging`` not configured): once one exists on the logger or above it, this one is quiet."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if any(h is not self for h in logger.handlers):
+            return
+        c = logger.parent if logger.propagate else None
+        while c is not None:
+            if c.handlers:
+                return
+            c = c.parent if c.propagate else None
+        self.stream = sys.stderr  # the current one (a test may have swapped it)
+        super().emit(record)
+
+
+def reach_the_user() -> None:
+    """Make the default :func:`log_every` lines visible without any ``logging`` setup: the
+    ``"gradzip"`` logger gets level INFO unless a level was set on it, and a stderr handler
+    that speaks only while no other handler is configured."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not any(isinstance(h, _Fallback) for h in logger.handlers):
+        h = _Fallback(sys.stderr)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(h)
+
+
 def log_every(obj, every: int, fn=None) -> None:
     """Call ``fn(step, stats)`` every ``every`` steps of a front end, ``stats`` being the
     flat dict of the last ``every`` steps' counts (as ``stats(reset=True)`` computes them,
@@ -146,18 +220,24 @@ def log_every(obj, every: int, fn=None) -> None:
             ``LocalSGD``/``DiLoCo``, whose steps are its syncs here) or an ``Engine``.
         every: steps between calls, an integer in [1, inf); ``None`` stops the calls.
         fn: ``None`` logs one line at INFO on the ``"gradzip"`` logger (with a
-            ``Policy``, the per-tensor routes are logged once, after the first step);
-            or any callable, e.g. ``lambda step, s: writer.add_scalars("gradzip", s, step)``.
+            ``Policy``, the per-tensor routes are logged once, after the first step), which
+            reaches stderr without any ``logging`` setup (:func:`reach_the_user`); or any
+            callable, e.g. ``lambda step, s: wandb.log(scalars(s), step=step)`` (:func:`scalars`).
 
     It is called where the front end ends its step (the DDP hook: after the last
     bucket's collectives are issued, inside backward). Bytes are counted when a
     collective is issued, so they are complete; ``comm_seconds`` of collectives still
     running then count in the next interval.
     """
+    if callable(getattr(obj, "log_every", None)):  # a front end: it knows its engines
+        obj.log_every(every, fn)
+        return
     engine = getattr(obj, "engine", obj)
     if not hasattr(engine, "set_log"):
         raise TypeError(f"{type(obj).__name__} is not a gradzip front end (no engine)")
     engine.set_log(every, fn)
+    if fn is None and every is not None:
+        reach_the_user()
 
 
 def log_line(step: int, stats: dict) -> None:

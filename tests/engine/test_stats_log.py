@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradzip as gz
-from gradzip.stats import Stats
-from tests.support import run_ranks
+from gradzip.stats import SCALARS, Stats, scalars
+from tests.support import make_model, run_ranks, train_steps
 
 
 def test_stats_since_a_reset_are_deltas_and_the_totals_stay():
@@ -102,3 +102,58 @@ def test_routes_of_an_auto_policy_before_its_first_step():
     assert m is pol.fallback and why == "auto: fallback is cheaper" and repr(proto) == "Allreduce(Identity())"
     m, why, _ = pol.decision("b", 5, {}, 2, True)
     assert m is pol.fallback and "min_numel" in why
+
+
+def test_scalars_are_per_step_with_units_in_their_names():
+    s = Stats()
+    s.add(steps=4, bytes_raw=4000, bytes_sent=800, bytes_link=400.0, bytes_link_raw=4000.0, collectives=12)
+    s.add(codec_seconds=0.02, comm_seconds=0.2)
+    out = scalars(s.as_dict())
+    assert list(out) == [f"gradzip/{k}" for k, _ in SCALARS]  # one scalar a key, one chart each
+    assert out["gradzip/link_ratio"] == 10.0 and out["gradzip/link_bytes_per_step"] == 100.0
+    assert out["gradzip/ddp_link_bytes_per_step"] == 1000.0 and out["gradzip/sent_bytes_per_step"] == 200.0
+    assert out["gradzip/collectives_per_step"] == 3.0 and out["gradzip/codec_ms_per_step"] == pytest.approx(5.0)
+    assert out["gradzip/comm_ms_per_step"] == pytest.approx(50.0)
+    assert all(type(v) is float for v in out.values())
+    assert list(scalars(s.as_dict(), prefix="")) == [k for k, _ in SCALARS]
+    assert scalars(Stats().as_dict()) == {}  # an interval without a step has nothing per step
+
+
+def _unconfigured(rank, world):
+    """log_every(2) in a process where nobody configured logging."""
+    import contextlib
+    import io
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradzip.hooks import register_hook
+
+    root, log = logging.getLogger(), logging.getLogger("gradzip")
+    saved = (root.handlers[:], log.handlers[:], log.level)
+    root.handlers[:], log.handlers[:] = [], []
+    log.setLevel(logging.NOTSET)
+    err = io.StringIO()
+    try:
+        ddp = DDP(make_model())
+        state = register_hook(ddp, gz.TopK(0.1))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with contextlib.redirect_stderr(err):
+            state.log_every(2)
+            train_steps(ddp, opt, 4, rank)
+            # configured later (basicConfig's WARNING level): its handler alone prints the lines
+            root.addHandler(logging.StreamHandler(err))
+            root.setLevel(logging.WARNING)
+            train_steps(ddp, opt, 2, rank, first=4)
+    finally:  # the pooled rank's logging as it was
+        root.handlers[:], log.handlers[:] = saved[0], saved[1]
+        log.setLevel(saved[2])
+    return err.getvalue()
+
+
+@pytest.mark.slow
+def test_log_every_reaches_the_user_without_logging_setup():
+    # was: nothing at all (INFO on an unconfigured logger)
+    for text in run_ranks(_unconfigured, 2):
+        lines = text.splitlines()
+        assert [line.split(":")[0] for line in lines] == ["gradzip step 2", "gradzip step 4", "gradzip step 6"], text
+        assert "2 steps, ratio" in lines[0]
