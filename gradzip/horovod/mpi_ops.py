@@ -181,6 +181,25 @@ def _init_from_horovodrun(rank_: int, world: int, backend: str, generation: int)
     dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
+def _init_from_torchrun(backend: str) -> None:
+    """torch.distributed from torchrun's environment. Under its elastic agent the store is the
+    agent's, and every attempt (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own
+    (``gradzip/attempt_<n>/``): with ``env://`` alone, the workers of a restart on torch 2.13
+    read the gloo addresses of the attempt before and fail to connect (``Gloo connectFullMesh
+    failed ... Connection refused``)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        dist.init_process_group(backend, init_method="env://")
+        return
+    world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    timeout = timedelta(seconds=_RDZV_TIMEOUT_S)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"gradzip/attempt_{attempt}/init_{_state['inits']}", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
+
+
 def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
     """Join the job (Horovod's ``init``). ``comm`` (an MPI communicator) is refused: gradzip has
     no MPI. ``process_sets``: a list of :class:`ProcessSet` (or rank lists) to register now, on
@@ -212,7 +231,7 @@ def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             if _env_int("RANK") is not None and _env_int("WORLD_SIZE") is not None:  # torchrun
-                dist.init_process_group(backend, init_method="env://")
+                _init_from_torchrun(backend)
             elif _env_int("HOROVOD_RANK") is not None:  # horovodrun --gloo
                 _init_from_horovodrun(_env_int("HOROVOD_RANK"), _env_int("HOROVOD_SIZE"), backend, generation)
             elif (_env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1) > 1:

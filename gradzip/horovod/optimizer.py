@@ -59,7 +59,7 @@ from ..optim import DistributedOptimizer as _GzOptimizer
 from ..optim import _Bucket
 from ..protocols.base import Protocol
 from . import mpi_ops
-from .compression import ENV, Compression, method_of
+from .compression import ENV, Compression, _horovod_kind, method_of
 from .mpi_ops import OP_NAMES, TRANSPORTS, Adasum, Average, Sum, global_process_set
 
 __all__ = ["DistributedOptimizer"]
@@ -214,7 +214,7 @@ def _report_choice(method, compression) -> None:
     if _reported["choice"] or mpi_ops.rank() != 0:
         return
     _reported["choice"] = True
-    was = getattr(compression, "__name__", repr(compression))
+    was = f"Compression.{_horovod_kind(compression)}"
     print(
         f"gradzip.horovod: {ENV}={os.environ.get(ENV)!r}: DistributedOptimizer runs {method!r} "
         f"in place of {was} (Horovod's compression of this script)",

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
-from ..mpi_ops import HorovodInternalError, init, is_initialized, shutdown
+from ..mpi_ops import HorovodInternalError, barrier, init, is_initialized, shutdown
 from .sampler import ElasticSampler
-from .state import ObjectState, State, TorchState
+from .state import ObjectState, State, TorchState, commit_dir
 
 __all__ = ["run", "run_fn", "State", "ObjectState", "TorchState", "ElasticSampler", "init", "shutdown"]
 
@@ -36,15 +37,25 @@ def run_fn(func, reset):
     def wrapper(state, *a, **kw):
         if not is_initialized():
             init()
+        if commit_dir() is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+            warnings.warn(
+                "gradzip.horovod.elastic: torchrun may restart the workers but commits stay in memory, where a "
+                "restart loses them: give torchrun --rdzv-id (or set GRADZIP_ELASTIC_DIR)",
+                stacklevel=2,
+            )
         restarted = state._load_commit() or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         if restarted:
             state.on_reset()
         state.sync()
         try:
-            return func(state, *a, **kw)
+            out = func(state, *a, **kw)
         except HorovodInternalError:
             state.restore()
             raise
+        if commit_dir() is not None:
+            barrier()  # every rank is done with the commits before they go
+            state._clear_commits()
+        return out
 
     return wrapper
 

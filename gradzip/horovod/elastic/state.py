@@ -5,8 +5,9 @@ Horovod keeps a commit in the memory of the workers that survive a failure, and 
 workers up to date by broadcasting it. torchrun's agent restarts every worker of the group
 when one fails or the membership changes, so a commit that lived in memory only would be lost:
 here each rank also writes its commit to ``<dir>/commit.<n>.rank<r>of<W>.pt`` (``<dir>``:
-``GRADZIP_ELASTIC_DIR``, else ``<tmp>/gradzip-elastic/<TORCHELASTIC_RUN_ID>``; it must be one
-folder that every node sees), keeping the last two. A restarted job loads the newest commit
+``GRADZIP_ELASTIC_DIR``, else ``<tmp>/gradzip-elastic/<TORCHELASTIC_RUN_ID>`` when torchrun
+was given ``--rdzv-id``; it must be one folder that every node sees), keeping the last two,
+and removes them when the training function returns. A restarted job loads the newest commit
 that every rank of the old world wrote completely: each rank its own file when the world size
 is the same, so gradzip's error-feedback residuals and codec state (PowerSGD's warm start)
 come back as they were; on another world size the model, the optimizer and the objects come
@@ -37,8 +38,8 @@ def commit_dir() -> Path | None:
     d = os.environ.get("GRADZIP_ELASTIC_DIR")
     if d:
         return Path(d)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":  # torchrun without --rdzv-id says "none": not one run's own
         return Path(tempfile.gettempdir()) / "gradzip-elastic" / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
     return None
 
@@ -115,6 +116,15 @@ class State:
             m = _FILE.search(old.name)
             if m and int(m[1]) <= self._commits - 2:
                 old.unlink(missing_ok=True)
+
+    def _clear_commits(self) -> None:
+        """This rank's commit files, removed (the run ended: a new run of the same id starts afresh)."""
+        d = commit_dir()
+        if d is None or not d.is_dir():
+            return
+        r = rank()
+        for f in d.glob(f"commit.*.rank{r}of*.pt"):
+            f.unlink(missing_ok=True)
 
     def _load_commit(self) -> bool:
         """Every rank: load the newest commit that all ranks of its world wrote (rank 0 picks it
