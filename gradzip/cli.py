@@ -85,6 +85,50 @@ def check_device(cfg) -> None:
         )
 
 
+class Progress:
+    """``gradzip bench``'s progress: a tqdm bar on a terminal, none to a file or a pipe (there the
+    per-run lines alone, no per-step updates). The bar starts at the first step, so its rate and
+    ETA leave the ranks' start-up out, and its description changes with the method only.
+
+    Args:
+        total: steps of the whole run.
+        disable: no bar (``--no-progress``).
+        file: where the bar goes (default: stderr, as tqdm's).
+    """
+
+    def __init__(self, total: int, disable: bool = False, file=None) -> None:
+        self.total, self.file = total, file if file is not None else sys.stderr
+        isatty = getattr(self.file, "isatty", None)
+        self.live = not disable and callable(isatty) and bool(isatty())
+        self.bar = None
+        self.method: str | None = None
+
+    def tick(self, method: str, step: int) -> None:
+        if not self.live:
+            return
+        if self.bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the [bench] extra is not installed: no bar
+                self.live = False
+                return
+            self.bar = tqdm(total=self.total, unit="step", desc=method, dynamic_ncols=True, file=self.file)
+        elif method != self.method:
+            self.bar.set_description(method, refresh=False)
+        self.method = method
+        self.bar.update(1)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_bench(args, no_progress: bool = False, plot: bool = False):
     """Run ``gradzip bench`` from parsed options: (rows, cfg, exit code). ``plot``: the caller
     will draw pareto.png (matplotlib is then checked for with the datasets, up front)."""
@@ -114,29 +158,18 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
         f"seeds {','.join(map(str, cfg.seeds))}; {len(methods)} methods: {', '.join(methods)}",
         flush=True,
     )
-    total = bench.steps_per_method(cfg) * len(methods)
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="step", desc="training", dynamic_ncols=True, disable=no_progress)
-    except ImportError:  # the [bench] extra is not installed: no bar
-        bar = None
-
-    def tick(method, step):
-        if bar is not None:
-            bar.set_description(method)
-            bar.update(1)
+    bar = Progress(bench.steps_per_method(cfg) * len(methods), disable=no_progress)
 
     def progress(r):
         if "val_loss" in r:
             score = f"val loss {r['val_loss']:.4f} ({r['bits_per_byte']:.4f} bits/byte)"
         else:
             score = f"acc {100 * r['accuracy']:.2f}%  last-3 {100 * r['accuracy_last3']:.2f}%"
-        msg = f"  {r['method']:<16} seed {r['seed']:<3} {score}  link ratio {r['ratio']:.1f}x"
-        (bar.write if bar is not None else print)(msg)
+        bar.write(f"  {r['method']:<16} seed {r['seed']:<3} {score}  link ratio {r['ratio']:.1f}x")
 
-    rows = bench.run(methods, cfg, progress=progress, tick=tick)
-    if bar is not None:
+    try:
+        rows = bench.run(methods, cfg, progress=progress, tick=bar.tick)
+    finally:
         bar.close()
     print()
     print(bench.format_table(rows))

@@ -3,7 +3,9 @@ and a flat dict of numbers (what TensorBoard's ``add_scalars`` and ``wandb.log``
 
 from __future__ import annotations
 
+import io
 import logging
+import time
 
 import pytest
 import torch
@@ -157,3 +159,41 @@ def test_log_every_reaches_the_user_without_logging_setup():
         lines = text.splitlines()
         assert [line.split(":")[0] for line in lines] == ["gradzip step 2", "gradzip step 4", "gradzip step 6"], text
         assert "2 steps, ratio" in lines[0]
+
+
+# -- gradzip bench's progress ------------------------------------------------------------------
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bench_progress_to_a_file_has_no_per_step_updates(capsys):
+    from gradzip.cli import Progress
+
+    # was: ~2 updates a step to a redirected stderr (737 for 372 steps)
+    log = io.StringIO()
+    p = Progress(372, file=log)
+    for step in range(372):
+        p.tick("TopK(ratio=0.01)" if step < 186 else "Int8()", step)
+    p.write("  TopK(ratio=0.01) seed 1   acc 97.00%")
+    p.close()
+    assert log.getvalue() == ""
+    assert capsys.readouterr().out == "  TopK(ratio=0.01) seed 1   acc 97.00%\n"  # the per-run lines stay
+
+
+def test_bench_progress_on_a_terminal_starts_at_the_first_step():
+    pytest.importorskip("tqdm")
+    from gradzip.cli import Progress
+
+    term = _Terminal()
+    p = Progress(300, file=term)
+    time.sleep(1.2)  # the ranks starting up: not training time
+    for step in range(200):  # fast steps: the bar redraws at most every 0.1 s, not at every step
+        p.tick("TopK(ratio=0.01)", step)
+    p.tick("Int8()", 200)
+    p.close()
+    renders = [r for r in term.getvalue().split("\r") if r.strip()]
+    # was [00:01<...] and a rate of 1 step in 1.2 s: the start-up counted as training time
+    assert all(" [00:00<" in r for r in renders), renders
+    assert len(renders) < 20, len(renders)  # was one (or two) a step: set_description redrew every tick
+    assert renders[-1].startswith("Int8(): ") and "201/300" in renders[-1]
