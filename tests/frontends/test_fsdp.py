@@ -503,7 +503,7 @@ def test_reduce_scatter_protocol_refuses_what_it_cannot_carry():
     from gradzip.protocols import ReduceScatter
 
     assert gz.parse("ReduceScatter(Int8())") == ReduceScatter(gz.Int8())
-    assert repr(ReduceScatter(gz.TopK(0.01))) == "ReduceScatter(TopK())"
+    assert repr(ReduceScatter(gz.TopK(0.01))) == "ReduceScatter(TopK(ratio=0.01))"
     with pytest.raises(ValueError, match="travel in frames"):
         ReduceScatter(gz.RandomK(0.1))
     with pytest.raises(ValueError, match="travel in frames"):
