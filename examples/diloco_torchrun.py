@@ -6,7 +6,7 @@
 
 Each worker trains on its own data shard with an inner AdamW for ``--period`` steps;
 then the pseudo-gradients (global model minus local model) are averaged over the
-workers, sent with ``--compression`` (any gradzip method spec, int8 with error
+workers, sent with ``--method`` (any gradzip method spec, int8 with error
 feedback by default), and an outer SGD with Nesterov momentum (lr 0.7, momentum 0.9)
 steps the global model. With ``--fragments F`` the model is synced in F fragments in
 turn, each reduce overlapping ``--delay`` inner steps and merged with ``--alpha``.
@@ -26,14 +26,10 @@ import argparse
 import os
 import time
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-import gradzip as gz
-
 
 def make_data(n: int, dim: int, classes: int, seed: int = 0):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     teacher = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.Tanh(), torch.nn.Linear(64, classes))
     with torch.no_grad():
@@ -44,10 +40,10 @@ def make_data(n: int, dim: int, classes: int, seed: int = 0):
     return x, y
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--period", type=int, default=16, help="inner steps between outer steps (H)")
-    ap.add_argument("--compression", default="Int8()", help="a gradzip method spec, e.g. 'TopK(0.01)', 'Identity'")
+    ap.add_argument("--method", default="Int8()", help="a gradzip method spec, e.g. 'TopK(0.01)', 'Identity'")
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--delay", type=int, default=0)
     ap.add_argument("--alpha", type=float, default=0.0)
@@ -56,10 +52,21 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     ap.add_argument("--ddp-size", type=int, default=1, help="ranks per worker (a DDP group)")
     ap.add_argument("--checkpoint", default="", help="save the run's state here at the end (one file per rank)")
-    a = ap.parse_args()
+    return ap
 
+
+def main(argv=None) -> dict:
+    a = parser().parse_args(argv)  # --help and a bad flag answer before torch loads
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import gradzip as gz
+
+    method = gz.parse(a.method)  # a bad method is refused before the ranks meet
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
@@ -87,7 +94,7 @@ def main() -> None:
         inner,
         model,
         period=a.period,
-        compression=gz.parse(a.compression),
+        compression=method,
         fragments=a.fragments,
         delay=a.delay,
         alpha=a.alpha,
@@ -127,8 +134,11 @@ def main() -> None:
         )
     if a.checkpoint:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{a.checkpoint}.rank{rank}")
-    dist.destroy_process_group()
+    return {"accuracy": acc, "identical": bool(torch.equal(lo, hi)), "stats": s}
 
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

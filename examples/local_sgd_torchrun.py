@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from ddp_torchrun import make_data, setup
 
-import gradzip as gz
-
-
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="Int8()", help="a gradzip method spec for the deltas")
     ap.add_argument("--period", type=int, default=8)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=64)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = parser().parse_args(argv)  # --help and a bad flag answer before torch loads
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from ddp_torchrun import make_data, setup
+
+    import gradzip as gz
+
+    method = gz.parse(a.method)  # a bad method is refused before the ranks meet
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -35,7 +40,7 @@ def main(argv=None) -> dict:
         torch.optim.SGD(model.parameters(), lr=0.05),
         model,
         period=gz.schedules.PostLocal(warmup_steps=a.period, period=a.period),
-        compression=gz.parse(a.method),
+        compression=method,
         overlap=True,
     )
     x, y = make_data(8192)
@@ -59,4 +64,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
     dist.destroy_process_group()

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from ddp_torchrun import make_data, setup
 
-import gradzip as gz
-
-
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="PowerSGD(rank=2)", help="a gradzip method spec")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=64)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = parser().parse_args(argv)  # --help and a bad flag answer before torch loads
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from ddp_torchrun import make_data, setup
+
+    import gradzip as gz
+
+    method = gz.parse(a.method)  # a bad method is refused before the ranks meet
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -35,7 +40,7 @@ def main(argv=None) -> dict:
     opt = gz.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(),
-        compression=gz.parse(a.method),
+        compression=method,
     )
     x, y = make_data(8192)
     x, y = x[rank::world].to(device), y[rank::world].to(device)
@@ -59,4 +64,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
     dist.destroy_process_group()
