@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (accelerator.accumulate)")
     ap.add_argument("--batch", type=int, default=32, help="per rank and micro-batch")
     ap.add_argument("--log-every", type=int, default=10, help="steps between logged rows")
+    ap.add_argument(
+        "--momentum-correction", action="store_true", help="gradzip takes the SGD momentum over (DGC's correction)"
+    )
     ap.add_argument("--save-at", type=int, default=None, help="accelerator.save_state after this step (OUT/stepN)")
     ap.add_argument("--resume", default=None, help="a save_state folder to carry on from")
     ap.add_argument("--out", default=None, help="checkpoints and metrics.csv here (default: a new temporary folder)")
@@ -99,7 +102,9 @@ def main(argv=None) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = compress(accelerator, model, method, log_every=a.log_every)
+    state = compress(
+        accelerator, model, method, optimizer=optimizer if a.momentum_correction else None, log_every=a.log_every
+    )
     start = 0
     if a.resume:
         accelerator.load_state(a.resume)  # model, optimizer, RNG, step counter and gradzip's state
@@ -128,6 +133,7 @@ def main(argv=None) -> dict:
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "stats": s,
+        "momentum_buffers": len(state.state_dict()["momentum"]),
         "routes": state.routes(),
         "saved": sorted(os.listdir(saved)) if saved else [],
         "dir": out,

@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--devices", type=int, default=2, help="CPU ranks (torchrun: its --nproc_per_node)")
     ap.add_argument("--log-every", type=int, default=10, help="steps between logged rows")
+    ap.add_argument(
+        "--momentum-correction", action="store_true", help="gradzip takes the SGD momentum over (DGC's correction)"
+    )
     ap.add_argument("--out", default=None, help="checkpoints and metrics.csv here (default: a new temporary folder)")
     ap.add_argument("--resume", default=None, help="a checkpoint of an earlier run to carry on from")
     return ap
@@ -68,7 +71,8 @@ def main(argv=None) -> dict:
 
     from gradzip.hooks.lightning import GradzipCallback
 
-    gz_callback = GradzipCallback(a.method)  # a bad method is refused here, before any rank starts
+    # a bad method is refused here, before any rank starts
+    gz_callback = GradzipCallback(a.method, momentum_correction=a.momentum_correction)
     out = a.out or os.environ.get("GRADZIP_LIGHTNING_OUT")
     if out is None and int(os.environ.get("RANK", "0")) == 0:  # Lightning's launcher hands its ranks this env
         out = os.environ["GRADZIP_LIGHTNING_OUT"] = tempfile.mkdtemp(prefix="gradzip_lightning_")
@@ -105,6 +109,7 @@ def main(argv=None) -> dict:
     return {
         "params": [p.detach().clone() for p in module.parameters()],
         "stats": s,
+        "momentum_buffers": len(gz_callback.state.state_dict()["momentum"]),
         "routes": gz_callback.state.routes(),
         "checkpoints": sorted(os.listdir(checkpoints.dirpath)) if os.path.isdir(checkpoints.dirpath) else [],
         "dir": out,

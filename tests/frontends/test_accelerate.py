@@ -22,6 +22,8 @@ pytest.importorskip("accelerate", reason="the [accelerate] extra is not installe
 pytestmark = pytest.mark.slow
 
 METHODS = ["TopK(0.01)", "PowerSGD(rank=2)"]
+#: TopK as DGC runs it: gradzip takes the optimizer's momentum over (momentum correction).
+EXTRA = {"TopK(0.01)": ["--momentum-correction"], "PowerSGD(rank=2)": []}
 
 
 def torchrun_env(rank: int, world: int) -> None:
@@ -44,7 +46,19 @@ def _train(rank, world, root):
 
     out = {}
     for i, method in enumerate(METHODS):
-        common = ["--method", method, "--steps", "6", "--accum", "2", "--batch", "16", "--log-every", "1"]
+        common = [
+            "--method",
+            method,
+            "--steps",
+            "6",
+            "--accum",
+            "2",
+            "--batch",
+            "16",
+            "--log-every",
+            "1",
+            *EXTRA[method],
+        ]
         unbroken = accelerate_ddp.main([*common, "--save-at", "3", "--out", os.path.join(root, f"{i}a")])
         saved = os.path.join(unbroken["dir"], "step3")
         resumed = accelerate_ddp.main([*common, "--resume", saved, "--out", os.path.join(root, f"{i}b")])
@@ -62,6 +76,9 @@ def test_an_accelerator_trains_accumulates_resumes_and_logs_with_gradzip(tmp_pat
             # 12 backward passes, 6 through the hook: accumulate's no_sync passes never reach it
             assert a["stats"]["steps"] == 6 and b["stats"]["steps"] == 6, (a["stats"], b["stats"])
             assert a["stats"]["ratio"] > 2, a["stats"]
+            assert (
+                a["momentum_buffers"] == b["momentum_buffers"] == (4 if EXTRA[method] else 0)
+            )  # 2 layers x (weight, bias)
             assert {row["method"] for row in a["routes"]} == {method.replace("TopK(0.01)", "TopK(ratio=0.01)")}
             assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), method  # bit for bit
         assert all(torch.equal(p, q) for p, q in zip(runs[0]["unbroken"]["params"], runs[1]["unbroken"]["params"]))
