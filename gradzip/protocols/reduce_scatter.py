@@ -57,8 +57,8 @@ class ReduceScatter(Protocol):
             )
         if codec.scope == "call":
             raise ValueError(
-                f"ReduceScatter cuts every tensor into pieces that their owners encode again, so {codec!r} cannot choose "
-                f"over the whole call: use AllGather({codec!r}), or scope='tensor'"
+                f"ReduceScatter cuts every tensor into pieces that their owners encode again, so {codec!r} cannot "
+                f"choose over the whole call: use AllGather({codec!r}), or scope='tensor'"
             )
         self.codec = codec
 
