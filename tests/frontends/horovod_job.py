@@ -667,6 +667,29 @@ def main(prefix: str) -> None:
         except ValueError as exc:
             assert "differ across ranks" in str(exc), exc
 
+    @check("transport_horovod_broadcast_state")
+    def _():
+        # on transport "horovod" (gh.init above), Horovod's synthetic-benchmark pattern: wrap Adam,
+        # broadcast parameters and the fresh optimizer state, train. gradzip's broadcast_object
+        # used to name its collectives after each rank's own object (bytes on the root, NoneType
+        # elsewhere), so Horovod waited for ever; now the same as Horovod's, bit for bit
+        assert gh.transport() == "horovod"
+        out = []
+        for lib in (hv, gh):
+            model, xs, ys = model_and_data(2)
+            opt = lib.DistributedOptimizer(
+                torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+            )
+            lib.broadcast_parameters(model.state_dict(), root_rank=0)
+            lib.broadcast_optimizer_state(opt, root_rank=0)
+            for s in range(3):
+                opt.zero_grad()
+                F.cross_entropy(model(xs[hv.rank() * 8 + s]), ys[hv.rank() * 8 + s]).backward()
+                opt.step()
+            out.append([q.detach().clone() for q in model.parameters()])
+        assert equal(*out)
+        assert gh.broadcast_object({"r": hv.rank()}, root_rank=1) == {"r": 1}
+
     with open(f"{prefix}.{hv.rank()}.json", "w") as f:
         json.dump(RESULTS, f, indent=1)
 

@@ -83,6 +83,7 @@ JOB_CHECKS = [
     "transport Identity()",
     "transport_bf16_refused",
     "init_transport_horovod",
+    "transport_horovod_broadcast_state",
 ]
 
 
