@@ -321,7 +321,10 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Every node runs the same number of ranks (one ``local_size`` everywhere)."""
     if _require() == "horovod":
-        return bool(horovod().is_homogeneous())
+        horovod()
+        import horovod.torch.mpi_ops as hmo
+
+        return bool(hmo.is_homogeneous())
     sizes = [None] * size()
     dist.all_gather_object(sizes, local_size())
     return len(set(sizes)) == 1
@@ -749,7 +752,13 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = allreduce(grad.contiguous(), op=ctx.op, prescale_factor=ctx.scales[0], postscale_factor=ctx.scales[1])
+        g = allreduce(
+            grad.contiguous(),
+            op=ctx.op,
+            prescale_factor=ctx.scales[0],
+            postscale_factor=ctx.scales[1],
+            process_set=ctx.process_set,
+        )
         return g, None, None, None, None
 
 

@@ -690,6 +690,20 @@ def main(prefix: str) -> None:
         assert equal(*out)
         assert gh.broadcast_object({"r": hv.rank()}, root_rank=1) == {"r": 1}
 
+    @check("transport_horovod_collectives")
+    def _():
+        # on transport "horovod" the functions are horovod.torch's own
+        r = hv.rank()
+        ts = [torch.randn(5, generator=torch.Generator().manual_seed(r)), torch.arange(4) * (r + 1)]
+        assert all(torch.equal(a, b) for a, b in zip(gh.grouped_allreduce(ts), hv.grouped_allreduce(ts)))
+        h = gh.allreduce_async(ts[0], op=gh.Sum)
+        assert torch.equal(gh.synchronize(h), hv.allreduce(ts[0], op=hv.Sum))
+        x = torch.arange(8.0).view(4, 2) + 10 * r
+        assert torch.equal(gh.alltoall(x), hv.alltoall(x)) and torch.equal(gh.reducescatter(x), hv.reducescatter(x))
+        assert gh.allgather_object(r) == [0, 1] and gh.mpi_ops.is_homogeneous() and gh.gloo_enabled()
+        gh.barrier()
+        assert gh.join() in (0, 1)
+
     with open(f"{prefix}.{hv.rank()}.json", "w") as f:
         json.dump(RESULTS, f, indent=1)
 

@@ -84,6 +84,7 @@ JOB_CHECKS = [
     "transport_bf16_refused",
     "init_transport_horovod",
     "transport_horovod_broadcast_state",
+    "transport_horovod_collectives",
 ]
 
 
