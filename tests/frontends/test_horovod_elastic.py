@@ -83,3 +83,57 @@ def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
     assert ref[0]["resets"] == []
     assert "in place of Compression.none" in p.stderr and "compression ratio" in p.stderr
     assert not any((tmp_path / "commits").glob("commit.*")), "commits left behind after the run"
+
+
+def _commit_on(rank, world, directory, steps):
+    """A TorchState with a gradzip optimizer (TopK), ``steps`` steps, committed to ``directory``;
+    with steps=0, the newest commit there is loaded instead. Returns what the state holds."""
+    import gradzip.horovod as hvd
+
+    os.environ["GRADZIP_ELASTIC_DIR"] = directory
+    try:
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression="TopK(0.25)",
+        )
+        state = hvd.elastic.TorchState(model, opt, epoch=0)
+        if steps:
+            for s in range(steps):
+                opt.zero_grad()
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + s))
+                model(x).square().mean().backward()
+                opt.step()
+            state.epoch = 5
+            state.commit()
+            loaded = False
+        else:
+            loaded = state._load_commit()
+        res = opt.engine.state_dict()["residuals"]
+        return {
+            "loaded": loaded,
+            "epoch": state.epoch,
+            "params": [p.detach().clone() for p in model.parameters()],
+            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters() if p in opt.state],
+            "residual_sum": sum(v.double().sum() for v in res.values()) if res else None,
+        }
+    finally:
+        del os.environ["GRADZIP_ELASTIC_DIR"]
+
+
+def test_a_commit_of_two_ranks_loads_on_one_with_the_residuals_resharded(tmp_path):
+    """A restart on another world size: the model, the optimizer and the objects come from rank
+    0's commit, every rank's residuals are resharded (their sum is kept)."""
+    d = str(tmp_path / "commits")
+    two = run_ranks(_commit_on, 2, d, 3, fresh=True)
+    (one,) = run_ranks(_commit_on, 1, d, 0, fresh=True)
+    assert one["loaded"] and one["epoch"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(one["params"], two[0]["params"]))
+    assert all(torch.equal(a, b) for a, b in zip(one["momentum"], two[0]["momentum"]))
+    total = two[0]["residual_sum"] + two[1]["residual_sum"]
+    assert one["residual_sum"] is not None and abs(float(one["residual_sum"] - total)) < 1e-6 * (
+        1 + abs(float(total))
+    )  # float32 sums
