@@ -77,16 +77,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _FSDPAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor
 
 from .codecs.base import Codec
+from .codecs.cast import Identity
+from .comm import Communicator
 from .engine import Engine, check_real, layout_of
 from .frontend import FrontEnd
-from .protocols import Protocol, ReduceScatter
+from .protocols import Hierarchical, Protocol, ReduceScatter
+from .protocols.hierarchical import shard_key
+from .protocols.hierarchical_rs import HierarchicalReduceScatter
 from .protocols.twophase import piece_bounds
+from .protocols.weight_gather import WeightGather
 
 __all__ = ["compress", "FSDPState"]
 
@@ -114,18 +120,23 @@ class _Group:
         self.module_name = module_name or "<root>"
         self.pg = pg
         self.slots: list[_Slot] = []
-        off = 0
+        #: every parameter's (name, offset, elements) in the group's all-gather input, frozen ones included
+        self.gather_slots: list[tuple[str, int, int]] = []
+        off = goff = 0
         for fp in pg.fsdp_params:
             p = fp.sharded_param
-            if not p.requires_grad:
-                continue
             info = fp._module_info
             prefix = names[info.module]
             name = f"{prefix}.{info.param_name}" if prefix else info.param_name
             padded = fp.padded_sharded_param_size.numel()
+            self.gather_slots.append((name, goff, padded))
+            goff += padded
+            if not p.requires_grad:
+                continue
             self.slots.append(_Slot(name, off, padded, fp.sharded_size.numel(), torch.Size(fp.sharded_size), p))
             off += padded
         self.numel = off
+        self.gather_numel = goff
 
     @property
     def world(self) -> int:
@@ -173,6 +184,32 @@ class _Comm(_FSDPReduceScatter):
         )
         st._run(engine, fut, output_tensor)
         _apply_op(output_tensor, op, world)
+        return None
+
+
+class _GatherComm(_FSDPAllGather):
+    """What ``set_custom_all_gather`` gets: the group's parameter all-gather through the
+    all-gather engine (``WeightGather``) over the shard group; the backward all-gather of a
+    node-local secondary shard (``reshard_after_forward=L``) plainly inside the node."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        g, st = self.group, self.group.state
+        world = group.size()
+        n = input_tensor.numel()
+        if output_tensor.numel() != world * n:
+            raise ValueError(f"gradzip.fsdp: all-gather output of {output_tensor.numel()} elements for {world} x {n}")
+        if st._ranks(group) == st._shard_ranks:
+            st._gather(g, output_tensor, input_tensor)
+        else:  # the post-forward mesh of reshard_after_forward=L: the decoded weights, inside the node
+            st._gather_inside_node(group, output_tensor, input_tensor)
+        if st._gather_only:
+            st._end_with_backward(only_in_backward=True)
         return None
 
 
@@ -251,38 +288,54 @@ class FSDPState(FrontEnd):
         groups: list[_Group],
         rs_group: dist.ProcessGroup,
         rep_group: dist.ProcessGroup | None,
+        all_gather_engine: Engine | None = None,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model = model
         self.engine = engine  # type: ignore[assignment]  # None: FSDP's own reduce-scatter
         self.replicate_engine = replicate_engine
+        self.all_gather_engine = all_gather_engine  # None: FSDP's own all-gather
         self.groups: list[_Group] = groups
         self.rs_group = rs_group
         self.replicate_group = rep_group
+        self.shard_group = shard_group if shard_group is not None else rs_group
         self._rs_ranks: dict[int, list[int]] = {}
+        self._shard_ranks = dist.get_process_group_ranks(self.shard_group)
+        self._node_comms: dict[int, Communicator] = {}  # post-forward groups (hpZ): plain all-gathers
+        # Only the all-gather is compressed: no reduce-scatter or hook ends the step, the
+        # backward does (a hook on the root's output, or the first backward all-gather).
+        self._gather_only = all_gather_engine is not None and engine is None and replicate_engine is None
+        self._hooks: list = []
         self._closing = False
 
     @property
     def step(self) -> int:
-        """Backward passes that reduced, as checkpointed."""
-        return (self.engine or self.replicate_engine).step
+        """Backward passes that reduced, as checkpointed (with only the all-gather compressed:
+        backward passes, and forwards without autograd)."""
+        return (self.engine or self.replicate_engine or self.all_gather_engine).step
 
     def _engines(self) -> dict[str, Engine]:
-        engines = {"reduce_scatter": self.engine, "replicate": self.replicate_engine}
+        engines = {
+            "all_gather": self.all_gather_engine,
+            "reduce_scatter": self.engine,
+            "replicate": self.replicate_engine,
+        }
         return {k: e for k, e in engines.items() if e is not None}
 
     def stats(self, reset: bool = False, *, which: str | None = None) -> dict:
-        """Bytes and times counted at the collectives (:mod:`gradzip.stats`), of both compressed
-        collectives together (see the class docstring), or of one: ``which="reduce_scatter"``
-        or ``"replicate"``. ``bytes_link_raw`` is what FSDP's own collectives would send:
-        ``(N-1)/N`` of the input for the reduce-scatter, ``2(N-1)/N`` for the all-reduce.
-        ``reset=True``: those since the previous ``stats(reset=True)`` of the same engines.
-        (``stats("replicate")``, the former spelling, is ``stats(which="replicate")``.)"""
+        """Bytes and times counted at the collectives (:mod:`gradzip.stats`), of every compressed
+        collective together (see the class docstring), or of one: ``which="all_gather"``,
+        ``"reduce_scatter"`` or ``"replicate"``. ``bytes_link_raw`` is what FSDP's own
+        collectives would send: ``(N-1)`` times the shard for an all-gather, ``(N-1)/N`` of the
+        input for the reduce-scatter, ``2(N-1)/N`` for the all-reduce. ``reset=True``: those
+        since the previous ``stats(reset=True)`` of the same engines. (``stats("replicate")``,
+        the former spelling, is ``stats(which="replicate")``.)"""
         if isinstance(reset, str):
             which, reset = reset, False
         engines = self._engines()
         if which is not None:
-            if which not in ("reduce_scatter", "replicate"):
-                raise ValueError(f"which must be 'reduce_scatter' or 'replicate', got {which!r}")
+            if which not in ("all_gather", "reduce_scatter", "replicate"):
+                raise ValueError(f"which must be 'all_gather', 'reduce_scatter' or 'replicate', got {which!r}")
             if which not in engines:
                 raise ValueError(f"gradzip.fsdp.compress was called without {which}=")
             engines = {which: engines[which]}
@@ -331,14 +384,81 @@ class FSDPState(FrontEnd):
             output.copy_(res.view_as(output))
         return res
 
-    def _end_with_backward(self) -> None:
+    def _ranks(self, group) -> list[int]:
+        key = id(group)
+        if key not in self._rs_ranks:
+            self._rs_ranks[key] = dist.get_process_group_ranks(group)
+        return self._rs_ranks[key]
+
+    def _gather(self, g: _Group, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """The group's all-gather over the shard group through the all-gather engine, to
+        completion, decoded into FSDP's ``output``. The step is not ended here (a forward
+        is no backward): it ends with the backward's reduce-scatter, or as ``_gather_only`` says."""
+        if inp.numel() != g.gather_numel:
+            raise ValueError(
+                f"gradzip.fsdp: FSDP all-gathers {inp.numel()} elements per rank for module {g.module_name!r}, but its "
+                f"parameters' shards take {g.gather_numel}: a tensor subclass with its own all-gather inputs "
+                "(fsdp_pre_all_gather, e.g. float8 training) cannot take a compressed all-gather; leave all_gather= out"
+            )
+        if inp.dtype == torch.uint8 and not isinstance(self.all_gather_engine.protocol.codec, Identity):
+            raise ValueError(
+                f"gradzip.fsdp: module {g.module_name!r} all-gathers raw bytes (its parameters differ in dtype, or "
+                "carry all-gather extensions); only all_gather=Identity() can carry them"
+            )
+        engine = self.all_gather_engine
+        names = [name for name, _, _ in g.gather_slots]
+        tensors = [inp[off : off + k] for _, off, k in g.gather_slots]
+        fut = engine.reduce(names, tensors, out_dtype=output.dtype, dest=output)
+        try:
+            engine.flush()
+            res = fut.wait()
+        except FloatingPointError as e:  # on_nonfinite="raise": every rank sees the gathered weights
+            raise FloatingPointError(
+                f"gradzip.fsdp: non-finite weights in the parameter all-gather of module {g.module_name!r} "
+                f"({str(e).replace('non-finite gradient', 'non-finite shard')})"
+            ) from None
+        if res.data_ptr() != output.data_ptr():
+            output.copy_(res.view_as(output))
+
+    def _gather_inside_node(self, group, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """The backward all-gather of a node-local secondary shard (``reshard_after_forward=L``):
+        the weights the forward decoded, gathered as they are inside the node (so the backward
+        computes with the forward's weights), counted in the all-gather's stats (intra-node)."""
+        comm = self._node_comms.get(id(group))
+        if comm is None:
+            comm = self._node_comms[id(group)] = Communicator(group, self.all_gather_engine.stats_, intra=True)
+        nbytes = inp.numel() * inp.element_size()
+        comm.stats.add(bytes_raw=nbytes, bytes_link_raw=(comm.world_size - 1) * nbytes, bytes_payload=nbytes)
+        src = inp.clone()  # the input is a view of the output
+        comm.allgather(output, src).wait()
+
+    def _end_with_backward(self, only_in_backward: bool = False) -> None:
         if self._closing:
             return
+        if only_in_backward and torch._C._current_graph_task_id() == -1:
+            return  # a forward's all-gather: the step goes on
         self._closing = True
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
         except RuntimeError:  # not inside a backward (FSDP's post_backward called by hand)
             self._end_step()
+
+    def _after_forward(self, module, args, output) -> None:
+        """Only the all-gather compressed: a forward with autograd ends its step in its backward
+        (a hook on the first output that requires grad); one without ends it now."""
+        if torch.is_grad_enabled():
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._on_backward)
+                    return
+            return
+        if not self._closing:
+            self._closing = True
+            self._end_step()
+
+    def _on_backward(self, grad):
+        self._end_with_backward()
+        return None
 
     def _end_step(self) -> None:
         if not self._closing:
@@ -362,29 +482,43 @@ class FSDPState(FrontEnd):
         mi = self.groups[0].pg.mesh_info if self.groups else None
         return mi.replicate_process_group if isinstance(mi, HSDPMeshInfo) else None
 
+    def _rs_rows(self):
+        """Where the reduce-scatter's residuals lie: ``(key of a parameter's residual, rows,
+        this rank's row, the process group of the rows' owners)``. ``ReduceScatter``: one row
+        per shard rank, the shard group; ``HierarchicalReduceScatter``: one row per node, the
+        ranks of this local rank on every node (``name@l/L``)."""
+        world = self._shard_world()
+        me = dist.get_rank(self.rs_group)
+        proto = self.engine.protocol if self.engine is not None else None
+        if isinstance(proto, HierarchicalReduceScatter):
+            L = proto.nodes(world)
+            _, across = self.engine.comm.split(L) if L > 1 else (None, self.engine.comm)
+            return (lambda name: shard_key(name, me % L, L)), world // L, me // L, across.group
+        return (lambda name: name), world, me, self.rs_group
+
     def _pending_rs(self, slots: list[_Slot]) -> torch.Tensor:
         """This rank's shard of the update the reduce-scatter residuals still owe, in units of
         the averaged gradient, all slots back to back (``sum padded`` elements)."""
-        world = self._shard_world()
+        key, rows, _, group = self._rs_rows()
         total = sum(s.padded for s in slots)
         dev = slots[0].param.device if slots else torch.device("cpu")
-        send = torch.zeros(world, total, dtype=torch.float32, device=dev)
+        send = torch.zeros(rows, total, dtype=torch.float32, device=dev)
         if self.engine is not None and self.engine.memory is not None:
             for s, off in zip(slots, _offsets(slots)):
-                r = self.engine.memory.residual(s.name)
+                r = self.engine.memory.residual(key(s.name))
                 if r is not None:
-                    if r.shape != (world, s.padded):
-                        raise RuntimeError(f"residual of {s.name!r} is {tuple(r.shape)}, expected {(world, s.padded)}")
-                    send[:, off : off + s.padded] = r.to(torch.float32)
-        if world > 1:
+                    if r.numel() != rows * s.padded:
+                        raise RuntimeError(f"residual of {s.name!r} is {tuple(r.shape)}, expected {(rows, s.padded)}")
+                    send[:, off : off + s.padded] = r.reshape(rows, s.padded).to(torch.float32)
+        if rows > 1:
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.rs_group)
+            dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
         else:
             recv = send
         pending = torch.zeros(total, dtype=torch.float32, device=dev)
-        for s in range(world):  # senders in rank order
+        for s in range(rows):  # senders in rank order
             pending += recv[s]
-        return pending.div_(world)
+        return pending.div_(rows)
 
     def _pending_replicate(self, slots: list[_Slot]) -> list:
         """Per slot, this replica's part of the update the replica engine still owes (its
@@ -463,6 +597,7 @@ class FSDPState(FrontEnd):
             "layout": [(s.name, s.padded, s.valid) for s in slots],
             "engine": self.engine.state_dict() if self.engine is not None else None,
             "replicate": self.replicate_engine.state_dict() if self.replicate_engine is not None else None,
+            "all_gather": self.all_gather_engine.state_dict() if self.all_gather_engine is not None else None,
         }
         torch.save(blob, buf)
         return buf.getvalue()
@@ -478,7 +613,11 @@ class FSDPState(FrontEnd):
         same = (blob.get("world"), blob.get("rank")) == (dist.get_world_size(), dist.get_rank()) and [
             tuple(x) for x in blob.get("layout", [])
         ] == [(s.name, s.padded, s.valid) for s in slots]
-        pairs = [(self.engine, blob.get("engine")), (self.replicate_engine, blob.get("replicate"))]
+        pairs = [
+            (self.engine, blob.get("engine")),
+            (self.replicate_engine, blob.get("replicate")),
+            (self.all_gather_engine, blob.get("all_gather")),
+        ]
         if not same or any((eng is None) != (part is None) for eng, part in pairs):
             return False
         try:
@@ -500,7 +639,7 @@ class FSDPState(FrontEnd):
         (PowerSGD's warm start, adaptive thresholds) starts afresh: for a bit-identical resume
         on the same ranks, save and load :meth:`exact` instead."""
         slots = self._slots()
-        world, me = self._shard_world(), dist.get_rank(self.rs_group)
+        key_of, rows, row, _ = self._rs_rows()
 
         def local(key, s):
             t = state_dict.get(key)
@@ -522,9 +661,10 @@ class FSDPState(FrontEnd):
                 u_rs = u_rep if u_rs is None else u_rs + u_rep
                 u_rep = None
             if u_rs is not None and bool(u_rs.any()):
-                r = torch.zeros(world, s.padded, dtype=torch.float32, device=s.param.device)
-                r[me, : s.valid] = u_rs * world
-                rs_res[s.name] = r
+                r = torch.zeros(rows, s.padded, dtype=torch.float32, device=s.param.device)
+                r[row, : s.valid] = u_rs * rows
+                hier = key_of(s.name) != s.name  # HierarchicalReduceScatter's residuals are flat
+                rs_res[key_of(s.name)] = r.view(-1) if hier else r
             if u_rep is not None and bool(u_rep.any()):
                 rep_res[s.name] = u_rep.view(s.shape).clone()
         for eng, res in ((self.engine, rs_res), (self.replicate_engine, rep_res)):
@@ -536,16 +676,24 @@ class FSDPState(FrontEnd):
                 raise ValueError("the checkpoint holds error-feedback residuals, but this run has error_feedback=False")
             eng.tensor_state = {}
             eng.step = int(state_dict.get("step", eng.step))
+        if self.all_gather_engine is not None:  # weights are not error-fed: only the step
+            self.all_gather_engine.tensor_state = {}
+            self.all_gather_engine.step = int(state_dict.get("step", self.all_gather_engine.step))
 
     # -- undo ----------------------------------------------------------------------------
     def remove(self) -> None:
-        """Give FSDP back its own reduce-scatter and drop gradzip's all-reduce hooks."""
+        """Give FSDP back its own reduce-scatter and all-gather and drop gradzip's hooks."""
         for g in self.groups:
             if self.engine is not None:
                 g.module.set_custom_reduce_scatter(DefaultReduceScatter())
+            if self.all_gather_engine is not None:
+                g.module.set_custom_all_gather(DefaultAllGather())
             if self.replicate_engine is not None:
                 g.module.set_all_reduce_hook(None)
             g.module.__dict__.pop("set_allocate_memory_from_process_group_for_comm", None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 class _Exact:
@@ -582,49 +730,68 @@ def _as_dtensor(local: torch.Tensor, param) -> DTensor:
 
 def compress(
     model: torch.nn.Module,
-    reduce_scatter: Codec | None = None,
+    reduce_scatter: Codec | Hierarchical | None = None,
     *,
+    all_gather: Codec | None = None,
     replicate: Codec | Protocol | None = None,
     replicate_group: dist.ProcessGroup | DeviceMesh | None = None,
     error_feedback: bool | None = None,
     replicate_error_feedback: bool | None = None,
     on_nonfinite: str = "skip",
 ) -> FSDPState:
-    """Compress the gradient communication of a model wrapped with FSDP2's ``fully_shard``.
+    """Compress the communication of a model wrapped with FSDP2's ``fully_shard``.
 
-    Call it once, after every ``fully_shard`` call and before the first backward. It installs
-    gradzip's comm on every FSDP module of ``model`` (``model`` itself included).
+    Call it once, after every ``fully_shard`` call and before the first forward. It installs
+    gradzip's comms on every FSDP module of ``model`` (``model`` itself included).
 
     Args:
         model: the root module; ``fully_shard`` applied to it and/or its submodules.
         reduce_scatter: a gradzip codec (``gz.Int8()``, ``gz.TopK(0.01)``, ``gz.Identity()``...)
-            for the gradient reduce-scatter over the shard group, or None to leave FSDP's own.
+            for the gradient reduce-scatter over the shard group, or
+            ``gz.Hierarchical(codec, local_size=L)``: plain inside each node of ``L`` ranks,
+            ``codec`` across the nodes (ZeRO++'s qgZ); None leaves FSDP's own.
+        all_gather: ``gz.Int8(block=...)``, ``gz.FP16()``, ``gz.BF16()`` or ``gz.Identity()`` for
+            the parameter all-gathers over the shard group (ZeRO++'s qwZ): every rank encodes its
+            shard, every rank decodes all of them into FSDP's unsharded parameters. Weights are
+            not error-fed (the full-precision shard stays the source of truth). With
+            ``fully_shard(..., reshard_after_forward=L)`` (the node size; ZeRO++'s hpZ) the
+            backward all-gather gathers the forward's decoded weights inside the node, as they
+            are. None leaves FSDP's own all-gather.
         replicate: HSDP only: any gradzip codec or protocol (``gz.PowerSGD(rank=4)``) for the
             average over the replica group, run in FSDP's all-reduce hook. Needs FSDP on the
             shard sub-mesh (``fully_shard(m, mesh=mesh["shard"])``) and ``replicate_group``.
         replicate_group: the replica dimension: ``mesh["replicate"]`` (a 1-D DeviceMesh) or a
             ProcessGroup.
-        error_feedback, replicate_error_feedback: keep what each compression drops in
+        error_feedback, replicate_error_feedback: keep what each gradient compression drops in
             residuals (None: on for biased methods such as Int8, TopK, PowerSGD).
         on_nonfinite: ``"skip"`` (a step where a rank's gradient holds a NaN/Inf gives all-NaN
-            gradients, so a GradScaler skips it, and its residuals are rolled back) or
-            ``"raise"`` (``FloatingPointError`` from ``backward()``).
+            gradients, so a GradScaler skips it, and its residuals are rolled back; a non-finite
+            weight shard makes its group's gathered weights NaN on every rank) or ``"raise"``
+            (``FloatingPointError`` from ``backward()``, or from the forward for weights).
 
-    Raises ``ValueError`` where FSDP2 cannot take a custom reduce-scatter or hook: a module
-    with several parameter groups (a per-parameter mesh from ``shard_placement_fn``), a
-    module set to ``set_allocate_memory_from_process_group_for_comm(True)`` or with another
-    custom comm, native HSDP (a 2-D mesh) with ``replicate``.
+    Raises ``ValueError`` where FSDP2 cannot take a custom comm or hook: a module with
+    several parameter groups (a per-parameter mesh from ``shard_placement_fn``), a module set
+    to ``set_allocate_memory_from_process_group_for_comm(True)`` or with another custom comm,
+    native HSDP (a 2-D mesh) with ``replicate``.
     """
-    if reduce_scatter is None and replicate is None:
+    if reduce_scatter is None and replicate is None and all_gather is None:
         raise ValueError(
-            "gradzip.fsdp.compress: give reduce_scatter= (a codec) and/or replicate= (a codec or protocol)"
+            "gradzip.fsdp.compress: give reduce_scatter= (a codec, or Hierarchical(codec)), all_gather= (Int8(), "
+            "FP16(), BF16(), Identity()) and/or replicate= (a codec or protocol)"
         )
-    if reduce_scatter is not None and not isinstance(reduce_scatter, Codec):
+    if isinstance(reduce_scatter, Hierarchical):
+        if not isinstance(reduce_scatter.inner, Codec):
+            raise ValueError(
+                f"reduce_scatter=Hierarchical(...) takes a codec across the nodes (Int8(), TopK(0.01), ...), got "
+                f"{reduce_scatter.inner!r}"
+            )
+    elif reduce_scatter is not None and not isinstance(reduce_scatter, Codec):
         raise ValueError(
-            f"reduce_scatter must be a gradzip codec (Int8(), TopK(0.01), Identity(), ...), got {reduce_scatter!r}; "
-            "protocols that need the whole gradient (PowerSGD, Policy) can compress the HSDP replica all-reduce "
-            "(replicate=)"
+            f"reduce_scatter must be a gradzip codec (Int8(), TopK(0.01), Identity(), ...) or Hierarchical(codec, "
+            f"local_size=L), got {reduce_scatter!r}; protocols that need the whole gradient (PowerSGD, Policy) can "
+            "compress the HSDP replica all-reduce (replicate=)"
         )
+    gather_method = WeightGather(all_gather) if all_gather is not None else None  # refuses other codecs
     if replicate is not None and replicate_group is None:
         raise ValueError(
             "replicate= needs replicate_group= (mesh['replicate'] of the 2-D mesh whose mesh['shard'] FSDP shards over)"
@@ -681,6 +848,27 @@ def compress(
                     f"gradzip.fsdp: module {label!r} has a custom reduce-scatter already ({type(comm).__name__}); "
                     "FSDP2 takes one per module"
                 )
+        if all_gather is not None:
+            comm = pg._all_gather_comm
+            if isinstance(comm, _GatherComm):
+                raise ValueError(f"gradzip.fsdp.compress was called on this model already (module {label!r})")
+            if type(comm).__name__ == "ProcessGroupAllocAllGather":
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} was set to set_allocate_memory_from_process_group_for_comm(True); "
+                    "FSDP2 cannot combine it with a custom all-gather. Call "
+                    "set_allocate_memory_from_process_group_for_comm(False) (or not at all) "
+                    "before gradzip.fsdp.compress"
+                )
+            if type(comm).__name__ == "SymmMemAllGather":
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} was set to set_symm_mem_for_comm(); FSDP2 cannot combine "
+                    "symmetric memory with a custom all-gather. Drop the set_symm_mem_for_comm call"
+                )
+            if not isinstance(comm, DefaultAllGather):
+                raise ValueError(
+                    f"gradzip.fsdp: module {label!r} has a custom all-gather already ({type(comm).__name__}); "
+                    "FSDP2 takes one per module"
+                )
         if replicate is not None:
             if isinstance(pg.mesh_info, HSDPMeshInfo):
                 raise ValueError(
@@ -714,17 +902,39 @@ def compress(
                 "whose mesh['shard'] was given to fully_shard"
             )
 
+    shard_group = pgs[0][2].mesh_info.shard_process_group
+    if dist.get_process_group_ranks(shard_group) != ranks:
+        raise ValueError(
+            "gradzip.fsdp: FSDP reduce-scatters over other ranks than it all-gathers over "
+            f"({ranks} and {dist.get_process_group_ranks(shard_group)})"
+        )
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     check_real(trained)
     layout = layout_of(trained)
     engine = None
     if reduce_scatter is not None:
+        if isinstance(reduce_scatter, Hierarchical):
+            method = HierarchicalReduceScatter(reduce_scatter.inner, local_size=reduce_scatter.local_size)
+            method.nodes(len(ranks))  # whole nodes, or a ValueError now
+        else:
+            method = ReduceScatter(reduce_scatter)
         engine = Engine(
-            ReduceScatter(reduce_scatter),
+            method,
             process_group=rs_group,
             error_feedback=error_feedback,
             on_nonfinite=on_nonfinite,
             layout=layout,
+        )
+    ag_engine = None
+    if gather_method is not None:
+        everything = list(model.named_parameters())
+        check_real(everything)
+        ag_engine = Engine(
+            gather_method,
+            process_group=shard_group,
+            error_feedback=False,
+            on_nonfinite=on_nonfinite,
+            layout=layout_of(everything),
         )
     rep_engine = None
     if replicate is not None:
@@ -735,15 +945,20 @@ def compress(
             on_nonfinite=on_nonfinite,
             layout=layout,
         )
-    state = FSDPState(model, engine, rep_engine, [], rs_group, rep_group)
+    state = FSDPState(model, engine, rep_engine, [], rs_group, rep_group, ag_engine, shard_group)
     for name, m, pg in pgs:
         g = _Group(state, m, name, pg, module_names)
         state.groups.append(g)
         if engine is not None:
             m.set_custom_reduce_scatter(_Comm(g))
+        if ag_engine is not None:
+            m.set_custom_all_gather(_GatherComm(g))
+        if engine is not None or ag_engine is not None:
             _guard_allocator(m)
         if rep_engine is not None:
             m.set_all_reduce_hook(_Hook(g))
+    if state._gather_only:
+        state._hooks.append(model.register_forward_hook(state._after_forward))
     return state
 
 
@@ -756,8 +971,8 @@ def _guard_allocator(module: FSDPModule) -> None:
         if enable:
             raise ValueError(
                 "set_allocate_memory_from_process_group_for_comm(True) cannot be combined with gradzip's compressed "
-                "reduce-scatter (FSDP2 allows no custom comm with the process-group allocator); leave it off, or call "
-                "state.remove() first to give FSDP its own reduce-scatter back"
+                "reduce-scatter or all-gather (FSDP2 allows no custom comm with the process-group allocator); leave it "
+                "off, or call state.remove() first to give FSDP its own comms back"
             )
         # False: the allocator is off already (compress refuses a module that has it on), and
         # FSDP's own method would assert on the custom reduce-scatter.
