@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .codecs.sparse import RandomK as RandomK
     from .codecs.sparse import TopK as TopK
     from .codecs.threshold import Threshold as Threshold
+    from .codecs.transform import DCT as DCT
     from .costmodel.link import Link as Link
     from .engine import Engine as Engine
     from .local_sgd import DiLoCo as DiLoCo

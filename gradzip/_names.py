@@ -74,6 +74,7 @@ PUBLIC: tuple[Name, ...] = (
     Name("QSGD", "codecs.quant", "codec"),
     Name("TernGrad", "codecs.quant", "codec"),
     Name("Int8", "codecs.quant", "codec"),
+    Name("DCT", "codecs.transform", "codec"),
     # protocols
     Name("Allreduce", "protocols.allreduce", "protocol"),
     Name("AllGather", "protocols.allgather", "protocol"),

@@ -56,6 +56,16 @@ gradients: scaling ``p.grad`` between backward and ``step()`` (``clip_grad_norm_
 ``GradScaler.unscale_``) would scale the step, so use ``register_hook(clip=)`` and bf16;
 ``step()`` checks on the first steps and now and then that ``p.grad`` is what the engine
 averaged, and raises ``ValueError`` if not (:class:`_StepTakeover`).
+
+**The sign of the average** (``update="sign"``): the hook keeps the optimizer's first moment
+per rank as momentum correction does (SGD's momentum, Adam's ``beta1``; with ``beta1 = 0`` the
+gradient itself) and the codec sends it with error feedback; the optimizer's step is replaced
+by ``p -= lr * sign(average)`` after its decoupled weight decay (Adam's L2 term and SGD's
+weight decay are added to the gradient in the hook). This is signum on the average of what
+was sent (Bernstein et al. 2018), the update DeMo applies to its DCT-domain top-k (Peng et al.
+2024): every parameter moves by ``lr`` each step, whatever the codec left in the residual, so
+a sparse or low-rank average does not leave Adam's per-coordinate normalization facing
+bursts. The optimizer keeps no state for those parameters.
 """
 
 from __future__ import annotations
@@ -86,6 +96,8 @@ def count_key(name: str) -> str:
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+#: ``update=``: the optimizer steps on the average, or the hook applies ``lr * sign(average)``.
+UPDATES = ("optimizer", "sign")
 
 
 class Hyper(NamedTuple):
@@ -118,21 +130,29 @@ class Momentum:
 
     @classmethod
     def adopt(
-        cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False
+        cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False, update: str = "optimizer"
     ) -> tuple[Momentum, dict]:
         """Take over ``optimizer``'s momentum and weight decay for ``named_params``
         (``[(name, parameter)]``): returns the :class:`Momentum` and the buffers the optimizer
         held (``{key: tensor}``, keys of :func:`momentum_key` and, with ``precondition``,
         :func:`variance_key` and :func:`count_key`), and leaves the optimizer a plain SGD.
-        ``precondition``: an Adam's second moment too (see the module docstring)."""
+        ``precondition``: an Adam's second moment too (see the module docstring).
+        ``update="sign"``: the optimizer's step becomes ``p -= lr * sign(average)`` after its
+        decoupled weight decay (signum on the average of what was sent; see the module
+        docstring); ``"optimizer"`` (default): the optimizer steps on the average."""
         args.flag("precondition", precondition)
+        update = args.choice("update", update, UPDATES)
         if precondition and type(optimizer) not in _ADAMS:
             raise ValueError(
                 f"precondition=True takes over the second moment of torch.optim.Adam or AdamW; "
                 f"{type(optimizer).__name__} has none"
             )
+        if precondition and update == "sign":
+            raise ValueError(
+                "precondition=True sends Adam's step; update='sign' takes the sign of the average: give one"
+            )
         if type(optimizer) in _ADAMS:
-            return cls._adopt_adam(optimizer, named_params, precondition)
+            return cls._adopt_adam(optimizer, named_params, precondition, update == "sign")
         if type(optimizer) is not torch.optim.SGD:
             raise ValueError(
                 f"momentum correction takes over the momentum of torch.optim.SGD, Adam or AdamW; "
@@ -163,10 +183,13 @@ class Momentum:
             raise ValueError(
                 f"the optimizer does not hold parameters {missing[:5]}: hand the hook the optimizer that steps them"
             )
-        return cls(hyper), buffers
+        out = cls(hyper)
+        if update == "sign":
+            out.takeover = _StepTakeover(optimizer, [p for g in optimizer.param_groups for p in g["params"]], sign=True)
+        return out, buffers
 
     @classmethod
-    def _adopt_adam(cls, optimizer, named_params, precondition: bool) -> tuple[Momentum, dict]:
+    def _adopt_adam(cls, optimizer, named_params, precondition: bool, sign: bool = False) -> tuple[Momentum, dict]:
         """Adam/AdamW: take beta1 (and ``exp_avg``) over; the optimizer keeps beta2, eps and weight
         decay. ``precondition``: take beta2, eps, ``exp_avg_sq`` and Adam's L2 weight decay over
         too, and make the optimizer's step a plain one (:class:`_StepTakeover`). Every group is
@@ -182,6 +205,10 @@ class Momentum:
             if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
                 raise ValueError("momentum correction needs betas as numbers, not tensors")
             m = args.number("beta1", b1, 0.0, 1.0, hi_open=True)
+            if sign:  # Adam's L2 term goes into the hook's momentum; AdamW's decay stays with the step
+                wd = 0.0 if _decoupled(optimizer, group) else args.number("weight_decay", group["weight_decay"], 0.0)
+                checked.append((group, Hyper(m, False, wd, True)))
+                continue
             if not precondition:
                 checked.append((group, Hyper(m, False, 0.0, True)))
                 continue
@@ -218,16 +245,19 @@ class Momentum:
                 elif state.get("exp_avg") is not None and h.momentum > 0:
                     buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
             group["betas"] = (0.0, group["betas"][1])
-            if precondition and h.weight_decay:
+            if (precondition or sign) and h.weight_decay:
                 group["weight_decay"] = 0.0  # Adam's L2 term: added to the gradient in the hook
         out = cls(hyper)
-        if precondition:
-            out.takeover = _StepTakeover(optimizer, taken)
+        if precondition or sign:
+            out.takeover = _StepTakeover(optimizer, taken, sign=sign)
         return out, buffers
 
     def describe(self) -> str:
         """A summary the ranks compare in the configuration check."""
-        return repr(sorted({repr(tuple(h)) for h in self.hyper.values()}))
+        hypers = repr(sorted({repr(tuple(h)) for h in self.hyper.values()}))
+        if self.takeover is not None and self.takeover.sign:
+            return hypers + " update=sign"
+        return hypers
 
     def apply(self, memory, names, grads, params=None) -> list:
         """The tensors to compress: per tensor ``u = m * u + g + wd * p`` (Adam:
@@ -292,10 +322,11 @@ def _decoupled(optimizer, group) -> bool:
 
 class _StepTakeover:
     """The optimizer's step, made plain for the parameters whose Adam step the hook computes
-    (``precondition=True``): before ``step()`` their gradients (the averaged steps) are set
-    aside, so the optimizer skips them, and after it ``p *= 1 - lr * weight_decay`` (AdamW's
-    decoupled decay) and ``p -= lr * step``, with the group's ``lr`` at that moment; then the
-    gradients are put back. ``remove()`` detaches the hooks.
+    (``precondition=True``), or whose step is the sign of the average (``update="sign"``,
+    ``sign``): before ``step()`` their gradients (the averages) are set aside, so the optimizer
+    skips them, and after it ``p *= 1 - lr * weight_decay`` (AdamW's decoupled decay) and
+    ``p -= lr * step`` (``sign``: ``lr * sign(step)``), with the group's ``lr`` at that moment;
+    then the gradients are put back. ``remove()`` detaches the hooks.
 
     **Guard.** The steps must reach ``step()`` as the engine averaged them: ``GradScaler``'s
     ``unscale_`` or ``clip_grad_norm_`` in between would scale the step silently. On the first
@@ -306,7 +337,8 @@ class _StepTakeover:
     CHECKED_STEPS = 8
     CHECK_EVERY = 64
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params, *, sign: bool = False) -> None:
+        self.sign = sign
         self.ids = {id(p) for p in params}
         self._aside: list = []
         self._steps = 0
@@ -328,7 +360,7 @@ class _StepTakeover:
     def _pre(self, optimizer, args_, kwargs) -> None:
         # torch passes step's own arguments, ``self`` first
         if any(a is not None for a in args_[1:]) or kwargs.get("closure") is not None:
-            raise ValueError("precondition=True does not support optimizer.step(closure)")
+            raise ValueError("the hook's own step (precondition=True, update='sign') does not support step(closure)")
         self._aside = []
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -345,7 +377,8 @@ class _StepTakeover:
             if math.isfinite(exp) and abs(got - exp) > 1e-4 * max(abs(exp), 1e-30):
                 raise ValueError(
                     f"p.grad changed between the gradzip hook and optimizer.step() (L1 norm {exp:.6g} averaged, "
-                    f"{got:.6g} found): with precondition=True p.grad holds Adam's steps, which GradScaler.unscale_ "
+                    f"{got:.6g} found): with precondition=True or update='sign' p.grad holds the averaged steps or "
+                    "momentum the hook applies, which GradScaler.unscale_ "
                     "or clip_grad_norm_ would rescale; clip with clip= in the hook and train in bfloat16 or float32"
                 )
         for _, p, _ in self._aside:
@@ -359,7 +392,7 @@ class _StepTakeover:
             wd = float(group.get("weight_decay", 0.0)) if _decoupled(optimizer, group) else 0.0
             if wd:
                 p.mul_(1.0 - lr * wd)
-            p.add_(step.to(p.dtype), alpha=-lr)
+            p.add_(step.sign().to(p.dtype) if self.sign else step.to(p.dtype), alpha=-lr)
             p.grad = step
 
     def remove(self) -> None:

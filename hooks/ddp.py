@@ -146,6 +146,7 @@ def comm_hook(
     optimizer: torch.optim.Optimizer | None = None,
     clip: float | None = None,
     precondition: bool = False,
+    update: str = "optimizer",
 ) -> tuple[HookState, Hook]:
     """The ``(state, hook)`` pair of torch's ``DistributedDataParallel.register_comm_hook``::
 
@@ -167,12 +168,16 @@ def comm_hook(
     _claim(ddp_model, method)
     if precondition and optimizer is None:
         raise ValueError("precondition=True needs the Adam or AdamW optimizer= whose moments it takes over")
+    if update != "optimizer" and optimizer is None:
+        raise ValueError(f"update={update!r} replaces the optimizer's step: give the optimizer=")
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
     check_real(trained)
     momentum, buffers = (
-        Momentum.adopt(optimizer, trained, precondition=precondition) if optimizer is not None else (None, {})
+        Momentum.adopt(optimizer, trained, precondition=precondition, update=update)
+        if optimizer is not None
+        else (None, {})
     )
     engine = Engine(
         method,
@@ -202,6 +207,7 @@ def register_hook(
     optimizer: torch.optim.Optimizer | None = None,
     clip: float | None = None,
     precondition: bool = False,
+    update: str = "optimizer",
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -231,6 +237,10 @@ def register_hook(
             codecs that send one magnitude per block, such as ``SignSGD``.
         clip: local gradient clipping: each gradient's norm is limited to
             ``clip / sqrt(world_size)`` before compression (DGC's rule).
+        update: ``"optimizer"`` (the optimizer steps on the average) or ``"sign"``: with an
+            ``optimizer``, the hook keeps its first moment as momentum correction does and
+            replaces its step by ``p -= lr * sign(average)`` after the decoupled weight decay
+            (signum, as DeMo applies it to a DCT-domain top-k: ``gz.DCT(gz.TopK(...))``).
 
     With ``find_unused_parameters=True``, a parameter unused on a rank is sent as zeros
     and keeps its residual (``Engine.reduce(zero_is_unused=True)``).
@@ -253,6 +263,7 @@ def register_hook(
         optimizer=optimizer,
         clip=clip,
         precondition=precondition,
+        update=update,
     )
     ddp_model.register_comm_hook(state, hook)
     return state

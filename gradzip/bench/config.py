@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.base import Codec
-from ..momentum import Momentum
+from ..momentum import UPDATES, Momentum
 from ..options import (
     CLIP_MODES,
     DEFAULT_EPOCHS,
@@ -44,6 +44,7 @@ class Hook:
     momentum_correction: str | None = None
     precondition: bool | None = None
     error_feedback: bool | None = None
+    update: str | None = None  # "sign": register_hook(update="sign") (the optimizer's momentum taken over)
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, (Codec, Protocol)):
@@ -54,6 +55,8 @@ class Hook:
             )
         if self.precondition is not None and not isinstance(self.precondition, bool):
             raise TypeError(f"precondition must be True or False, got {self.precondition!r}")
+        if self.update is not None and self.update not in UPDATES:
+            raise ValueError(f"update must be one of {list(UPDATES)}, got {self.update!r}")
 
 
 register_value("Hook", Hook)
@@ -71,12 +74,13 @@ class Method:
     error_feedback: bool | None = None  # None: on for biased methods
     momentum_correction: str | None = None
     precondition: bool | None = None
+    update: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.method, Hook):
             hook = self.method
             self.method = hook.method
-            for key in ("error_feedback", "momentum_correction", "precondition"):
+            for key in ("error_feedback", "momentum_correction", "precondition", "update"):
                 if getattr(hook, key) is not None:
                     setattr(self, key, getattr(hook, key))
 
@@ -85,7 +89,7 @@ class Method:
             return "plain DDP"
         opts = [
             f"{k}={getattr(self, k)!r}"
-            for k in ("error_feedback", "momentum_correction", "precondition")
+            for k in ("error_feedback", "momentum_correction", "precondition", "update")
             if getattr(self, k) is not None
         ]
         return repr(self.method) + (f" ({', '.join(opts)})" if opts else "")
@@ -306,6 +310,8 @@ def _codec_of(method):
 def corrects_momentum(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | None = None) -> bool:
     """Whether the hook takes over ``opt``'s momentum for ``method`` (the row's
     ``momentum_correction``, else ``cfg.momentum_correction``)."""
+    if method.update == "sign" and method.method is not None and not method.hookless:
+        return True  # the hook takes the optimizer's momentum and step over
     mode = method.momentum_correction or ("auto" if cfg is None else cfg.momentum_correction)
     if mode == "off" or method.method is None or not Momentum.adoptable(opt):
         return False
@@ -327,6 +333,8 @@ def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | 
         kw["optimizer"] = opt
         if preconditions(method, cfg):
             kw["precondition"] = True
+        if method.update is not None:
+            kw["update"] = method.update
     if cfg is not None and cfg.clip is not None and cfg.clip_mode == "local":
         kw["clip"] = cfg.clip
     return kw

@@ -5,6 +5,7 @@ from .cast import BF16, FP16, Identity
 from .quant import QSGD, Int8, SignSGD, TernGrad
 from .sparse import RandomK, TopK
 from .threshold import Threshold
+from .transform import DCT
 
 __all__ = [
     "Codec",
@@ -20,4 +21,5 @@ __all__ = [
     "QSGD",
     "TernGrad",
     "Int8",
+    "DCT",
 ]

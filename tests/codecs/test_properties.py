@@ -25,7 +25,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: a codec not named here runs with its defaults, so a new exported codec is tested by its
 #: table entry alone. An empty tuple leaves a codec out: the quantizers, whose error feedback
 #: rounds (``v - decompress(p)`` is not exact for SignSGD, QSGD, TernGrad), are checked in
-#: ``tests/codecs/test_quant.py``.
+#: ``tests/codecs/test_quant.py``; ``DCT`` (exact up to the transforms' rounding) in
+#: ``tests/codecs/test_transform.py``.
 SETTINGS = {
     "Threshold": (
         "Threshold(tau=0.05)",
@@ -39,6 +40,7 @@ SETTINGS = {
     "QSGD": (),
     "TernGrad": (),
     "Int8": (),
+    "DCT": (),  # its error feedback rounds in the transforms: tests/codecs/test_transform.py
 }
 
 

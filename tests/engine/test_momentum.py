@@ -507,3 +507,92 @@ def test_adam_precondition_refuses_steps_rescaled_after_the_hook():
             precondition=True,
             op="sum",
         )
+
+
+# -- the sign of the average (update="sign") -----------------------------------------------------
+
+
+def _signed(rank, world, steps, lr=0.01, wd=0.05, codec="DCT(TopK(0.1))", resume_at=None, sgd=False):
+    def fresh():
+        model = make_model()
+        ddp = DDP(model)
+        if sgd:
+            opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+        else:
+            opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=wd)
+        state = register_hook(ddp, gz.parse(codec), optimizer=opt, update="sign")
+        return model, ddp, opt, state
+
+    model, ddp, opt, state = fresh()
+    train(ddp, opt, rank, 0, steps if resume_at is None else resume_at)
+    assert not opt.state  # the optimizer keeps no state: the hook holds the momentum, the step is its own
+    if resume_at is not None:
+        model, ddp, opt, state = reload(fresh, model, opt, state)
+        train(ddp, opt, rank, resume_at, steps)
+    return [p.detach().clone() for p in model.parameters()], state.state_dict()
+
+
+def signed_reference(world, steps, codec, lr=0.01, wd=0.05, b1=0.9, sgd=False):
+    """Signum on the average, written out: per rank u = b1 u + (1 - b1) g (SGD: u = m u + g + wd p),
+    x = u + r, sent = C(x), r = x - sent; every rank applies AdamW's p *= 1 - lr wd (not SGD's: its
+    decay is in g), then p -= lr sign(mean of sent)."""
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    u = [[None] * len(params) for _ in range(world)]
+    r = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    for s in range(steps):
+        acc = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            model.zero_grad()
+            x, y = batch(s, rank)
+            F.cross_entropy(model(x), y).backward()
+            for i, p in enumerate(params):
+                g = p.grad.clone()
+                if sgd:
+                    g = g + wd * p.detach()
+                    u[rank][i] = g if u[rank][i] is None else u[rank][i] * b1 + g
+                else:
+                    u[rank][i] = g * (1 - b1) if u[rank][i] is None else u[rank][i] * b1 + g * (1 - b1)
+                xx = u[rank][i] + r[rank][i]
+                ctx = TensorContext(name=names[i], step=s, dtype=p.dtype, rank=rank, world_size=world)
+                sent = codec.decompress(codec.compress(xx, ctx))
+                r[rank][i] = xx - sent
+                acc[i] += sent
+        with torch.no_grad():
+            for p, a in zip(params, acc):
+                if not sgd:
+                    p.mul_(1 - lr * wd)
+                p.sub_(lr * torch.sign(a / world))
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["adamw", "sgd"])
+def test_sign_update_equals_signum_on_the_average_written_out(sgd):
+    res = run_ranks(_signed, 2, 4, 0.01, 0.05, "DCT(TopK(0.1))", None, sgd)
+    want = signed_reference(2, 4, gz.parse("DCT(TopK(0.1))"), sgd=sgd)
+    for got, _ in res:
+        for a, b in zip(got, want):
+            # a parameter whose average is 0 to rounding may take another sign: allow one step
+            assert float((a - b).abs().max()) <= 2 * 0.01 + 1e-6
+            assert float((a - b).abs().gt(1e-5).float().mean()) < 0.01
+    assert all(torch.equal(a, b) for a, b in zip(res[0][0], res[1][0]))  # replicas agree
+
+
+def test_sign_update_resumes_bit_identically():
+    unbroken = run_ranks(_signed, 2, 6)
+    resumed = run_ranks(_signed, 2, 6, 0.01, 0.05, "DCT(TopK(0.1))", 3)
+    for (want, sd_want), (got, sd_got) in zip(unbroken, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert all(torch.equal(sd_want["residuals"][k], sd_got["residuals"][k]) for k in sd_want["residuals"])
+
+
+def test_sign_update_refusals():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="give one"):
+        gz.momentum.Momentum.adopt(opt, list(model.named_parameters()), precondition=True, update="sign")
+    with pytest.raises(ValueError, match="update must be one of"):
+        gz.momentum.Momentum.adopt(opt, list(model.named_parameters()), update="adam")
+    with pytest.raises(ValueError, match="give the optimizer"):
+        register_hook(DDP.__new__(DDP), gz.SignSGD(), update="sign")
