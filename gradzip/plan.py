@@ -19,6 +19,12 @@ is marked ``*`` (dashed in the plot) and it is not ranked. ``--arch resnet50`` c
 architecture's real tensors (:data:`ARCHS`), ``--dtype`` sets the gradients'
 dtype, ``--overlap`` hides the wire under the backward pass as DDP does.
 
+FSDP2 steps (``FSDP2``, ``FSDP2(all_gather=Int8(block=256), reduce_scatter=Hierarchical(Int8()),
+reshard_after_forward=2)``: plain FSDP2 and ``gradzip.fsdp.compress``) are costed by
+:func:`gradzip.costmodel.fsdp.fsdp_step_cost`: per ``fully_shard`` unit of the model (a block),
+the forward all-gather, the backward all-gather (over every rank, inside a node with
+``reshard_after_forward=L``, or none) and the reduce-scatter.
+
 Front ends that average now and then (``LocalSGD(period=8)``, ``DiLoCo(period=32,
 compression=Int8(), fragments=4, delay=2)``) are costed by
 :func:`gradzip.costmodel.periodic.periodic_step_cost` from the plain numbers their
@@ -44,7 +50,7 @@ import torch
 import gradzip.args as args
 
 from . import options
-from .costmodel import CodecProfile, Link, WireCache, step_cost
+from .costmodel import CodecProfile, FSDPMethod, Link, WireCache, fsdp_step_cost, step_cost
 from .costmodel.periodic import periodic_step_cost
 from .machine import machine
 from .registry import Spec, load_methods, parse_list, register_value
@@ -58,6 +64,7 @@ BN_BUFFERS = ("running_mean", "running_var")
 
 # -- methods -----------------------------------------------------------------------------
 register_value("DDP", None)  # plain DDP: no hook
+register_value("FSDP2", FSDPMethod)  # an FSDP2 step, plain (bare FSDP2) or through gradzip.fsdp
 
 
 def parse_methods(spec: str, *, link: Link | None = None, profile=None, local_size: int | None = None) -> dict:
@@ -68,8 +75,10 @@ def parse_methods(spec: str, *, link: Link | None = None, profile=None, local_si
     given, ``Hierarchical(...)`` the plan's ``local_size``.
     """
     methods = parse_list(spec, {"link": link, "profile": profile, "local_size": local_size})
-    for m in methods.values():
-        frontend_terms(m)  # a front end the plan cannot cost fails here, before any dry run
+    for label, m in methods.items():
+        if m is FSDPMethod:  # a bare FSDP2: plain FSDP2
+            methods[label] = FSDPMethod()
+        frontend_terms(methods[label])  # a front end the plan cannot cost fails here, before any dry run
     return methods
 
 
@@ -249,7 +258,22 @@ def project(
         first = len(rows)
         terms = frontend_terms(method)
         for n in worlds:
-            if terms is not None:
+            if isinstance(method, FSDPMethod):
+                sc = fsdp_step_cost(
+                    method,
+                    layers,
+                    n,
+                    link,
+                    compute_s,
+                    profile,
+                    dtype=dtype,
+                    cache=cache,
+                    label=label,
+                    local_size=local_size,
+                    intra=intra,
+                    overlap=overlap,
+                )
+            elif terms is not None:
                 sc = periodic_step_cost(
                     terms["compression"],
                     layers,
@@ -463,18 +487,35 @@ def advice(rows: list[dict], methods: dict) -> str:
         )
     lab = picks[0]
     spec = lab.replace('"', "'")
-    own = (
-        f'train with `register_hook(ddp_model, gz.parse("{spec}"))` (from gradzip.hooks) for the same steps '
-        "and seeds as a plain DDP run"
-        if not isinstance(methods.get(lab), Spec)
-        else f"wrap your optimizer in `{spec}` as the README's local SGD section shows, for the same steps and "
-        "seeds as a plain run"
-    )
+    m = methods.get(lab)
+    likewise = f" (likewise for {', '.join(picks[1:])})" if len(picks) > 1 else ""
+    if isinstance(m, FSDPMethod):
+        if m.plain:
+            return "accuracy: plain FSDP2 trains as plain FSDP2 does: nothing to check." + likewise
+        given = (("reduce_scatter", m.reduce_scatter), ("all_gather", m.all_gather))
+        kw = ", ".join(f"{k}=gz.parse({repr(v)!r})" for k, v in given if v is not None)
+        return (
+            f"accuracy: the plan predicts time per step, not the steps a method needs. Before switching to {lab}, "
+            f"compare it with plain FSDP2 on your own model: shard with `fully_shard(..., "
+            f"reshard_after_forward={m.reshard_after_forward!r})`, train with `gz.fsdp.compress(model, {kw})` for "
+            "the same steps and seeds as a plain FSDP2 run and compare the validation loss (benchmarks/"
+            f"fsdp_zeropp_loss.py does so for a byte-level GPT){likewise}."
+        )
+    if isinstance(m, Spec):
+        own = (
+            f"wrap your optimizer in `{spec}` as the README's local SGD section shows, for the same steps and "
+            "seeds as a plain run"
+        )
+    else:
+        own = (
+            f'train with `register_hook(ddp_model, gz.parse("{spec}"))` (from gradzip.hooks) for the same steps '
+            "and seeds as a plain DDP run"
+        )
     return (
         f"accuracy: the plan predicts time per step, not the steps a method needs. Before switching to {lab}, "
         f'compare it with plain DDP on a language model, `gradzip bench --dataset shakespeare --methods "{spec}"` '
         f"(a byte-level GPT, validation loss and its gap to Identity), and on your own model: {own}, "
-        "then compare the validation loss" + (f" (likewise for {', '.join(picks[1:])})" if len(picks) > 1 else "") + "."
+        "then compare the validation loss" + likewise + "."
     )
 
 

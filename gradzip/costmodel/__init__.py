@@ -3,10 +3,12 @@
 Bottom to top: :mod:`.link` (formulas), :mod:`.dryrun` (a protocol's real exchange
 against a loopback communicator), :mod:`.profile` (codec seconds), :mod:`.layer`
 (one tensor, for ``Policy(auto=True)``), :mod:`.step` (one training step, for
-``gradzip plan``). Derivations: ``docs/costmodel.md``.
+``gradzip plan``), :mod:`.periodic` (local SGD, DiLoCo) and :mod:`.fsdp` (an FSDP2 step: its
+three collectives per ``fully_shard`` unit). Derivations: ``docs/costmodel.md``.
 """
 
 from .dryrun import DryRun, LoopbackComm, dry_run
+from .fsdp import FSDPMethod, fsdp_groups, fsdp_step_cost
 from .layer import layer_cost
 from .link import Collective, Link, allgather_time, allreduce_time, parse_bandwidth, parse_duration, wire_time
 from .profile import CodecFit, CodecProfile, as_profile, measure_codec, sample, sample_shape
@@ -34,4 +36,7 @@ __all__ = [
     "StepCost",
     "WireCache",
     "step_cost",
+    "FSDPMethod",
+    "fsdp_groups",
+    "fsdp_step_cost",
 ]

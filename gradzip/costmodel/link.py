@@ -3,8 +3,9 @@
 With ``S`` the bytes one rank hands to the collective, ``B`` the link bandwidth
 in bits/s and ``alpha`` the one-way latency of one message between neighbours::
 
-    allreduce(S)  = 2(N-1)/N * 8S/B + 2(N-1) * alpha
-    allgather(S)  =   (N-1)   * 8S/B +  (N-1) * alpha
+    allreduce(S)      = 2(N-1)/N * 8S/B + 2(N-1) * alpha
+    allgather(S)      =   (N-1)   * 8S/B +  (N-1) * alpha
+    reducescatter(S)  =  (N-1)/N  * 8S/B +  (N-1) * alpha    (FSDP2's gradients)
 
 A ring allreduce is a reduce-scatter then an all-gather, ``N-1`` steps each;
 every step sends one message of ``S/N`` bytes to the next rank, so each step
@@ -29,6 +30,7 @@ __all__ = [
     "parse_duration",
     "allreduce_time",
     "allgather_time",
+    "reducescatter_time",
     "alltoall_time",
     "link_bytes",
     "Collective",
@@ -112,6 +114,15 @@ def allgather_time(nbytes: float, world: int, link: Link) -> float:
     return (n - 1) * 8.0 * nbytes / link.bandwidth_bps + (n - 1) * link.latency_s
 
 
+def reducescatter_time(nbytes: float, world: int, link: Link) -> float:
+    """Ring reduce-scatter of ``nbytes`` per rank (the first half of a ring allreduce):
+    ``(N-1)/N * 8S/B + (N-1) * latency``."""
+    n = check_world(world)
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * 8.0 * nbytes / link.bandwidth_bps + (n - 1) * link.latency_s
+
+
 def alltoall_time(nbytes: float, world: int, link: Link, offrank: float | None = None) -> float:
     """Pairwise all-to-all: ``offrank`` bytes (default ``(N-1)/N * S``, even splits) leave
     this rank, one message to each of the ``N-1`` others: ``8 * offrank / B + (N-1) * latency``."""
@@ -129,6 +140,8 @@ def link_bytes(kind: str, nbytes: float, world: int, offrank: float | None = Non
         return 2.0 * (n - 1) / n * nbytes
     if kind == "allgather":
         return (n - 1) * nbytes
+    if kind == "reducescatter":
+        return (n - 1) / n * nbytes
     if kind == "alltoall":
         return (n - 1) / n * nbytes if offrank is None else offrank
     raise ValueError(f"unknown collective kind {kind!r}")
@@ -136,9 +149,10 @@ def link_bytes(kind: str, nbytes: float, world: int, offrank: float | None = Non
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of a protocol: ``kind`` is ``"allreduce"``, ``"allgather"`` or
-    ``"alltoall"``; ``nbytes`` the bytes this rank hands to it (for an all-gather: its own
-    part); ``offrank`` for an all-to-all, the part addressed to other ranks (None: even).
+    """One collective of a protocol: ``kind`` is ``"allreduce"``, ``"allgather"``,
+    ``"reducescatter"`` (FSDP2's own, :mod:`gradzip.costmodel.fsdp`) or ``"alltoall"``;
+    ``nbytes`` the bytes this rank hands to it (for an all-gather: its own part); ``offrank``
+    for an all-to-all, the part addressed to other ranks (None: even).
     ``scope``: ``"world"`` (the whole process group), ``"intra"`` (the ranks of one node)
     or ``"cross"`` (one rank per node, as a hierarchical protocol's inter-node step), on a
     group of ``group`` ranks (None: the world)."""
@@ -156,6 +170,8 @@ class Collective:
             return allreduce_time(self.nbytes, n, link)
         if self.kind == "allgather":
             return allgather_time(self.nbytes, n, link)
+        if self.kind == "reducescatter":
+            return reducescatter_time(self.nbytes, n, link)
         if self.kind == "alltoall":
             return alltoall_time(self.nbytes, n, link, self.offrank)
         raise ValueError(f"unknown collective kind {self.kind!r}")
@@ -175,7 +191,7 @@ def wire_time(
     * ``intra`` collectives run on the node's own ``intra`` link (default: ``link``);
     * ``cross`` collectives (one rank per node; the ``local_size`` such groups run at once
       and share the NIC) run at ``1 / local_size`` of ``link``'s bandwidth;
-    * ``world`` rings (allreduce, all-gather over ranks numbered node by node) cross each
+    * ``world`` rings (allreduce, all-gather, reduce-scatter over ranks numbered node by node) cross each
       node boundary once, so the NIC carries one rank's ring traffic: ``link`` as it is;
     * a ``world`` all-to-all sends every rank's messages to the other nodes' ranks through
       the NIC at once: ``local_size * (N - local_size) / N`` of a rank's bytes, on ``link``.
