@@ -1,8 +1,17 @@
-"""FSDP2 with a compressed gradient reduce-scatter (gradzip.fsdp), on CPU/gloo or one GPU per rank.
+"""FSDP2 with compressed weights and gradients (gradzip.fsdp, ZeRO++'s pieces), on CPU/gloo or one GPU per rank.
 
-    torchrun --nproc_per_node 2 examples/fsdp_torchrun.py                 # FSDP, Int8 reduce-scatter
+    torchrun --nproc_per_node 2 examples/fsdp_torchrun.py                 # Int8 weights, Int8 reduce-scatter
+    torchrun --nproc_per_node 4 examples/fsdp_torchrun.py --local-size 2  # 2 nodes x 2: ZeRO++ (qwZ, hpZ, qgZ)
+    torchrun --nproc_per_node 2 examples/fsdp_torchrun.py --all-gather none   # the reduce-scatter only
     torchrun --nproc_per_node 4 examples/fsdp_torchrun.py --hsdp          # HSDP 2 x 2, + PowerSGD replicas
     torchrun --nproc_per_node 2 examples/fsdp_torchrun.py --checkpoint /tmp/gz_ckpt   # DCP save, then resume
+
+``--all-gather`` compresses the parameter all-gathers (each rank's shard quantized, every
+shard decoded into FSDP's unsharded weights; weights are not error-fed: the full-precision
+shard stays the source of truth). ``--local-size L`` (ranks per node; torchrun's
+``--nproc_per_node`` on a real cluster) shards with ``reshard_after_forward=L``, so the
+backward all-gather stays inside the node, and reduce-scatters with ``Hierarchical(method,
+local_size=L)``: plain inside the node, compressed across nodes.
 
 On CUDA (NCCL) each rank takes GPU ``LOCAL_RANK``; otherwise CPU and gloo. The GPU path
 has not been run in gradzip's tests (no GPU there): it uses only device-agnostic calls.
@@ -53,6 +62,17 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="Int8()", help="a gradzip method spec for the reduce-scatter")
     ap.add_argument(
+        "--all-gather",
+        default="Int8(block=256)",
+        help="a codec for the parameter all-gathers: Int8(block=...), FP16(), BF16(), Identity(), or none",
+    )
+    ap.add_argument(
+        "--local-size",
+        type=int,
+        default=None,
+        help="ranks per node: reshard_after_forward=L and Hierarchical(method, local_size=L) (ZeRO++'s hpZ, qgZ)",
+    )
+    ap.add_argument(
         "--replicate-method", default="PowerSGD(rank=4)", help="with --hsdp: a gradzip method for the replica average"
     )
     ap.add_argument("--steps", type=int, default=20)
@@ -81,6 +101,9 @@ def main(argv=None) -> dict:
     import gradzip as gz
 
     method, replicate = gz.parse(a.method), gz.parse(a.replicate_method)  # refused before the ranks meet
+    gather = None if a.all_gather.lower() == "none" else gz.parse(a.all_gather)
+    if a.local_size:
+        method = gz.Hierarchical(method, local_size=a.local_size)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -103,13 +126,18 @@ def main(argv=None) -> dict:
         for b in model.blocks:
             fully_shard(b, mesh=mesh["shard"], mp_policy=mp)
         fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
-        state = gz.fsdp.compress(model, method, replicate=replicate, replicate_group=mesh["replicate"])
+        state = gz.fsdp.compress(
+            model, method, all_gather=gather, replicate=replicate, replicate_group=mesh["replicate"]
+        )
     else:
         mesh = init_device_mesh(device.type, (world,))
+        # reshard_after_forward=L: after the forward each rank keeps 1/L of a block's weights (the
+        # decoded ones), so the backward all-gather runs inside the node (ZeRO++'s hpZ)
+        raf = a.local_size if a.local_size and a.local_size < world else True
         for b in model.blocks:
-            fully_shard(b, mesh=mesh, mp_policy=mp)
+            fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        state = gz.fsdp.compress(model, method)
+        state = gz.fsdp.compress(model, method, all_gather=gather)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     if a.checkpoint and os.path.exists(os.path.join(a.checkpoint, ".metadata")):
@@ -136,10 +164,22 @@ def main(argv=None) -> dict:
 
     s = state.stats()
     if rank == 0:
+        rs = state.stats(which="reduce_scatter")
         print(
-            f"reduce-scatter: {s['bytes_link'] / s['steps'] / 1e3:.1f} kB/step on the link per rank, "
-            f"{s['ratio']:.2f}x less than FSDP2's own reduce-scatter"
+            f"reduce-scatter: {rs['bytes_link'] / rs['steps'] / 1e3:.1f} kB/step on the link per rank, "
+            f"{rs['ratio']:.2f}x less than FSDP2's own reduce-scatter"
         )
+        if gather is not None:
+            ag = state.stats(which="all_gather")
+            print(
+                f"all-gathers: {ag['bytes_link'] / ag['steps'] / 1e3:.1f} kB/step per rank, {ag['ratio']:.2f}x less "
+                f"than FSDP2's own; the whole step {s['ratio']:.2f}x less"
+            )
+        if a.local_size:
+            print(
+                f"across nodes: {(s['bytes_link'] - s['bytes_link_intra']) / s['steps'] / 1e3:.1f} kB/step per rank "
+                f"(inside the node: {s['bytes_link_intra'] / s['steps'] / 1e3:.1f} kB, uncompressed)"
+            )
         if a.hsdp:
             r = state.stats("replicate")
             print(
