@@ -66,12 +66,12 @@ def _transform(x: torch.Tensor, shape, chunk: int, inverse: bool) -> torch.Tenso
         return x.reshape(shape).clone()
     dr = dct_matrix(br, x.dtype, x.device)
     dc = dct_matrix(bc, x.dtype, x.device)
-    blocks = x.reshape(rows // br, br, cols // bc, bc)
+    blocks = x.reshape(rows // br, br, cols // bc, bc).transpose(1, 2)  # [row blocks, col blocks, br, bc]
     if inverse:  # X = D_r^T Y D_c per block
-        out = torch.einsum("akbl,ki,lj->aibj", blocks, dr, dc)
+        out = dr.T @ blocks @ dc
     else:  # Y = D_r X D_c^T per block
-        out = torch.einsum("aibj,ki,lj->akbl", blocks, dr, dc)
-    return out.reshape(shape)
+        out = dr @ blocks @ dc.T
+    return out.transpose(1, 2).reshape(shape)
 
 
 class DCT(Codec):
