@@ -1,4 +1,4 @@
-"""FSDP2 front end: compress ``fully_shard``'s gradient reduce-scatter, and HSDP's replica all-reduce.
+"""FSDP2 front end: compress the reduce-scatter and parameter all-gathers of ``fully_shard``, and HSDP's all-reduce.
 
     from torch.distributed.fsdp import fully_shard
     import gradzip as gz
@@ -6,9 +6,21 @@
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    state = gz.fsdp.compress(model, reduce_scatter=gz.Int8())
+    state = gz.fsdp.compress(model, reduce_scatter=gz.Int8(), all_gather=gz.Int8(block=256))
     ...
     state.stats()          # bytes handed to collectives, link bytes, ratio, times
+
+**ZeRO++ on FSDP2.** ``all_gather=`` (qwZ) replaces FSDP's parameter all-gather
+(``set_custom_all_gather``): each rank encodes its shard of every parameter of the group, one
+all-gather moves the messages, every rank decodes every shard into FSDP's all-gather buffer
+(:class:`~gradzip.protocols.weight_gather.WeightGather`, run by a third engine). Weights are
+not error-fed: the full-precision shard stays the source of truth and is quantized afresh by
+every all-gather. With ``fully_shard(..., reshard_after_forward=L)`` (hpZ) FSDP all-gathers
+the backward's weights over the ``L`` ranks of the post-forward mesh: gradzip gathers the
+forward's decoded weights there as they are (booked as intra-node bytes).
+``reduce_scatter=gz.Hierarchical(codec, local_size=L)`` (qgZ) runs
+:class:`~gradzip.protocols.hierarchical_rs.HierarchicalReduceScatter`: plain inside each node
+of ``L`` ranks, ``codec`` across the nodes.
 
 **Reduce-scatter.** FSDP2 (torch >= 2.9) lets a module replace its reduce-scatter
 (``FSDPModule.set_custom_reduce_scatter``, one call per ``fully_shard``'d module: it is
