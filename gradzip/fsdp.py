@@ -96,7 +96,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from torch.distributed.tensor import DTensor
 
 from .codecs.base import Codec
-from .codecs.cast import Identity
 from .comm import Communicator
 from .engine import Engine, check_real, layout_of
 from .frontend import FrontEnd
@@ -412,10 +411,11 @@ class FSDPState(FrontEnd):
                 f"parameters' shards take {g.gather_numel}: a tensor subclass with its own all-gather inputs "
                 "(fsdp_pre_all_gather, e.g. float8 training) cannot take a compressed all-gather; leave all_gather= out"
             )
-        if inp.dtype == torch.uint8 and not isinstance(self.all_gather_engine.protocol.codec, Identity):
+        if not inp.is_floating_point():
             raise ValueError(
-                f"gradzip.fsdp: module {g.module_name!r} all-gathers raw bytes (its parameters differ in dtype, or "
-                "carry all-gather extensions); only all_gather=Identity() can carry them"
+                f"gradzip.fsdp: module {g.module_name!r} all-gathers {inp.dtype} (its parameters differ in dtype, or "
+                "carry all-gather extensions): gradzip's all-gather takes floating-point shards; leave all_gather= "
+                "out, or fully_shard the parameters of each dtype separately"
             )
         engine = self.all_gather_engine
         names = [name for name, _, _ in g.gather_slots]
