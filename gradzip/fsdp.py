@@ -413,9 +413,9 @@ class FSDPState(FrontEnd):
             )
         if not inp.is_floating_point():
             raise ValueError(
-                f"gradzip.fsdp: module {g.module_name!r} all-gathers {inp.dtype} (its parameters differ in dtype, or "
-                "carry all-gather extensions): gradzip's all-gather takes floating-point shards; leave all_gather= "
-                "out, or fully_shard the parameters of each dtype separately"
+                f"gradzip.fsdp: module {g.module_name!r} all-gathers {inp.dtype} (its parameters carry all-gather "
+                "extensions, fsdp_pre_all_gather, as float8 training's do): gradzip's all-gather takes floating-point "
+                "shards; leave all_gather= out"
             )
         engine = self.all_gather_engine
         names = [name for name, _, _ in g.gather_slots]
