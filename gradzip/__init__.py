@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .local_sgd import LocalSGD as LocalSGD
     from .optim import DistributedOptimizer as DistributedOptimizer
     from .policy import Policy as Policy
+    from .protocols.adaptive import Adaptive as Adaptive
     from .protocols.allgather import AllGather as AllGather
     from .protocols.allreduce import Allreduce as Allreduce
     from .protocols.base import Protocol as Protocol

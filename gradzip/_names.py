@@ -84,6 +84,7 @@ PUBLIC: tuple[Name, ...] = (
     Name("Hierarchical", "protocols.hierarchical", "protocol"),
     Name("PowerSGD", "protocols.powersgd", "protocol"),
     Name("Policy", "policy", "protocol"),
+    Name("Adaptive", "protocols.adaptive", "protocol"),
     # the engine and the front ends
     Name("Engine", "engine"),
     Name("Stats", "stats"),
