@@ -91,6 +91,7 @@ PROFILE_METHODS = (
     "ReduceScatter(FP16())",
     "Int8Allreduce()",
     "Filter(TopK(0.01))",
+    "DCT(TopK(0.01))",
 )
 #: Routes the plan costs through other methods' fits, so the profile needs no entry of theirs.
 COMPOSITE = ("Policy",)
