@@ -330,6 +330,10 @@ class Adaptive(Protocol):
         self.settings = {v: self._make(v) for v in self.values}  # validates each value
         #: Seconds and counts of this rank's statistics and solves (not configuration).
         self.timing = {"stats_s": 0.0, "solve_s": 0.0, "stats_calls": 0, "solves": 0}
+        #: This process's choices, in order: step, the statistics' step, the tensors, their error
+        #: and bytes tables (rows: tensors; columns: :attr:`values`), the budget and each
+        #: tensor's new value (a log for benchmarks, not state: a resumed run starts it empty).
+        self.history: list[dict] = []
         blob = json.dumps(self._config_blob(), sort_keys=True, default=str).encode()
         self.key = f"adaptive:{hashlib.sha256(blob).hexdigest()[:12]}"
 
@@ -525,6 +529,9 @@ class Adaptive(Protocol):
             "reference_bytes": sum(r[j_ref] for r in nb),
         }
         g["choices"] = int(g.get("choices", 0)) + 1
+        self.history.append(
+            {**g["choice"], "names": list(names), "err": err, "nbytes": nb, "values": [self.values[j] for j in choice]}
+        )
         self.timing["solve_s"] += time.perf_counter() - t0
         self.timing["solves"] += 1
 
