@@ -92,6 +92,7 @@ PROFILE_METHODS = (
     "Int8Allreduce()",
     "Filter(TopK(0.01))",
     "DCT(TopK(0.01))",
+    "Adaptive(TopK(0.01))",
 )
 #: Routes the plan costs through other methods' fits, so the profile needs no entry of theirs.
 COMPOSITE = ("Policy",)
