@@ -101,6 +101,41 @@ def accuracy(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def lm(doc: dict) -> str:
+    """The language model's table (``gradzip bench --dataset shakespeare``, ``--preset lm``):
+    validation loss and its gap to Identity's on the same seeds, against the link ratio."""
+    cfg = doc["config"]
+    n = len(cfg["seeds"])
+    clip = f", clipping {cfg['clip']:g} ({cfg['clip_mode']})" if cfg.get("clip") is not None else ", no clipping"
+    lines = [
+        f"`{_cmd(doc['command'])}`",
+        "",
+        f"({cfg['dataset']}, the {cfg['lm_size']} GPT, {cfg['workers']} gloo ranks, {cfg['total_steps']} steps, "
+        f"batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} beta1 {cfg['momentum']:g} weight decay "
+        f"{cfg['weight_decay']:g}, warm-up {cfg['warmup_steps']} steps then {cfg['lr_schedule']}{clip}; "
+        f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
+        "",
+        "Validation loss: nats per byte on the whole validation text after the last step, mean ± sample std "
+        f"[min..max] over {n} seed{'s' if n > 1 else ''}; gap: 100 × (loss − Identity's) / Identity's on the same "
+        "seed, in percent; link ratio as above.",
+        "",
+        "| method | link ratio | link MB/step | val loss (nats/byte) | bits/byte | gap to DDP (%) | ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        loss = f"{r['val_loss']:.4f}"
+        gap = f"{r['gap_pct']:+.2f}" if "gap_pct" in r else ""
+        if r.get("val_loss_std") is not None:
+            loss += f" ± {r['val_loss_std']:.4f}"
+            if gap:
+                gap += f" ± {r['gap_pct_std']:.2f} [{r['gap_pct_min']:+.2f}..{r['gap_pct_max']:+.2f}]"
+        lines.append(
+            f"| {r['method']} | {r['ratio']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} | {loss} "
+            f"| {r['bits_per_byte']:.4f} | {gap} | {1000 * r['seconds_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 #: From this many seeds on, an accuracy table is followed by each seed's Δ and their median.
 PER_SEED_FROM = 5
 
@@ -634,6 +669,7 @@ def _horovod(*names: str) -> str:
 
 RENDERERS = {
     "accuracy": _with_files(accuracy),
+    "lm": _with_files(lm),
     "adam_steps": _with_files(adam_steps),
     "verdicts": verdicts,
     "headline": lambda: headline(),

@@ -135,7 +135,8 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
             every rank. Every trainable parameter of ``optimizer`` must be named;
             named parameters that ``optimizer`` does not hold are ignored. Default:
             ``"param.{group}.{index}"`` from the optimizer's parameter groups.
-        compression: any gradzip codec or protocol (default ``Identity()``: a plain allreduce).
+        compression: any gradzip codec or protocol, or its spec (``"TopK(0.01)"``; default
+            ``Identity()``: a plain allreduce).
         backward_passes_per_step: backward passes accumulated locally per ``step()``,
             an integer in [1, inf).
         op: ``"average"`` or ``"sum"``.
@@ -176,7 +177,7 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-        compression: Codec | Protocol | None = None,
+        compression: Codec | Protocol | str | None = None,
         backward_passes_per_step: int = 1,
         op: str = "average",
         gradient_predivide_factor: float = 1.0,
@@ -196,6 +197,10 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
         if isinstance(optimizer, (DistributedOptimizer,)):
             raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
         compression = Identity() if compression is None else compression
+        if isinstance(compression, str):
+            from .registry import parse
+
+            compression = parse(compression)
         if not isinstance(compression, (Codec, Protocol)):
             raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
         bpps = args.integer("backward_passes_per_step", backward_passes_per_step, 1)

@@ -221,8 +221,9 @@ def _digits(rank, world):
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum),
         named_parameters=model.named_parameters(),
-        compression=gz.TopK(ratio=0.01),
+        compression="TopK(0.01)",  # a spec, as gz.parse reads it
     )
+    assert repr(opt.compression) == "TopK(ratio=0.01)"
     # The data order of bench.train_one.
     shard_x, shard_y = xtr[rank::world], ytr[rank::world]
     n = min(len(shard_x) - len(shard_x) % cfg.batch_size, (len(xtr) // world) // cfg.batch_size * cfg.batch_size)
