@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 from benchmarks._common import RESULTS, command
-from gradzip import bench, cli
+from gradzip import bench, cli, options
 
 
 def main(argv=None) -> int:
@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--stem", default=None, help="file name without extension")
     p.add_argument("--no-progress", action="store_true")
+    options.apply_preset(p, argv)
     a = p.parse_args(argv)
     rows, cfg, code = cli.run_bench(a, no_progress=a.no_progress, plot=True)
     if code:

@@ -116,8 +116,9 @@ def lm(doc: dict) -> str:
         f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
         "",
         "Validation loss: nats per byte on the whole validation text after the last step, mean ± sample std "
-        f"[min..max] over {n} seed{'s' if n > 1 else ''}; gap: 100 × (loss − Identity's) / Identity's on the same "
-        "seed, in percent; link ratio as above.",
+        f"over {n} seed{'s' if n > 1 else ''}; gap: 100 × (loss − Identity's) / Identity's on the same seed, in "
+        "percent, mean ± sample std [min..max]; link ratio: plain DDP's ring-allreduce bytes on a rank's link / "
+        "gradzip's; ms/step: wall time on a shared machine, not a speed figure.",
         "",
         "| method | link ratio | link MB/step | val loss (nats/byte) | bits/byte | gap to DDP (%) | ms/step |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -278,11 +279,40 @@ def headline() -> str:
             ad = f"{_pp(100 * p['delta_accuracy'])} with `precondition=True` ({_pp(100 * a['delta_accuracy'])} without)"
         lines.append(f"| `{m}` | {r['ratio']:.0f}× / {a['ratio']:.0f}× | {_pp(100 * r['delta_accuracy'])} | {ad} |")
 
+    lines += ["", *_lm_headline()]
     lines += ["", "| front end | method | result | file (machine) |", "|---|---|---|---|"]
     for name, text in _other_front_ends():
         doc = _load(name)
         lines.append(f"| {text} | `{name}` ({_short_machine(_as_machine(doc))}) |")
     return "\n".join(lines)
+
+
+#: The language-model table the README quotes (``gradzip bench --preset lm``).
+LM_RUN = "lm_shakespeare_4ranks_adamw_cpu.json"
+
+
+def _lm_headline() -> list[str]:
+    """The language model: each row's link ratio and validation-loss gap to DDP."""
+    doc = _load(LM_RUN)
+    c = doc["config"]
+    base = next(r for r in doc["rows"] if r["method"] == "Identity")
+    lines = [
+        f"The byte-level GPT ({c['lm_size']}, 0.87M parameters) on the bundled Shakespeare, {c['workers']} gloo "
+        f"ranks, {c['total_steps']} AdamW steps (lr {c['lr']:g}, the best of a sweep for DDP), mean of "
+        f"{len(c['seeds'])} seeds; DDP's validation loss {base['val_loss']:.3f} nats/byte "
+        f"({_short_machine(doc['machine'])}; `{LM_RUN}`):",
+        "",
+        "| method | link bytes, fewer than DDP | validation loss against DDP's |",
+        "|---|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        if r["method"] == "Identity":
+            continue
+        gap = f"{r['gap_pct']:+.1f}%".replace("-", "−")
+        if r.get("gap_pct_std") is not None:
+            gap += f" ± {r['gap_pct_std']:.1f}"
+        lines.append(f"| `{r['method']}` | {r['ratio']:.1f}× | {gap} |")
+    return lines
 
 
 def _as_machine(doc: dict) -> dict:
@@ -659,7 +689,8 @@ def _explore(*, shown: frozenset = frozenset()) -> str:
         if name in shown:
             out += [f"### `{path.stem}`", "", f"Shown above; {_files(name)[0].lower()}{_files(name)[1:]}", ""]
             continue
-        out += [f"### `{path.stem}`", "", _with_files(accuracy)(name), ""]
+        render = lm if _load(name).get("config", {}).get("metric") == "val_loss" else accuracy
+        out += [f"### `{path.stem}`", "", _with_files(render)(name), ""]
     return "\n".join(out).rstrip()
 
 

@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", default="bench_out", help="folder for results.json/csv and pareto.png ('' to skip)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(fn=_bench)
+    options.apply_preset(b, argv)
     pl = sub.add_parser("plan", help="predict step time and scaling efficiency per method and world size")
     options.add_plan_arguments(pl)
     pl.set_defaults(fn=_plan)

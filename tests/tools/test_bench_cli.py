@@ -3,11 +3,14 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from gradzip import bench, cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(*args, timeout=240):
@@ -495,3 +498,33 @@ def test_adam_steps_reads_adamws_normalized_step():
     u.grad = torch.tensor([0.5, -0.25, 0.0])
     taken.step()
     torch.testing.assert_close(mod._normalized_steps(taken), torch.tensor([0.5, 0.25, 0.0]))
+
+
+def test_preset_lm_sets_the_tables_options_and_the_command_line_wins():
+    from gradzip import options
+    from gradzip.registry import parse_list
+
+    def parsed(*argv):
+        p = cli.argparse.ArgumentParser()
+        cli.add_bench_arguments(p)
+        options.apply_preset(p, list(argv))
+        a = p.parse_args(list(argv))
+        return cli.config_from_args(a), a.methods
+
+    cfg, methods = parsed("--preset", "lm")
+    assert (cfg.dataset, cfg.workers, cfg.seeds, cfg.optimizer) == ("shakespeare", 4, (0, 1, 2), "adamw")
+    assert cfg.lr == bench.DEFAULT_LR[("shakespeare", "adamw")] and cfg.resolved_warmup() == 50
+    assert cfg.total_steps() == bench.DEFAULT_STEPS["shakespeare"]
+    other, _ = parsed("--workers", "2", "--preset", "lm", "--seeds", "1")
+    assert (other.workers, other.seeds, other.dataset) == (2, (1,), "shakespeare")
+    with pytest.raises(SystemExit):
+        parsed("--preset", "nope")
+    # the committed table: the preset's methods are its rows in order, and its options the preset's
+    table = ROOT / "benchmarks/results/lm_shakespeare_4ranks_adamw_cpu.json"
+    doc = json.loads(table.read_text())
+    assert [r["method"] for r in doc["rows"]] == list(parse_list(methods))
+    assert doc["command"] == "gradzip bench --preset lm" and doc["config"]["seeds"] == [0, 1, 2]
+    c = doc["config"]
+    assert (c["total_steps"], c["warmup_steps"]) == (cfg.total_steps(), cfg.resolved_warmup())
+    for key in ("dataset", "workers", "lr", "optimizer", "momentum", "weight_decay", "batch_size", "clip"):
+        assert c[key] == getattr(cfg, key), key
