@@ -60,7 +60,7 @@ from .costmodel.link import Link
 from .costmodel.profile import CodecProfile, as_profile, sample
 from .protocols.allreduce import Allreduce
 from .protocols.base import Call, Exchange, Protocol, as_protocol
-from .protocols.parallel import aligned_starts, parallel
+from .protocols.parallel import aligned_starts, parallel, scatter_routes
 from .wire import accum_dtype
 
 __all__ = ["Policy"]
@@ -395,9 +395,4 @@ class Policy(Protocol):
         results = yield from parallel([p.exchange(s) for p, s in zip(protocols, subs)], aligned_starts(protocols))
         if whole and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
             return results[0].view(-1)
-        with call.codec():
-            out = call.output()
-            for g, sub, got in zip(order, subs, results):
-                for j, i in enumerate(groups[g]):
-                    out[call.slice(i)] = got[sub.slice(j)]
-        return out
+        return scatter_routes(call, order, groups, subs, results)

@@ -84,7 +84,7 @@ from ..comm import Round
 from ..registry import Registered, config_of
 from ..wire import accum_dtype, frame_nbytes
 from .base import Call, Exchange, Protocol, as_protocol
-from .parallel import aligned_starts, parallel
+from .parallel import aligned_starts, parallel, scatter_routes
 
 __all__ = ["Adaptive", "solve", "solve_dp", "solve_exact", "default_menu", "EXACT_CAP", "PARAMETERS"]
 
@@ -600,9 +600,4 @@ class Adaptive(Protocol):
         results = yield from parallel(gens, starts)
         if len(order) == 1 and results[0].dtype == call.out_dtype and results[0].numel() == call.numel:
             return results[0].view(-1)
-        with call.codec():
-            out = call.output()
-            for v, sub, got in zip(order, subs, results):
-                for j, i in enumerate(groups[v]):
-                    out[call.slice(i)] = got[sub.slice(j)]
-        return out
+        return scatter_routes(call, order, groups, subs, results)

@@ -38,6 +38,33 @@ from .twophase import piece_bounds
 __all__ = ["Hierarchical", "shard_key"]
 
 
+def node_size_arg(local_size: int | None) -> int | None:
+    """A node-size argument: ``local_size`` as given, else ``$LOCAL_WORLD_SIZE`` (torchrun
+    sets it), else None; an integer >= 1 (``ValueError`` otherwise)."""
+    if local_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+        local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    return args.optional(args.integer, "local_size", local_size, 1)
+
+
+def whole_nodes(who: str, local_size: int | None, world: int) -> int:
+    """Ranks per node at ``world`` ranks: ``local_size`` capped at ``world`` (fewer ranks than a
+    node holds: one node); ``ValueError`` naming ``who`` without one, or where ``world`` is not
+    whole nodes."""
+    if local_size is None:
+        raise ValueError(f"{who} needs local_size (or LOCAL_WORLD_SIZE, as torchrun sets it)")
+    L = min(local_size, world)
+    if world % L:
+        raise ValueError(f"{who}: {world} ranks are not whole nodes of local_size={L}")
+    return L
+
+
+def node_groups(cache: weakref.WeakKeyDictionary, comm, L: int):
+    """``(node, across)``: ``comm`` split into nodes of ``L`` ranks, once per communicator."""
+    if comm not in cache:
+        cache[comm] = comm.split(L)
+    return cache[comm]
+
+
 def shard_key(name: str, local: int, local_size: int) -> str:
     return f"{name}@{local}/{local_size}"
 
@@ -56,9 +83,7 @@ class Hierarchical(Protocol):
         if not isinstance(inner, (Codec, Protocol)) or isinstance(inner, Hierarchical):
             raise TypeError(f"inner must be a gradzip codec or protocol (not Hierarchical), got {type(inner).__name__}")
         self.inner = inner
-        if local_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-            local_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        self.local_size = args.optional(args.integer, "local_size", local_size, 1)
+        self.local_size = node_size_arg(local_size)
         self._comms = weakref.WeakKeyDictionary()  # the call's communicator -> (node, cross)
 
     @property
@@ -74,17 +99,9 @@ class Hierarchical(Protocol):
         as_protocol(self.inner).check_names(names)
 
     def _setup(self, call: Call):
-        world, rank = call.world_size, call.rank
-        L = self.local_size
-        if L is None:
-            raise ValueError("Hierarchical needs local_size (or LOCAL_WORLD_SIZE, as torchrun sets it)")
-        L = min(L, world)  # fewer ranks than a node holds: one node
-        if world % L:
-            raise ValueError(f"Hierarchical: {world} ranks are not whole nodes of local_size={L}")
-        if call.comm not in self._comms:
-            self._comms[call.comm] = call.comm.split(L)
-        node, across = self._comms[call.comm]
-        return L, rank % L, node, across
+        L = whole_nodes("Hierarchical", self.local_size, call.world_size)
+        node, across = node_groups(self._comms, call.comm, L)
+        return L, call.rank % L, node, across
 
     def exchange(self, call: Call) -> Exchange:
         L, local, node, across = self._setup(call)

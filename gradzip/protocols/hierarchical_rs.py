@@ -30,18 +30,15 @@ Mass: with residuals ``r`` of the node means (keyed ``name@l/L``, one row per no
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
-
-import gradzip.args as args
 
 from ..codecs.base import Codec
 from ..comm import Round
 from ..wire import accum_dtype, narrow
 from .base import Call, Exchange, Protocol
-from .hierarchical import shard_key
+from .hierarchical import node_groups, node_size_arg, shard_key, whole_nodes
 from .reduce_scatter import ReduceScatter
 from .twophase import piece_bounds, reduce_scatter_pieces
 
@@ -64,9 +61,7 @@ class HierarchicalReduceScatter(Protocol, register=False):
     def __init__(self, codec: Codec, *, local_size: int | None = None) -> None:
         ReduceScatter(codec)  # the same refusals (frames, scope="call")
         self.codec = codec
-        if local_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-            local_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        self.local_size = args.optional(args.integer, "local_size", local_size, 1)
+        self.local_size = node_size_arg(local_size)
         self._comms = weakref.WeakKeyDictionary()  # the call's communicator -> (node, cross)
 
     @property
@@ -80,20 +75,13 @@ class HierarchicalReduceScatter(Protocol, register=False):
     def nodes(self, world: int) -> int:
         """Ranks per node at ``world`` ranks (``local_size`` capped at ``world``); raises where
         ``world`` is not whole nodes."""
-        if self.local_size is None:
-            raise ValueError("HierarchicalReduceScatter needs local_size (or LOCAL_WORLD_SIZE, as torchrun sets it)")
-        L = min(self.local_size, world)
-        if world % L:
-            raise ValueError(f"HierarchicalReduceScatter: {world} ranks are not whole nodes of local_size={L}")
-        return L
+        return whole_nodes("HierarchicalReduceScatter", self.local_size, world)
 
     def exchange(self, call: Call) -> Exchange:
         world, rank = call.world_size, call.rank
         L = self.nodes(world)
         nodes, local, me_node = world // L, rank % L, rank // L
-        if call.comm not in self._comms:
-            self._comms[call.comm] = call.comm.split(L)
-        node, across = self._comms[call.comm]
+        node, across = node_groups(self._comms, call.comm, L)
         count = len(call.tensors)
         acc_dtype = accum_dtype(call.out_dtype)
         bounds = [piece_bounds(t.numel(), world) for t in call.tensors]

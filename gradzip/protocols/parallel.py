@@ -84,3 +84,16 @@ def aligned_starts(protocols) -> list[int]:
     counts = [p.rounds for p in protocols]
     longest = max((c for c in counts if c is not None), default=0)
     return [longest - c if c is not None else 0 for c in counts]
+
+
+def scatter_routes(call, order, groups, subs, results):
+    """One call's output from its routes' results: route ``order[k]`` carried the tensors
+    ``groups[order[k]]`` (indices into ``call``) as the sub-call ``subs[k]`` and returned
+    ``results[k]``; each tensor's slice of ``results[k]`` lands at its place in ``call``'s output
+    (Policy's and Adaptive's routes, run side by side by :func:`parallel`)."""
+    with call.codec():
+        out = call.output()
+        for key, sub, got in zip(order, subs, results):
+            for j, i in enumerate(groups[key]):
+                out[call.slice(i)] = got[sub.slice(j)]
+    return out
