@@ -12,17 +12,18 @@ its cap, and the least worth starting with):
 part        cap   least what it runs and writes (``SLUG``: the device's name, e.g.
                         ``nvidia-h100-80gb-hbm3``)
 =========== ===== ===== =====================================================================
-profile     70    20    whole calls of every codec and protocol of the grammar
+profile     45    20    whole calls of every codec and protocol of the grammar
                         (:data:`PROFILE_METHODS`; ``measure_codec(device="cuda")`` at 1M and
                         16M float32 elements, 1 and 8 ranks, fastest of 3), the profile
                         ``gradzip plan --device`` reads once ``benchmarks/h100_profile.py``
                         has built it: ``codec_profile_SLUG.json``
-kernels     120   30    ``benchmarks/kernels.py --sizes 16M,64M,256M --dtypes fp32,bf16
+kernels     90    30    ``benchmarks/kernels.py --sizes 16M,64M,256M --dtypes fp32,bf16
                         --topk-sizes 100M``: every encoder and decoder, TopK exact, sampled
                         and approximate against ``torch.topk``: ``kernels_SLUG.json``
-gpu_step    110   30    ``benchmarks/gpu_step.py`` on ResNet-50 and GPT-2 small (8 timed steps),
-                        the goals' methods first: ``gpu_step_SLUG.json``
-tests       150   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt``
+gpu_step    110   30    ``benchmarks/gpu_step.py`` on ResNet-50 and GPT-2 small (8 timed steps,
+                        3 for a method slower than 1 s a step), the goals' methods on both
+                        models first: ``gpu_step_SLUG.json``
+tests       200   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt``
 =========== ===== ===== =====================================================================
 
 A part gets ``min(cap, budget left - 10 s)``; it is skipped when that is under its least.
@@ -101,7 +102,7 @@ COMPOSITE = ("Policy",)
 STEP_GOAL_METHODS = ("Identity()", "TopK(0.01)", "SignSGD()", "Int8()", "PowerSGD(rank=4)")
 
 #: part -> (cap in seconds, the least worth starting it with)
-PARTS = {"profile": (70, 20), "kernels": (120, 30), "gpu_step": (110, 30), "tests": (150, 40)}
+PARTS = {"profile": (45, 20), "kernels": (90, 30), "gpu_step": (110, 30), "tests": (200, 40)}
 DEFAULT_BUDGET = 450
 RESERVE = 10  # seconds kept for the summary and the files
 SOFT_MARGIN = 25  # a child's soft budget ends this much before its share (a block in flight finishes)
@@ -247,6 +248,7 @@ def part_command(part: str, out: Path, smoke: bool, soft: float) -> list[str]:
             methods = list(STEP_GOAL_METHODS)
         else:
             run = ["--device", "cuda", "--models", "resnet50,gpt2", "--steps", "8", "--warmup", "2"]
+            run += ["--first", str(len(STEP_GOAL_METHODS))]  # the goals' methods on both models first
             methods = list(dict.fromkeys([*STEP_GOAL_METHODS, *DEFAULT_METHODS]))
         return [*py, "benchmarks.gpu_step", *run, "--methods", "; ".join(methods), *budget, "--out", str(out)]
     if part == "tests":
@@ -430,6 +432,26 @@ def format_summary(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
+def resummarize(device: str, out: Path, argv) -> int:
+    """Summarize the part files of ``device`` in ``out`` again into its ``gpu_suite_`` file
+    (the parts' status as first written, the summary and a note of this command)."""
+    names = files(slug(device))
+    path = out / names["suite"]
+    if not path.exists():
+        print(f"gpu_suite: no {path} to summarize again", file=sys.stderr)
+        return 2
+    doc = json.loads(path.read_text())
+    docs = {part: _load(out / names[part]) for part in PARTS}
+    doc["summary"] = summarize(docs, SCALES["device"])
+    doc["summarized_again"] = {
+        "command": command("gpu_suite", argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(format_summary(doc["summary"], device))
+    return 0
+
+
 # -- main -----------------------------------------------------------------------------------------
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -448,6 +470,13 @@ def _args(argv):
         default=[],
         metavar="PART=SECONDS",
         help="another cap for a part (repeatable), e.g. tests=200",
+    )
+    p.add_argument(
+        "--summarize",
+        default=None,
+        metavar="DEVICE",
+        help="run nothing: summarize the files of DEVICE (its name, e.g. 'NVIDIA H200') in --out "
+        "(default benchmarks/results/) again, after a part was rerun or merged by hand",
     )
     # internal: one part in this process (the suite starts itself so for the profile)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -479,6 +508,9 @@ def main(argv=None) -> int:
             print(f"gpu_suite: --part-budget wants PART=SECONDS, got {item!r}", file=sys.stderr)
             return 2
         caps[name] = float(secs)
+
+    if args.summarize:
+        return resummarize(args.summarize, Path(args.out) if args.out else RESULTS, argv)
 
     import torch
 

@@ -740,6 +740,16 @@ def _as_dtensor(local: torch.Tensor, param) -> DTensor:
     )
 
 
+def _param_groups(state) -> list:
+    """An FSDP module's parameter groups: torch 2.13 keeps a list (``_fsdp_param_groups``),
+    torch 2.11 (the GPU image's) one group or None (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def compress(
     model: torch.nn.Module,
     reduce_scatter: Codec | Hierarchical | None = None,
@@ -822,7 +832,7 @@ def compress(
 
     pgs = []
     for name, m in fsdp_modules:
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = _param_groups(m._get_fsdp_state())
         label = name or "<root>"
         if len(groups) > 1:
             raise ValueError(

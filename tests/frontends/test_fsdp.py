@@ -509,3 +509,16 @@ def test_reduce_scatter_protocol_refuses_what_it_cannot_carry():
     with pytest.raises(ValueError, match="travel in frames"):
         ReduceScatter(gz.PowerSGD())
     assert ReduceScatter(gz.Int8()).link_raw(4000, 4) == 3000
+
+
+def test_param_groups_reads_the_list_of_torch_2_13_and_the_single_group_of_torch_2_11():
+    from types import SimpleNamespace
+
+    from gradzip.fsdp import _param_groups
+
+    a, b = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
+    # torch 2.11 (the GPU image): one group or None, no list
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -1,0 +1,95 @@
+"""Where a codec's time goes in one training step: cProfile of ``costmodel.dry_run`` over
+ResNet-50's gradients, cut into DDP's buckets, as one rank among ``--world``.
+
+    python -m benchmarks.dryrun_profile                              # CUDA if present, else the CPU
+    python -m benchmarks.dryrun_profile --device cpu --methods "Int8()" --out benchmarks/results/x.txt
+
+For each method (``gz.parse`` specs, ``;``-separated): two untimed steps, one step timed
+without the profiler (printed as ``ms a step``), then one step under cProfile: the 18
+functions with the most time of their own, and the 22 gradzip and kernel functions with the
+most time under them. The step is what ``benchmarks/gpu_step.py`` times as codec time (error
+feedback, encode, framing, the decode of every peer), so this tells whether a method's step
+is spent in kernels, in Python, or in launches and synchronizations (time spent waiting on
+the device shows up under the call that synchronized: ``tolist``, ``item``, ``cpu``).
+Gradients are random normal (seed 0), float32. Prints the report and writes it to ``--out``
+when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from benchmarks.gpu_step import ResNet
+
+
+def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
+    import gradzip as gz
+    from gradzip.costmodel import dry_run
+
+    meth = gz.parse(spec)
+    stores: dict = {}
+
+    def run(s):
+        for b in buckets:
+            dry_run(meth, [grads[i] for i in b], world_size=world, names=[names[i] for i in b], stores=stores, step=s)
+        sync()
+
+    for s in range(2):
+        run(s)
+    t = time.perf_counter()
+    run(2)
+    wall = time.perf_counter() - t
+    pr = cProfile.Profile()
+    pr.enable()
+    run(3)
+    pr.disable()
+    lines = [f"===== {spec}: {wall * 1e3:.1f} ms a step (no profiler)"]
+    out = io.StringIO()
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("tottime").print_stats(18)
+    lines += [ln[:170] for ln in out.getvalue().splitlines()[6:40]]
+    out = io.StringIO()
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("cumtime").print_stats("gradzip|kernels", 22)
+    lines += [ln[:170] for ln in out.getvalue().splitlines()[6:40]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    ap.add_argument("--methods", default="TopK(0.01);Int8();SignSGD()", help="';'-separated specs")
+    ap.add_argument("--world", type=int, default=8, help="ranks of the dry run (default 8, as gpu_step.py)")
+    ap.add_argument("--out", default=None, help="also write the report to this file")
+    args = ap.parse_args(argv)
+    from gradzip.costmodel import ddp_buckets
+
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = ResNet()
+    named = list(model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g).to(dev) for _, p in named]
+    names = [n for n, _ in named]
+    buckets = ddp_buckets([t.numel() * 4 for t in grads])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    label = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    report = [f"# {label}, torch {torch.__version__}; ResNet-50: {len(grads)} tensors, {len(buckets)} buckets"]
+    print(report[0], flush=True)
+    for spec in [s.strip() for s in args.methods.split(";") if s.strip()]:
+        report.append(profile(spec, grads, names, buckets, args.world, sync))
+        print(report[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
