@@ -327,14 +327,62 @@ def int8_encode_reference(
     v = x.reshape(-1).to(accum_dtype(x.dtype))
     n = v.numel()
     nb, b = quant_layout(n, block)
+    if scales is not None:
+        scales = scales.to(device=v.device, dtype=torch.float32)
+    if v.device.type == "cpu" and v.dtype == torch.float32 and not v.requires_grad:
+        return _int8_encode_f32(v, scales, nb, b)
     if scales is None:
         amax = quant_pad(v.abs(), nb, b).amax(dim=1) if nb else v.new_zeros(0)
         scales = int8_scales(amax)
-    else:
-        scales = scales.to(device=v.device, dtype=torch.float32)
     se = quant_per_element(scales.to(torch.float64), nb, b, n)
     q = torch.where(se > 0, v.to(torch.float64) / se, torch.zeros(n, dtype=torch.float64, device=v.device))
     return scales, q.round_().clamp_(-127, 127).to(torch.int8)
+
+
+#: Rows of a block a CPU chunk of the fast Int8 path holds (about 256K elements: cache-sized).
+_CHUNK = 1 << 18
+#: A float32 quotient this close to a half-integer is redone in float64 (see _int8_codes_f32).
+_NEAR_TIE = 0.5 - 2.0**-14
+
+
+def _int8_encode_f32(v: torch.Tensor, scales: torch.Tensor | None, nb: int, b: int):
+    """Int8's ``(scales, codes)`` of a float32 CPU vector in one pass of cache-sized chunks:
+    each chunk's block scales (:func:`int8_scales` of ``max |v|``, unless ``scales`` are
+    given), then its codes, equal to the float64 reference's ``round(fl64(v / S_b))`` clamped
+    to ``[-127, 127]`` (0 where ``S_b = 0``), computed in float32.
+
+    Why equal: the exact quotient ``t = v / S_b`` and float32's correctly rounded ``q = fl32(t)``
+    differ by at most half an ulp of ``q``, ``2**-18`` where ``|q| < 128`` (and far less below);
+    larger quotients clamp to 127 either way. So ``round(q)`` is ``round(t)`` unless ``t`` lies
+    within ``2**-18`` of a half-integer, where ``q`` can land on or across it; every element
+    whose ``q`` is within ``2**-14`` of a half-integer is computed again in float64, as the
+    reference computes all of them (float64's own ``fl64(t)`` can round onto a half-integer
+    too: the redone elements match the reference bit for bit there as well)."""
+    n = v.numel()
+    out = torch.empty(n, dtype=torch.int8)
+    given = scales is not None
+    if not given:
+        scales = torch.empty(nb, dtype=torch.float32)
+    rows = max(1, _CHUNK // b)
+    for r0 in range(0, nb, rows):
+        r1 = min(nb, r0 + rows)
+        a, e = r0 * b, min(n, r1 * b)
+        whole = e - a == (r1 - r0) * b
+        x = v[a:e].view(r1 - r0, b) if whole else v[a:e]
+        if not given:
+            amax = x.abs().amax(dim=1) if whole else quant_pad(x.abs(), r1 - r0, b).amax(dim=1)
+            scales[r0:r1] = int8_scales(amax)
+        s = scales[r0:r1]
+        ss = s.view(-1, 1) if whole else quant_per_element(s, r1 - r0, b, e - a)
+        ok = ss > 0
+        q = torch.where(ok, x / torch.where(ok, ss, 1.0), 0.0)
+        t = q.round()
+        near = (q - t).abs_() >= _NEAR_TIE
+        if bool(near.any()):
+            s64 = ss.to(torch.float64).expand_as(x)[near]
+            t[near] = (x[near].to(torch.float64) / s64).round().to(torch.float32)
+        out[a:e] = t.clamp_(-127, 127).view(-1)
+    return scales, out
 
 
 # -- decode ---------------------------------------------------------------------------------
@@ -387,6 +435,46 @@ def _lut_decodes(kind: str, acc: torch.dtype, *tensors: torch.Tensor) -> bool:
     return kind == "sign1" and acc in (torch.float32, torch.float64) and all(t.device.type == "cpu" for t in tensors)
 
 
+def _int8_chunked(kind: str, acc: torch.dtype, *tensors: torch.Tensor) -> bool:
+    return kind == "int8" and acc in (torch.float32, torch.float64) and all(t.device.type == "cpu" for t in tensors)
+
+
+def _int8_values(code: torch.Tensor, scales: torch.Tensor, nb: int, b: int, n: int, acc: torch.dtype, rows=None):
+    """``(start, stop, code * S_b)`` of an int8 frame a cache-sized chunk of blocks at a time
+    (blocks ``rows``: a range, default all), in ``acc``: the products ``code.to(acc) * se``
+    of the whole-frame formula, without its per-element copy of the scales."""
+    codes = code.view(torch.int8)
+    step = max(1, _CHUNK // b)
+    for r0 in range(0, nb, step) if rows is None else rows:
+        r1 = min(nb, r0 + step)
+        a, e = r0 * b, min(n, r1 * b)
+        sc = scales[r0:r1].to(acc)
+        if e - a == (r1 - r0) * b:
+            vals = codes[a:e].view(r1 - r0, b).to(acc).mul_(sc.view(-1, 1)).view(-1)
+        else:
+            vals = codes[a:e].to(acc).mul_(quant_per_element(sc, r1 - r0, b, e - a))
+        yield a, e, vals
+
+
+def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
+    """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order,
+    ``out`` a flat contiguous float32 or float64 CPU tensor: a cache-sized chunk of blocks at a
+    time, every frame's values for it, with the whole-frame additions' order and rounding
+    (each element gets ``((out + d_0) + d_1) ...``, the values ``code * S_b`` as decoded)."""
+    n = out.numel()
+    frames = [_split_body(body, n, "int8", block, None) for body in bodies]
+    if not frames or n == 0:
+        return
+    nb, b = frames[0][0], frames[0][1]
+    for r0 in range(0, nb, max(1, _CHUNK // b)):
+        for _, _, scales, code in frames:
+            for a, e, vals in _int8_values(code, scales, nb, b, n, out.dtype, rows=(r0,)):
+                if subtract:
+                    out[a:e].sub_(vals)
+                else:
+                    out[a:e].add_(vals)
+
+
 def decode_quant_reference(
     body: torch.Tensor,
     n: int,
@@ -408,6 +496,11 @@ def decode_quant_reference(
         return torch.zeros(0, dtype=acc, device=body.device)
     if _lut_decodes(kind, acc, body):
         return _sign_values(code, scales, nb, b, n, acc)
+    if _int8_chunked(kind, acc, body):
+        out = torch.empty(n, dtype=acc)
+        for a, e, vals in _int8_values(code, scales, nb, b, n, acc):
+            out[a:e] = vals
+        return out
     se = quant_per_element(scales.to(acc), nb, b, n)
     if kind == "sign1":
         neg = unpack_bits(code.view(torch.int32), n)
@@ -438,6 +531,9 @@ def decode_add_quant_reference(
     its dtype). On the CPU, sign1 frames decode by table lookup a chunk at a time into a
     small scratch, with the same additions."""
     n = out.numel()
+    if _int8_chunked(kind, out.dtype, out, *bodies) and out.is_contiguous() and n:
+        int8_apply_(out.view(-1), bodies, block=block)
+        return
     if not (_lut_decodes(kind, out.dtype, out, *bodies) and out.is_contiguous()) or n == 0:
         for body in bodies:
             out.add_(

@@ -56,7 +56,13 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Infinities and NaNs pass through unchanged.
     """
     fmax = torch.finfo(dtype).max
-    if torch.finfo(x.dtype).max <= fmax:
+    if torch.finfo(x.dtype).max <= fmax or x.numel() == 0:
+        return x.to(dtype)
+    # The common case in one reduction: every value within range (NaN and infinities fail the
+    # test, as NaN compares false, and take the path below, which passes them through).
+    lo, hi = torch.aminmax(x)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if bool(torch.maximum(lo.neg(), hi).to(wide) <= fmax):
         return x.to(dtype)
     # Compare in a dtype that holds fmax exactly (65504 rounds to 65536 in bfloat16).
     a = x.abs().to(torch.float64 if x.dtype == torch.float64 else torch.float32)

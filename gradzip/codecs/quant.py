@@ -403,6 +403,16 @@ class Int8(_Quantizer):
         scales, codes = K.int8_encode(_flat(x), block=self.block)
         return _frame(x, FMT_INT8, scales, as_bytes(codes))
 
+    def subtract(self, payload: Payload, v: torch.Tensor) -> None:
+        """``v -= decompress(payload)``; on the CPU a chunk of blocks at a time, with no dense
+        copy of the decoded tensor (the same values and the same subtraction)."""
+        cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
+        if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
+            body = payload.body if payload.body.storage_offset() % 4 == 0 else payload.body.clone()
+            K.quant.int8_apply_(v.view(-1), [body], block=self.block, subtract=True)
+            return
+        super().subtract(payload, v)
+
     def _bad_code(self, top: int) -> str | None:
         return "code -128" if top else None
 

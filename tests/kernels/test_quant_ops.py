@@ -748,3 +748,65 @@ def test_cuda_tensors_dispatch_to_triton(monkeypatch):
     x = data(4099, torch.float32, 1).cuda()
     K.sign_ef(x, torch.zeros_like(x), block=256)
     assert K.backend_report()["ops"]["sign_ef"]["chosen"]["cuda"]["backend"] == "triton"
+
+
+def _int8_codes_f64(v: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """The float64 definition of Int8's codes (what the GPU path computes)."""
+    nb, b = Q.quant_layout(v.numel(), block)
+    se = Q.quant_per_element(scales.to(torch.float64), nb, b, v.numel())
+    q = torch.where(se > 0, v.to(torch.float64) / se, torch.zeros_like(se))
+    return q.round_().clamp_(-127, 127).to(torch.int8)
+
+
+@pytest.mark.parametrize("n, block", [(1, 1024), (1023, 1024), (300_001, 1024), (70_000, 64), (5000, None)])
+def test_int8_float32_cpu_path_equals_the_float64_definition(n, block):
+    """The CPU fast path computes in float32 and redoes near-ties in float64: the same codes as
+    float64 everywhere, ties and values one ulp beside them included."""
+    g = torch.Generator().manual_seed(n)
+    v = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    if n > 8:
+        v[::7] = 0.0
+    scales, codes = K.int8_encode(v, block=block)
+    assert torch.equal(codes, _int8_codes_f64(v, scales, block))
+    # Exact half-integer quotients and their float32 neighbours, against scales given as agreed.
+    nb, b = Q.quant_layout(n, block)
+    s = torch.rand(nb, generator=g) + 0.5
+    k = torch.randint(-127, 127, (n,), generator=g).to(torch.float32) + 0.5
+    t = k * Q.quant_per_element(s, nb, b, n)
+    for w in (t, torch.nextafter(t, torch.full_like(t, math.inf)), torch.nextafter(t, torch.full_like(t, -math.inf))):
+        _, got = K.int8_encode(w, block=block, scales=s)
+        assert torch.equal(got, _int8_codes_f64(w, s, block))
+    # Scales of 0 (a block of zeros) and tiny ones (subnormal amax).
+    w = torch.zeros(n)
+    w[: n // 2] = torch.randn(n // 2, generator=g) * 1e-40
+    sc, got = K.int8_encode(w, block=block)
+    assert torch.equal(got, _int8_codes_f64(w, sc, block))
+
+
+@pytest.mark.parametrize("n, block", [(1, 1024), (300_001, 1024), (600_000, 64), (5000, None), (262_145, 3)])
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
+def test_int8_decode_by_chunks_equals_the_whole_frame_formula(n, block, acc):
+    """The CPU decode of int8 frames, a chunk of blocks at a time (decode, decode-add of several
+    peers, and the error feedback's subtraction), bit for bit the whole-frame formula."""
+    g = torch.Generator().manual_seed(n + (block or 0))
+    bodies = []
+    for _ in range(3):
+        s, c = K.int8_encode(torch.randn(n, generator=g) * 3, block=block)
+        bodies.append(torch.cat([s.view(torch.uint8), c.view(torch.uint8)]))
+    nb, b = Q.quant_layout(n, block)
+
+    def values(body):
+        sc = body[: 4 * nb].view(torch.float32).to(acc)
+        return body[4 * nb :].view(torch.int8).to(acc) * Q.quant_per_element(sc, nb, b, n)
+
+    one = Q.decode_quant_reference(bodies[0], n, "int8", acc=acc, block=block)
+    assert torch.equal(bits(one), bits(values(bodies[0])))
+    start = torch.randn(n, generator=g, dtype=acc)
+    got, want = start.clone(), start.clone()
+    K.decode_add_quant(got, bodies, "int8", block=block)
+    for body in bodies:
+        want.add_(values(body))
+    assert torch.equal(bits(got), bits(want))
+    got = start.clone()
+    Q.int8_apply_(got, bodies[:1], block=block, subtract=True)
+    assert torch.equal(bits(got), bits(start - values(bodies[0])))
