@@ -1,5 +1,6 @@
 """Where a codec's time goes in one training step: cProfile of ``costmodel.dry_run`` over
-ResNet-50's gradients, cut into DDP's buckets, as one rank among ``--world``.
+ResNet-50's gradients (``--model mlp``: step_time.py's MLP), cut into DDP's buckets, as one
+rank among ``--world``.
 
     python -m benchmarks.dryrun_profile                              # CUDA if present, else the CPU
     python -m benchmarks.dryrun_profile --device cpu --methods "Int8()" --out benchmarks/results/x.txt
@@ -67,12 +68,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     ap.add_argument("--methods", default="TopK(0.01);Int8();SignSGD()", help="';'-separated specs")
     ap.add_argument("--world", type=int, default=8, help="ranks of the dry run (default 8, as gpu_step.py)")
+    ap.add_argument(
+        "--model",
+        default="resnet50",
+        choices=["resnet50", "mlp"],
+        help="ResNet-50's 161 tensors (default) or step_time.py's MLP (6 tensors, 25.2M parameters)",
+    )
     ap.add_argument("--out", default=None, help="also write the report to this file")
     args = ap.parse_args(argv)
     from gradzip.costmodel import ddp_buckets
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = ResNet()
+    if args.model == "mlp":
+        from benchmarks.step_time import build_model
+
+        model = build_model(4096, 1)
+    else:
+        model = ResNet()
     named = list(model.named_parameters())
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=g).to(dev) for _, p in named]
@@ -80,7 +92,10 @@ def main(argv=None) -> int:
     buckets = ddp_buckets([t.numel() * 4 for t in grads])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     label = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    report = [f"# {label}, torch {torch.__version__}; ResNet-50: {len(grads)} tensors, {len(buckets)} buckets"]
+    report = [
+        f"# {label}, torch {torch.__version__}; {args.model}: {len(grads)} tensors, {len(buckets)} buckets, "
+        f"{args.world} ranks"
+    ]
     print(report[0], flush=True)
     for spec in [s.strip() for s in args.methods.split(";") if s.strip()]:
         report.append(profile(spec, grads, names, buckets, args.world, sync))

@@ -433,8 +433,8 @@ def step_time(doc: dict) -> str:
         f"machine: {_machine(doc['machine'])})",
         "",
         "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce "
-        "| CPU s/step: step / compute / codec |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| exposed | CPU s/step: step / compute / codec |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         cpu = (
@@ -445,9 +445,17 @@ def step_time(doc: dict) -> str:
         lines.append(
             f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} "
             f"| {100 * r['model_error']:+.1f}% | {r['bytes_sent_per_step'] / 1e6:.3f} "
-            f"| {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {cpu} |"
+            f"| {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {_exposed(r)} | {cpu} |"
         )
     return "\n".join(lines)
+
+
+def _exposed(row: dict) -> str:
+    """Exposed communication: the step over the no-communication step (the slowest rank's
+    compute, measured beside it), less one: what communication and codec add that compute
+    did not hide."""
+    c = row.get("compute_slowest_s") or row.get("compute_s")
+    return f"{100 * (row['step_s'] / c - 1):+.0f}%" if c else ""
 
 
 def plan_check(doc: dict) -> str:
@@ -488,6 +496,48 @@ def powersgd(doc: dict) -> str:
             f"| {r['torch_bytes_per_step']:,.0f}, {r['gradzip_bytes_per_step']:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def cpu_codec_cost(doc: dict) -> str:
+    """Each codec's CPU time against the wire time its bytes save (benchmarks/cpu_codec_cost.py)."""
+    lines = [
+        f"`{_cmd(doc['command'])}` ({doc['params'] / 1e6:.1f}M float32 parameters in {len(doc['tensors'])} tensors, "
+        f"one rank of {doc['ranks']}, {doc['threads']} thread, median of {doc['repeats']} calls; wire saved on a "
+        f"{doc['rate']} link against plain allreduce's {doc['allreduce_wire_s']:.3f} s; machine: "
+        f"{_machine(doc['machine'])})",
+        "",
+        "| method | codec s/step | ns per element | wire s | wire saved s | codec / saved |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        share = r["codec_over_saved"]
+        lines.append(
+            f"| `{r['method']}` | {r['codec_s']:.3f} | {r['codec_s_per_million'] * 1e3:.2f} | {r['wire_s']:.3f} "
+            f"| {r['wire_saved_s']:.3f} | {'—' if share is None else f'{100 * share:.0f}%'} |"
+        )
+    return "\n".join(lines)
+
+
+def powersgd_runs(*names: str) -> str:
+    """gradzip PowerSGD over torch's powerSGD_hook in several runs of ``powersgd_step.py``: each
+    run's ratio per width, their median and spread."""
+    docs = [_load(n) for n in names]
+    widths = [r["width"] for r in docs[0]["rows"]]
+    lines = [
+        f"gradzip / torch step time in {len(docs)} runs of `benchmarks/powersgd_step.py` (same options; machine: "
+        f"{_machine(docs[0]['machine'])})",
+        "",
+        "| width | " + " | ".join(f"run {i + 1}" for i in range(len(docs))) + " | median | spread |",
+        "|---|" + "---:|" * (len(docs) + 2),
+    ]
+    for w in widths:
+        ratios = [next(r["ratio_gradzip_over_torch"] for r in d["rows"] if r["width"] == w) for d in docs]
+        lines.append(
+            f"| {w} | "
+            + " | ".join(f"{x:.3f}" for x in ratios)
+            + f" | {statistics.median(ratios):.3f} | {min(ratios):.3f}..{max(ratios):.3f} |"
+        )
+    return "\n".join(lines) + "\n\nResult files: " + ", ".join(_link(n) for n in names) + "."
 
 
 def overhead(doc: dict) -> str:
@@ -715,6 +765,8 @@ RENDERERS = {
     "overhead": _with_files(overhead),
     "plan_check": _with_files(plan_check),
     "powersgd": _with_files(powersgd),
+    "powersgd_runs": powersgd_runs,
+    "cpu_codec_cost": _with_files(cpu_codec_cost),
     "kernels": _with_files(kernels),
     "explore": _explore,
 }

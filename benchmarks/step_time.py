@@ -59,6 +59,7 @@ def methods(bps: float | None = None, world: int = 4) -> dict:
         "TopK-1%": gz.TopK(ratio=0.01),
         "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
         "SignSGD": gz.SignSGD(),
+        "Int8": gz.Int8(),  # the recipe that held on both bench tasks (TwoPhase from 4 ranks)
     }
     m["PowerSGD-1"] = gz.PowerSGD(rank=1)  # the library's default rank
     m["PowerSGD-4"] = gz.PowerSGD(rank=4)
