@@ -34,6 +34,10 @@ import torch
 
 from benchmarks._common import RESULTS, command
 
+#: The sparsifiers and quantizers (and PowerSGD for scale) at the settings the bench and the README
+#: use: unlike the GPU profile's list (gpu_suite.PROFILE_METHODS, every config of the grammar),
+#: Threshold runs at a target density, since its default tau keeps most elements of these
+#: gradients and would save nothing.
 METHODS = (
     "Identity()",
     "FP16()",

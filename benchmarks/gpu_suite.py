@@ -432,6 +432,11 @@ def format_summary(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
+def summarize_folder(out: Path, names: dict, scale: dict) -> list[dict]:
+    """:func:`summarize` of the part files (``names``: :func:`files`) found in ``out``."""
+    return summarize({part: _load(out / names[part]) for part in PARTS}, scale)
+
+
 def resummarize(device: str, out: Path, argv) -> int:
     """Summarize the part files of ``device`` in ``out`` again into its ``gpu_suite_`` file
     (the parts' status as first written, the summary and a note of this command)."""
@@ -441,8 +446,7 @@ def resummarize(device: str, out: Path, argv) -> int:
         print(f"gpu_suite: no {path} to summarize again", file=sys.stderr)
         return 2
     doc = json.loads(path.read_text())
-    docs = {part: _load(out / names[part]) for part in PARTS}
-    doc["summary"] = summarize(docs, SCALES["device"])
+    doc["summary"] = summarize_folder(out, names, SCALES["device"])
     doc["summarized_again"] = {
         "command": command("gpu_suite", argv),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -568,8 +572,7 @@ def main(argv=None) -> int:
             state = "killed at its share" if rc is None else ("ok" if rc == 0 else f"exit status {rc}")
             status[part] = {"status": state, "seconds": round(secs, 1), "share_s": round(share, 1), "file": names[part]}
             print(f"gpu_suite: {part}: {state} after {secs:.0f} s -> {target}", flush=True)
-    docs = {part: _load(out / names[part]) for part in PARTS}
-    rows = summarize(docs, SCALES["smoke" if args.smoke else "device"])
+    rows = summarize_folder(out, names, SCALES["smoke" if args.smoke else "device"])
     doc = {
         "benchmark": "benchmarks/gpu_suite.py",
         "command": command("gpu_suite", argv),

@@ -341,8 +341,18 @@ def int8_encode_reference(
 
 #: Rows of a block a CPU chunk of the fast Int8 path holds (about 256K elements: cache-sized).
 _CHUNK = 1 << 18
-#: A float32 quotient this close to a half-integer is redone in float64 (see _int8_codes_f32).
+#: A float32 quotient this close to a half-integer is redone in float64 (see _int8_encode_f32).
 _NEAR_TIE = 0.5 - 2.0**-14
+
+
+def _block_chunks(nb: int, b: int, n: int):
+    """``(r0, r1, a, e, whole)`` for each cache-sized chunk of the ``nb`` blocks of ``b`` of ``n``
+    elements: blocks ``r0 .. r1``, elements ``a .. e``, ``whole`` unless the last block is short."""
+    rows = max(1, _CHUNK // b)
+    for r0 in range(0, nb, rows):
+        r1 = min(nb, r0 + rows)
+        a, e = r0 * b, min(n, r1 * b)
+        yield r0, r1, a, e, e - a == (r1 - r0) * b
 
 
 def _int8_encode_f32(v: torch.Tensor, scales: torch.Tensor | None, nb: int, b: int):
@@ -363,11 +373,7 @@ def _int8_encode_f32(v: torch.Tensor, scales: torch.Tensor | None, nb: int, b: i
     given = scales is not None
     if not given:
         scales = torch.empty(nb, dtype=torch.float32)
-    rows = max(1, _CHUNK // b)
-    for r0 in range(0, nb, rows):
-        r1 = min(nb, r0 + rows)
-        a, e = r0 * b, min(n, r1 * b)
-        whole = e - a == (r1 - r0) * b
+    for r0, r1, a, e, whole in _block_chunks(nb, b, n):
         x = v[a:e].view(r1 - r0, b) if whole else v[a:e]
         if not given:
             amax = x.abs().amax(dim=1) if whole else quant_pad(x.abs(), r1 - r0, b).amax(dim=1)
@@ -439,21 +445,14 @@ def _int8_chunked(kind: str, acc: torch.dtype, *tensors: torch.Tensor) -> bool:
     return kind == "int8" and acc in (torch.float32, torch.float64) and all(t.device.type == "cpu" for t in tensors)
 
 
-def _int8_values(code: torch.Tensor, scales: torch.Tensor, nb: int, b: int, n: int, acc: torch.dtype, rows=None):
-    """``(start, stop, code * S_b)`` of an int8 frame a cache-sized chunk of blocks at a time
-    (blocks ``rows``: a range, default all), in ``acc``: the products ``code.to(acc) * se``
-    of the whole-frame formula, without its per-element copy of the scales."""
-    codes = code.view(torch.int8)
-    step = max(1, _CHUNK // b)
-    for r0 in range(0, nb, step) if rows is None else rows:
-        r1 = min(nb, r0 + step)
-        a, e = r0 * b, min(n, r1 * b)
-        sc = scales[r0:r1].to(acc)
-        if e - a == (r1 - r0) * b:
-            vals = codes[a:e].view(r1 - r0, b).to(acc).mul_(sc.view(-1, 1)).view(-1)
-        else:
-            vals = codes[a:e].to(acc).mul_(quant_per_element(sc, r1 - r0, b, e - a))
-        yield a, e, vals
+def _int8_chunk(codes, scales, r0: int, r1: int, a: int, e: int, whole: bool, b: int, acc: torch.dtype):
+    """The values ``code * S_b`` in ``acc`` of elements ``a .. e`` (blocks ``r0 .. r1``) of an int8
+    frame: the products of the whole-frame formula ``code.to(acc) * se``, without its
+    per-element copy of the scales."""
+    sc = scales[r0:r1].to(acc)
+    if whole:
+        return codes[a:e].view(r1 - r0, b).to(acc).mul_(sc.view(-1, 1)).view(-1)
+    return codes[a:e].to(acc).mul_(quant_per_element(sc, r1 - r0, b, e - a))
 
 
 def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
@@ -466,13 +465,13 @@ def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int
     if not frames or n == 0:
         return
     nb, b = frames[0][0], frames[0][1]
-    for r0 in range(0, nb, max(1, _CHUNK // b)):
+    for r0, r1, a, e, whole in _block_chunks(nb, b, n):
         for _, _, scales, code in frames:
-            for a, e, vals in _int8_values(code, scales, nb, b, n, out.dtype, rows=(r0,)):
-                if subtract:
-                    out[a:e].sub_(vals)
-                else:
-                    out[a:e].add_(vals)
+            vals = _int8_chunk(code.view(torch.int8), scales, r0, r1, a, e, whole, b, out.dtype)
+            if subtract:
+                out[a:e].sub_(vals)
+            else:
+                out[a:e].add_(vals)
 
 
 def decode_quant_reference(
@@ -498,8 +497,8 @@ def decode_quant_reference(
         return _sign_values(code, scales, nb, b, n, acc)
     if _int8_chunked(kind, acc, body):
         out = torch.empty(n, dtype=acc)
-        for a, e, vals in _int8_values(code, scales, nb, b, n, acc):
-            out[a:e] = vals
+        for r0, r1, a, e, whole in _block_chunks(nb, b, n):
+            out[a:e] = _int8_chunk(code.view(torch.int8), scales, r0, r1, a, e, whole, b, acc)
         return out
     se = quant_per_element(scales.to(acc), nb, b, n)
     if kind == "sign1":

@@ -218,8 +218,7 @@ class _Quantizer(Codec):
             bad = self._first_bad(payloads)
             if bad is not None:
                 raise bad[1].at(rank=bad[0]) if len(payloads) > 1 else bad[1]
-        # A body's float32 scales must start 4-byte aligned (frames lie back to back in a message).
-        bodies = [p.body if p.body.storage_offset() % 4 == 0 else p.body.clone() for p in payloads]
+        bodies = [_aligned(p.body) for p in payloads]
         if out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
             K.decode_add_quant(out.view(-1), bodies, self._kind, **self._decode_kw())
             return
@@ -408,13 +407,18 @@ class Int8(_Quantizer):
         copy of the decoded tensor (the same values and the same subtraction)."""
         cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
         if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
-            body = payload.body if payload.body.storage_offset() % 4 == 0 else payload.body.clone()
-            K.quant.int8_apply_(v.view(-1), [body], block=self.block, subtract=True)
+            K.quant.int8_apply_(v.view(-1), [_aligned(payload.body)], block=self.block, subtract=True)
             return
         super().subtract(payload, v)
 
     def _bad_code(self, top: int) -> str | None:
         return "code -128" if top else None
+
+
+def _aligned(body: torch.Tensor) -> torch.Tensor:
+    """A frame body whose float32 scales start 4-byte aligned (frames lie back to back in a
+    message, so a body may not be): the body itself, or a copy."""
+    return body if body.storage_offset() % 4 == 0 else body.clone()
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
