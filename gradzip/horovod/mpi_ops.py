@@ -12,6 +12,7 @@ more, as Horovod. ``Adasum`` runs :func:`adasum_` (Maleki et al.) on power-of-tw
 
 from __future__ import annotations
 
+import atexit
 import io
 import itertools
 import os
@@ -218,6 +219,10 @@ def init(comm=None, process_sets=None, *, transport: str | None = None) -> None:
     args.choice("transport", transport, TRANSPORTS)
     generation = _state["inits"]
     _state["inits"] += 1
+    if generation == 0:
+        # As Horovod's init does: leave the job at exit, so the process group is destroyed
+        # before the interpreter tears its threads down (and a later init()'s group with it).
+        atexit.register(_shutdown_at_exit)
     if transport == "horovod":
         hvd = horovod()
         _state.update(
@@ -288,6 +293,11 @@ def shutdown() -> None:
         horovod().shutdown()
     elif t == "torch" and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    if _state["transport"] is not None:
+        shutdown()
 
 
 def size() -> int:
