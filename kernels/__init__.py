@@ -2,10 +2,11 @@
 
 Every op has a pure-PyTorch reference (:mod:`.reference` for the sparsifying ops,
 :mod:`.quant` for the quantizers); it is the CPU path and the oracle of the GPU
-kernels (:mod:`.triton`, :mod:`.cupy_ops`), which give its results bit for bit.
+kernels (:mod:`.triton`, :mod:`.cupy_ops`) and of the CPU kernels (:mod:`.numba_ops`),
+which give its results bit for bit.
 :mod:`.dispatch` picks the implementation of each call (see its docstring for the
 rules and ``GRADZIP_KERNELS``); every choice is in :func:`backend_report`.
-Importing this package never imports triton or cupy. Kernels know nothing of
+Importing this package never imports numba, triton or cupy. Kernels know nothing of
 compressors or torch.distributed.
 
 Ops:
@@ -58,6 +59,9 @@ from .quant import (
     sign_ef_reference,
     terngrad_encode_reference,
 )
+from .quant import (
+    int8_apply_ as int8_apply_reference,
+)
 from .reference import (
     APPROX_TOL,
     ThresholdResult,
@@ -99,6 +103,7 @@ __all__ = [
     "terngrad_encode",
     "int8_scales",
     "int8_encode",
+    "int8_apply_",
     "decode_add_quant",
     "decode_quant",
     "philox_uniform",
@@ -135,10 +140,24 @@ _OPS = {
         abs_select_reference,
         {"triton": (".triton.topk", "abs_select_triton"), "cupy": (".cupy_ops", "abs_select_cupy")},
     ),
-    "sign_ef": (sign_ef_reference, {"triton": (".triton.sign", "sign_ef_triton")}),
-    "qsgd_encode": (qsgd_encode_reference, {"triton": (".triton.stochastic", "qsgd_encode_triton")}),
-    "terngrad_encode": (terngrad_encode_reference, {"triton": (".triton.stochastic", "terngrad_encode_triton")}),
-    "decode_add_quant": (decode_add_quant_reference, {"triton": (".triton.decode", "decode_add_quant_triton")}),
+    "sign_ef": (
+        sign_ef_reference,
+        {"numba": (".numba_ops", "sign_ef_numba"), "triton": (".triton.sign", "sign_ef_triton")},
+    ),
+    "qsgd_encode": (
+        qsgd_encode_reference,
+        {"numba": (".numba_ops", "qsgd_encode_numba"), "triton": (".triton.stochastic", "qsgd_encode_triton")},
+    ),
+    "terngrad_encode": (
+        terngrad_encode_reference,
+        {"numba": (".numba_ops", "terngrad_encode_numba"), "triton": (".triton.stochastic", "terngrad_encode_triton")},
+    ),
+    "int8_encode": (int8_encode_reference, {"numba": (".numba_ops", "int8_encode_numba")}),
+    "int8_apply_": (int8_apply_reference, {"numba": (".numba_ops", "int8_apply_numba")}),
+    "decode_add_quant": (
+        decode_add_quant_reference,
+        {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
+    ),
 }
 for _op, (_reference, _kernels) in _OPS.items():
     for _backend, _impl in _kernels.items():
@@ -364,14 +383,26 @@ def terngrad_encode(x: torch.Tensor, seed: int, *, block: int | None = None, cli
 
 def int8_encode(x: torch.Tensor, *, block: int | None = 1024, scales: torch.Tensor | None = None):
     """Block-wise absmax int8: ``(float32 scales, int8 codes)`` (``scales`` given: used as
-    they are). Reference only. See :func:`~gradzip.kernels.quant.int8_encode_reference`."""
+    they are). A Numba kernel on the CPU, the reference elsewhere. See
+    :func:`~gradzip.kernels.quant.int8_encode_reference`."""
     _check_float("x", x)
     block = _check_block(block)
     if scales is not None:
         nb, _ = quant_layout(x.numel(), block)
         if scales.numel() != nb:
             raise ValueError(f"{scales.numel()} scales for {nb} blocks")
-    return int8_encode_reference(x, block=block, scales=scales)
+    return _run("int8_encode", x, x, block=block, scales=scales)
+
+
+def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
+    """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order, ``out``
+    a flat contiguous float32 or float64 CPU tensor: :func:`~gradzip.kernels.quant.int8_apply_`."""
+    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"out must be float32 or float64, got {getattr(out, 'dtype', type(out))}")
+    bodies, _ = _check_bodies(bodies, out.numel(), "int8", block, 0, None)
+    if not bodies or out.numel() == 0:
+        return
+    _call("int8_apply_", out.device, out, bodies, block=block, subtract=subtract)
 
 
 def _check_bodies(bodies, n: int, kind: str, block, levels: int, bits) -> tuple[list, int | None]:

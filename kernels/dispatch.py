@@ -2,13 +2,14 @@
 
 One rule for every op:
 
-* CPU tensors go to the reference.
+* CPU tensors go to the Numba kernel where the op has one, Numba imports and
+  the kernel accepts the call (:mod:`.numba_ops`); otherwise to the reference.
 * CUDA tensors go to the first backend registered for the op (Triton, then
   CuPy) that is importable and accepts the call; otherwise to the reference. A
-  backend that raises is disabled for that op for the rest of the process, with
-  a warning. Every choice is recorded with the reasons for skipping the ones
+  backend that raises (on either device) is disabled for that op for the rest
+  of the process, with a warning. Every choice is recorded with the reasons for skipping the ones
   before it: :func:`backend_report`.
-* ``GRADZIP_KERNELS=reference|triton|cupy`` forces a backend for every op it
+* ``GRADZIP_KERNELS=reference|numba|triton|cupy`` forces a backend for every op it
   implements (ops it has no kernel for use the reference, and say so). A forced
   backend that cannot run a call raises :class:`KernelBackendError`. Forcing
   ``triton`` on CPU tensors runs the Triton interpreter and so needs
@@ -18,7 +19,7 @@ One rule for every op:
   kernel works in float32) go to the reference under every setting, through
   :func:`_call_reference`, and the choice records why.
 
-Importing this module never imports triton or cupy: backends are imported on first use.
+Importing this module never imports numba, triton or cupy: backends are imported on first use.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ __all__ = [
     "reset_dispatch",
 ]
 
-BACKENDS = ("reference", "triton", "cupy")
+BACKENDS = ("reference", "numba", "triton", "cupy")
+#: The backends that run on CPU tensors without being forced (Triton on the CPU is its interpreter: tests only).
+CPU_BACKENDS = ("numba",)
 ENV_VAR = "GRADZIP_KERNELS"
 # The input dtypes the kernels load (widening to float32 as they load); float64 is reference-only.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -129,7 +132,10 @@ def _import_backend(backend: str) -> str | None:
 
 def _unusable(backend: str, device: torch.device) -> str | None:
     """None if ``backend`` can run on ``device``, else the reason."""
-    if backend == "triton":
+    if backend == "numba":
+        if device.type != "cpu":
+            return f"Numba kernels take CPU tensors, got {device.type}"
+    elif backend == "triton":
         if device.type == "cpu" and not _interpreting():
             return "tensors are on the CPU and TRITON_INTERPRET is not set"
         if device.type not in ("cpu", "cuda"):
@@ -206,10 +212,11 @@ def _call(op: str, device: torch.device, *args, **kwargs):
             raise KernelBackendError(f"{ENV_VAR}={forced} cannot run {op}: {e}") from e
         _record(op, device, forced, [f"forced by {ENV_VAR}"])
         return out
-    if device.type != "cuda":
+    candidates = _automatic(impls, device)
+    if candidates is None:
         return _call_reference(op, device, f"{device.type} tensors use the reference", *args, **kwargs)
     why = []
-    for backend in impls:
+    for backend in candidates:
         if (op, backend) in _broken:
             why.append(f"{backend}: disabled after an error: {_broken[(op, backend)]}")
             continue
@@ -237,14 +244,26 @@ def _call(op: str, device: torch.device, *args, **kwargs):
     return _REFERENCE[op](*args, **kwargs)
 
 
+def _automatic(impls, device: torch.device) -> list | None:
+    """The backends an unforced call on ``device`` tensors tries, in order; None where only
+    the reference runs (no backend of the device is registered for the op)."""
+    if device.type == "cuda":
+        return [b for b in impls if b not in CPU_BACKENDS]
+    if device.type == "cpu":
+        found = [b for b in impls if b in CPU_BACKENDS]
+        return found or None
+    return None
+
+
 def uses_kernel(op: str, device) -> bool:
     """Whether a call of ``op`` on ``device`` tensors would go to a kernel backend rather
     than the reference, by the rules above, without calling anything.
 
     True for CUDA tensors when a backend registered for ``op`` is importable and not
-    disabled after an error; with ``GRADZIP_KERNELS=triton|cupy``, when that backend has a
-    kernel for ``op`` and can run on ``device`` (forced Triton on CPU tensors needs
-    ``TRITON_INTERPRET=1``). False for CPU tensors without forcing, for
+    disabled after an error, and for CPU tensors likewise when ``op`` has a Numba kernel;
+    with ``GRADZIP_KERNELS=numba|triton|cupy``, when that backend has a kernel for ``op``
+    and can run on ``device`` (forced Triton on CPU tensors needs
+    ``TRITON_INTERPRET=1``). False for ops with no kernel for the device, for
     ``GRADZIP_KERNELS=reference``, and where a forced backend cannot run (a call of the op
     itself would raise :class:`KernelBackendError` there). A kernel may still decline one
     call (:class:`Unsupported`: dtype, layout), and float64 calls always take the
@@ -260,23 +279,22 @@ def uses_kernel(op: str, device) -> bool:
         return False
     if forced is not None:
         return forced in impls and _unusable(forced, device) is None
-    if device.type != "cuda":
-        return False
-    return any((op, b) not in _broken and _unusable(b, device) is None for b in impls)
+    candidates = _automatic(impls, device) or []
+    return any((op, b) not in _broken and _unusable(b, device) is None for b in candidates)
 
 
 def backend_report() -> dict:
     """What the dispatch knows: the forced backend, what each backend can do, and per op
     and device type the backend last chosen with the reasons the ones before it were skipped.
 
-    Probes (imports) triton and cupy to say whether they are available.
+    Probes (imports) numba, triton and cupy to say whether they are available.
     """
     try:
         forced = _forced()
     except ValueError as e:
         forced = f"invalid: {e}"
     backends = {"reference": "available"}
-    for b in ("triton", "cupy"):
+    for b in BACKENDS[1:]:
         reason = _import_backend(b)
         if reason:
             backends[b] = f"unavailable: {reason}"

@@ -407,7 +407,7 @@ class Int8(_Quantizer):
         copy of the decoded tensor (the same values and the same subtraction)."""
         cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
         if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
-            K.quant.int8_apply_(v.view(-1), [_aligned(payload.body)], block=self.block, subtract=True)
+            K.int8_apply_(v.view(-1), [_aligned(payload.body)], block=self.block, subtract=True)
             return
         super().subtract(payload, v)
 

@@ -467,6 +467,27 @@ def check_codes2(body: torch.Tensor, n: int) -> None:
         raise FrameError("body.codes", "a 2-bit map with no position set (an encoder writes EMPTY)")
 
 
+def distinct_positions(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """``k`` distinct positions in ``[0, n)``, ascending, uniform among the ``k``-subsets, from the
+    CPU generator ``g`` (the same on every rank for the same seed).
+
+    The first ``k`` distinct values of a sequence of uniform draws (``torch.randint``, topped
+    up while duplicates leave fewer than ``k``): by symmetry every ``k``-subset is as likely.
+    ``O(k log k)``, where ``torch.randperm(n)[:k]`` costs ``O(n)`` (0.13 s for 16.8M positions
+    on one core); above ``n / 2`` positions a permutation is as cheap and is used."""
+    if 2 * k > n:
+        return torch.randperm(n, generator=g)[:k].sort().values
+    got = torch.empty(0, dtype=torch.int64)
+    while got.numel() < k:
+        need = k - got.numel()
+        draws = torch.cat([got, torch.randint(n, (need + need * k // n + 64,), generator=g)])
+        values, where = torch.sort(draws, stable=True)
+        first = torch.ones_like(values, dtype=torch.bool)
+        first[1:] = values[1:] != values[:-1]
+        got = draws[where[first].sort().values]  # first occurrences, in draw order
+    return got[:k].sort().values
+
+
 class RandomK(Codec):
     """Send ``k = ceil(ratio * n)`` elements at indices drawn from a seed all ranks share.
 
@@ -495,7 +516,7 @@ class RandomK(Codec):
         if k == n:
             return torch.arange(n, device=device)
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
-        return torch.randperm(n, generator=g)[:k].sort().values.to(device)
+        return distinct_positions(n, k, g).to(device)
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)

@@ -652,15 +652,22 @@ def test_frames_through_the_dispatch_are_the_cpu_frames(dtype, monkeypatch):
     assert K.backend_report()["ops"]["qsgd_encode"]["chosen"]["cpu"]["backend"] == "reference"
 
 
-def test_cpu_tensors_use_the_references(monkeypatch):
+def test_cpu_tensors_use_the_numba_kernels_where_an_op_has_one(monkeypatch):
+    """Unforced CPU calls: SignSGD, QSGD, TernGrad and Int8 run their Numba kernels (the same
+    frames as the references); GRADZIP_KERNELS=reference sends all to the references."""
+    pytest.importorskip("numba")
     monkeypatch.delenv(K.ENV_VAR, raising=False)
     x, r = data(300, torch.float32, 1), torch.randn(300, generator=gen(2))
     assert all(same(a, b) for a, b in zip(K.sign_ef(x, r, block=64), Q.sign_ef_reference(x, r, block=64)))
-    assert torch.equal(K.qsgd_encode(x, 7, 5)[1], Q.qsgd_encode_reference(x, 7, 5)[1])
-    assert torch.equal(K.terngrad_encode(x, 5)[1], Q.terngrad_encode_reference(x, 5)[1])
+    assert all(same(a, b) for a, b in zip(K.qsgd_encode(x, 7, 5), Q.qsgd_encode_reference(x, 7, 5)))
+    assert all(same(a, b) for a, b in zip(K.terngrad_encode(x, 5), Q.terngrad_encode_reference(x, 5)))
+    assert all(same(a, b) for a, b in zip(K.int8_encode(x, block=64), Q.int8_encode_reference(x, block=64)))
     ops = K.backend_report()["ops"]
-    for op in ("sign_ef", "qsgd_encode", "terngrad_encode"):
-        assert ops[op]["registered"] == ["triton"] and ops[op]["chosen"]["cpu"]["backend"] == "reference"
+    for op in ("sign_ef", "qsgd_encode", "terngrad_encode", "int8_encode"):
+        assert ops[op]["registered"][0] == "numba" and ops[op]["chosen"]["cpu"]["backend"] == "numba", op
+    monkeypatch.setenv(K.ENV_VAR, "reference")
+    K.qsgd_encode(x, 7, 5)
+    assert K.backend_report()["ops"]["qsgd_encode"]["chosen"]["cpu"]["backend"] == "reference"
 
 
 # -- compiled kernels on a GPU ---------------------------------------------------------------

@@ -237,7 +237,7 @@ def test_cpu_tensors_use_the_reference(clean_dispatch):
     assert res.backend == "reference"
     rep = K.backend_report()
     assert rep["ops"]["threshold_ef"]["chosen"]["cpu"]["backend"] == "reference"
-    assert set(rep["backends"]) == {"reference", "triton", "cupy"}
+    assert set(rep["backends"]) == {"reference", "numba", "triton", "cupy"}
     assert rep["forced"] is None
 
 

@@ -1,0 +1,551 @@
+"""CPU kernels in Numba: the quantizers' per-element work in compiled passes.
+
+The references (:mod:`.quant`) are torch ops, a pass over memory each; QSGD and TernGrad also
+draw their uniforms with :func:`~gradzip.kernels.philox.philox_uniform`, ten rounds of Philox
+on int64 tensors (about 230 ns an element on one core). These kernels (SignSGD's error-feedback
+encoder, QSGD and TernGrad's encoders with the same Philox draws, Int8's encoder, the QSGD,
+TernGrad and Int8 decoders and Int8's error-feedback subtraction) give the references' results
+on float32 CPU tensors (float16 and bfloat16 are widened first, as the references do):
+
+* the block statistics (``max |v|``; float64 sums of ``|v|`` or ``v^2``) are compiled too, and
+  the scales come from them by the references' own functions. A float64 sum of float32 values
+  is exact, whatever the order, while a block's values span fewer than about ``29 - log2 b``
+  binades (5 fewer for squares); beyond that a scale may differ from torch's by an ulp, as the
+  Triton kernels' may (``docs/kernels.md``). Everything downstream of a scale is bit for bit;
+* the per-element work (Philox draw, quotient, level, code, packing; the decoders' values and
+  additions) runs in the accumulation dtype with IEEE rounding, in the references' order
+  (Numba compiles without fast-math: no reassociation, no fused multiply-add). Loops index
+  slices from 0, so that Numba drops its negative-index checks and the compiler vectorises.
+
+A call the kernels would not reproduce exactly goes to the reference instead: QSGD, TernGrad
+and Int8 blocks whose scale is not finite (non-finite gradients: the engine flags those steps
+anyway), float64 tensors (the dispatch sends them to the reference). Compiled on first use and
+cached on disk beside this file (``cache=True``); one thread, as each rank of a CPU job takes
+a core.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .dispatch import Unsupported
+from .quant import (
+    _split_body,
+    int8_encode_reference,
+    int8_scales,
+    qsgd_bits,
+    qsgd_encode_reference,
+    qsgd_norms,
+    quant_counts,
+    quant_layout,
+    sign_scales,
+    terngrad_encode_reference,
+    terngrad_scales,
+)
+from .reference import accum_dtype, wants_residual
+
+try:  # imported by the dispatch only after `import numba` succeeded; the guard keeps this importable
+    import numba
+except ImportError:  # pragma: no cover - the dispatch never loads this module then
+    numba = None
+
+__all__ = [
+    "qsgd_encode_numba",
+    "terngrad_encode_numba",
+    "int8_encode_numba",
+    "decode_add_quant_numba",
+    "int8_apply_numba",
+    "sign_ef_numba",
+]
+
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_KEY_A = np.uint64(0x9E3779B9)
+_KEY_B = np.uint64(0xBB67AE85)
+_ROUND_A = np.uint64(0xD2511F53)
+_ROUND_B = np.uint64(0xCD9E8D57)
+_HALF = np.uint64(1 << 31)
+_SCALE = np.float32(4.6566127342e-10)
+
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
+
+
+#: Elements a kernel handles per chunk (a multiple of 8): its draws and codes stay in cache.
+_CHUNK = 1 << 14
+
+
+def _fill_uniform(q0, nq, k0, k1, u):
+    """``u[4 t + j]``: word ``j`` of Philox4x32-10 on the counter ``q0 + t`` (``(lo, hi, 0, 0)``)
+    under the key ``(k0, k1)``, as ``tl.rand4x``'s float32: int32 bitcast, ``~x`` where negative,
+    times the scale. A loop of its own, so that the compiler vectorises it."""
+    for t in range(nq):
+        q = np.uint64(q0 + t)
+        c0 = q & _M32
+        c1 = q >> _S32
+        c2 = np.uint64(0)
+        c3 = np.uint64(0)
+        a0 = k0
+        a1 = k1
+        for _ in range(10):
+            pb = _ROUND_B * c2
+            pa = _ROUND_A * c0
+            c0, c1, c2, c3 = ((pb >> _S32) ^ c1 ^ a0), (pb & _M32), ((pa >> _S32) ^ c3 ^ a1), (pa & _M32)
+            a0 = (a0 + _KEY_A) & _M32
+            a1 = (a1 + _KEY_B) & _M32
+        for j, w in enumerate((c0, c1, c2, c3)):
+            if w >= _HALF:
+                w = _M32 - w
+            u[4 * t + j] = np.float32(np.int64(w)) * _SCALE
+
+
+def _pack(codes, m, shift, out):
+    """``codes[:m]`` (each below ``2**(1 << shift)``) into ``out``, ``8 >> shift`` to a byte."""
+    bits = 1 << shift
+    per = 8 >> shift
+    whole = m // per
+    for k in range(whole):
+        acc = np.uint8(0)
+        row = codes[k * per : k * per + per]
+        for j in range(per):
+            acc |= np.uint8(row[j] << np.uint8(j * bits))
+        out[k] = acc
+    if whole * per < m:
+        row = codes[whole * per : m]
+        acc = np.uint8(0)
+        for j in range(row.size):
+            acc |= np.uint8(row[j] << np.uint8(j * bits))
+        out[whole] = acc
+
+
+def _qsgd_codes(v, ne, b, s, k0, k1, shift, out):
+    """QSGD's codes ``s + sign(v) * level``, packed ``8 >> shift`` to a byte into ``out``.
+    (Loops index slices from 0: Numba then drops its negative-index checks and vectorises.)"""
+    n = v.size
+    sf = np.float32(s)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    u = np.empty(_CHUNK + 4, dtype=np.float32)
+    codes = np.empty(_CHUNK, dtype=np.uint8)
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(n, c0 + _CHUNK)
+        _fill_uniform(c0 // 4, (c1 - c0 + 3) // 4, k0, k1, u)
+        i = c0
+        while i < c1:
+            blk = i // b
+            stop = min(c1, (blk + 1) * b)
+            e = ne[blk]
+            vr = v[i:stop]
+            ur = u[i - c0 : stop - c0]
+            cr = codes[i - c0 : stop - c0]
+            for t in range(vr.size):
+                x = vr[t]
+                r = abs(x) / e * sf if e > zero else zero
+                r = min(r, sf)
+                lo = np.floor(r)
+                lvl = lo + one if ur[t] < r - lo else lo
+                lvl = min(lvl, sf)
+                cr[t] = np.uint8(sf - lvl if x < zero else sf + lvl)
+            i = stop
+        _pack(codes, c1 - c0, shift, out[c0 >> (3 - shift) :])
+
+
+def _tern_codes(v, se, b, k0, k1, out):
+    """TernGrad's 2-bit codes (1: ``+S_b``, 2: ``-S_b``), packed four to a byte into ``out``."""
+    n = v.size
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    u = np.empty(_CHUNK + 4, dtype=np.float32)
+    codes = np.empty(_CHUNK, dtype=np.uint8)
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(n, c0 + _CHUNK)
+        _fill_uniform(c0 // 4, (c1 - c0 + 3) // 4, k0, k1, u)
+        i = c0
+        while i < c1:
+            blk = i // b
+            stop = min(c1, (blk + 1) * b)
+            e = se[blk]
+            vr = v[i:stop]
+            ur = u[i - c0 : stop - c0]
+            cr = codes[i - c0 : stop - c0]
+            for t in range(vr.size):
+                x = vr[t]
+                p = abs(x) / e if e > zero else zero
+                p = min(p, one)
+                cr[t] = (np.uint8(2) if x < zero else np.uint8(1)) if ur[t] < p else np.uint8(0)
+            i = stop
+        _pack(codes, c1 - c0, 1, out[c0 >> 2 :])
+
+
+def _int8_codes(v, s, b, out):
+    """``clamp(round(fl64(v / S_b)), -127, 127)`` (ties to even; 0 where ``S_b`` is 0), for
+    finite ``v`` and ``S_b`` (the caller sends anything else to the reference). Computed in
+    float32, and a block with a quotient within ``2**-14`` of a half-integer again in float64:
+    the argument of :func:`~gradzip.kernels.quant._int8_encode_f32`."""
+    n = v.size
+    near_tie = np.float32(0.5 - 2.0**-14)
+    for blk in range(s.size):
+        e = s[blk]
+        vr = v[blk * b : min(n, (blk + 1) * b)]
+        orow = out[blk * b : min(n, (blk + 1) * b)]
+        if e > np.float32(0.0):
+            near = False
+            for k in range(vr.size):
+                q = vr[k] / e
+                t = np.rint(q)
+                near |= abs(q - t) >= near_tie
+                orow[k] = np.int8(min(max(t, np.float32(-127.0)), np.float32(127.0)))
+            if near:
+                e64 = np.float64(e)
+                for k in range(vr.size):
+                    t64 = np.rint(np.float64(vr[k]) / e64)
+                    orow[k] = np.int8(min(max(t64, -127.0), 127.0))
+        else:
+            for k in range(vr.size):
+                orow[k] = np.int8(0)
+
+
+def _block_sumsq(v, b, out):
+    """Per block, the float64 sum of ``v^2`` (eight running sums, then added: the order differs
+    from torch's; see the module docstring)."""
+    n = v.size
+    for blk in range(out.size):
+        vr = v[blk * b : min(n, (blk + 1) * b)]
+        m = vr.size // 8 * 8
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+        for i in range(0, m, 8):
+            w0 = np.float64(vr[i])
+            w1 = np.float64(vr[i + 1])
+            w2 = np.float64(vr[i + 2])
+            w3 = np.float64(vr[i + 3])
+            w4 = np.float64(vr[i + 4])
+            w5 = np.float64(vr[i + 5])
+            w6 = np.float64(vr[i + 6])
+            w7 = np.float64(vr[i + 7])
+            a0 += w0 * w0
+            a1 += w1 * w1
+            a2 += w2 * w2
+            a3 += w3 * w3
+            a4 += w4 * w4
+            a5 += w5 * w5
+            a6 += w6 * w6
+            a7 += w7 * w7
+        for i in range(m, vr.size):
+            w = np.float64(vr[i])
+            a0 += w * w
+        out[blk] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
+def _block_amax(bits, b, out):
+    """Per block, ``max |v|`` as float32 bits (``bits``: ``v`` viewed as int32): the largest of
+    ``bits & 0x7FFFFFFF``, so a NaN wins over every number, as torch's ``amax`` propagates it."""
+    n = bits.size
+    for blk in range(out.size):
+        row = bits[blk * b : min(n, (blk + 1) * b)]
+        m = np.int32(0)
+        for i in range(row.size):
+            m = max(m, row[i] & np.int32(0x7FFFFFFF))
+        out[blk] = m
+
+
+def _qsgd_add(out, scales, codes, b, levels, shift):
+    """``out += decode(frame)`` (float32): ``(c - s) * (N_b / s)``, capped at ``N_b`` in magnitude."""
+    n = out.size
+    bits = 1 << shift
+    per = 8 >> shift
+    mask = np.uint8((1 << bits) - 1)
+    s = np.float32(levels)
+    tmp = np.empty(_CHUNK, dtype=np.uint8)
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(n, c0 + _CHUNK)
+        cb = codes[c0 // per : (c1 + per - 1) // per]
+        for k in range(cb.size):
+            byte = cb[k]
+            row = tmp[k * per : k * per + per]
+            for j in range(row.size):
+                row[j] = (byte >> np.uint8(j * bits)) & mask
+        i = c0
+        while i < c1:
+            blk = i // b
+            stop = min(c1, (blk + 1) * b)
+            se = scales[blk]
+            step = se / s
+            orow = out[i:stop]
+            crow = tmp[i - c0 : stop - c0]
+            for t in range(orow.size):
+                val = (np.float32(crow[t]) - s) * step
+                if abs(val) > se:
+                    val = np.copysign(se, val)
+                orow[t] += val
+            i = stop
+
+
+def _tern_add(out, scales, codes, b):
+    """``out += decode(frame)`` (float32): ``[c == 1] * S_b - [c == 2] * S_b``, as the reference
+    computes it (so a NaN or infinite scale gives the reference's NaNs)."""
+    n = out.size
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    tmp = np.empty(_CHUNK, dtype=np.uint8)
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(n, c0 + _CHUNK)
+        cb = codes[c0 // 4 : (c1 + 3) // 4]
+        for k in range(cb.size):
+            byte = cb[k]
+            row = tmp[k * 4 : k * 4 + 4]
+            for j in range(row.size):
+                row[j] = (byte >> np.uint8(2 * j)) & np.uint8(3)
+        i = c0
+        while i < c1:
+            blk = i // b
+            stop = min(c1, (blk + 1) * b)
+            se = scales[blk]
+            orow = out[i:stop]
+            crow = tmp[i - c0 : stop - c0]
+            for t in range(orow.size):
+                c = crow[t]
+                pos = one if c == 1 else zero
+                neg = one if c == 2 else zero
+                orow[t] += pos * se - neg * se
+            i = stop
+
+
+def _int8_add(out, scales, codes, b, sign):
+    """``out += code * S_b`` (``sign`` -1: ``out -= code * S_b``), the product in ``out``'s dtype."""
+    n = out.size
+    for blk in range(scales.size):
+        se = scales[blk]
+        orow = out[blk * b : min(n, (blk + 1) * b)]
+        crow = codes[blk * b : min(n, (blk + 1) * b)]
+        if sign > 0:
+            for t in range(orow.size):
+                orow[t] += crow[t] * se
+        else:
+            for t in range(orow.size):
+                orow[t] -= crow[t] * se
+
+
+def _compensate_abs_sums(x, r, v, b, sums):
+    """``v = x + r`` (``r`` empty: ``v = x``), and per block the float64 sum of ``|v|`` (eight
+    running sums, as :func:`_block_sumsq`). ``v`` may be ``x``'s or ``r``'s memory."""
+    n = x.size
+    add = r.size > 0
+    for blk in range(sums.size):
+        lo = blk * b
+        hi = min(n, lo + b)
+        xr = x[lo:hi]
+        vr = v[lo:hi]
+        if add:
+            rr = r[lo:hi]
+            for i in range(xr.size):
+                vr[i] = xr[i] + rr[i]
+        else:
+            for i in range(xr.size):
+                vr[i] = xr[i]
+        m = vr.size // 8 * 8
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+        for i in range(0, m, 8):
+            a0 += np.float64(abs(vr[i]))
+            a1 += np.float64(abs(vr[i + 1]))
+            a2 += np.float64(abs(vr[i + 2]))
+            a3 += np.float64(abs(vr[i + 3]))
+            a4 += np.float64(abs(vr[i + 4]))
+            a5 += np.float64(abs(vr[i + 5]))
+            a6 += np.float64(abs(vr[i + 6]))
+            a7 += np.float64(abs(vr[i + 7]))
+        for i in range(m, vr.size):
+            a0 += np.float64(abs(vr[i]))
+        sums[blk] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
+def _sign_bits_residual(v, s, b, words, residual):
+    """Bit ``i`` of ``words`` (bytes, little-endian: ``pack_bits``' layout) is ``v_i < 0``; where
+    ``residual`` is not empty, ``residual = v - where(v < 0, -S_b, S_b)`` (it may be ``v``)."""
+    n = v.size
+    keep = residual.size > 0
+    for k in range(n // 8):
+        row = v[8 * k : 8 * k + 8]
+        acc = np.uint8(0)
+        for j in range(8):
+            if row[j] < np.float32(0.0):
+                acc |= np.uint8(1 << j)
+        words[k] = acc
+    if n % 8:
+        row = v[n // 8 * 8 : n]
+        acc = np.uint8(0)
+        for j in range(row.size):
+            if row[j] < np.float32(0.0):
+                acc |= np.uint8(1 << j)
+        words[n // 8] = acc
+    if keep:
+        for blk in range(s.size):
+            e = s[blk]
+            vr = v[blk * b : min(n, (blk + 1) * b)]
+            rr = residual[blk * b : min(n, (blk + 1) * b)]
+            for i in range(vr.size):
+                x = vr[i]
+                rr[i] = x - (-e if x < np.float32(0.0) else e)
+
+
+# The kernels call each other through the module globals Numba resolves at compile time.
+if numba is not None:
+    _fill_uniform = _jit(_fill_uniform)
+    _pack = _jit(_pack)
+    _qsgd_codes = _jit(_qsgd_codes)
+    _tern_codes = _jit(_tern_codes)
+    _int8_codes = _jit(_int8_codes)
+    _block_sumsq = _jit(_block_sumsq)
+    _block_amax = _jit(_block_amax)
+    _qsgd_add = _jit(_qsgd_add)
+    _tern_add = _jit(_tern_add)
+    _int8_add = _jit(_int8_add)
+    _compensate_abs_sums = _jit(_compensate_abs_sums)
+    _sign_bits_residual = _jit(_sign_bits_residual)
+
+
+def _float32_vector(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flat in its accumulation dtype (float32), contiguous, off the autograd graph;
+    float64 (computed in float64 by the references only) is refused."""
+    if x.device.type != "cpu":
+        raise Unsupported(f"Numba kernels take CPU tensors, got {x.device.type}")
+    if accum_dtype(x.dtype) != torch.float32:
+        raise Unsupported(f"{x.dtype} tensors use the reference")
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _amax(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """float32 ``max |v|`` per block (NaN where a block holds one)."""
+    bits = np.empty(nb, dtype=np.int32)
+    _block_amax(v.numpy().view(np.int32), b, bits)
+    return torch.from_numpy(bits.view(np.float32))
+
+
+def _key(seed: int) -> tuple[np.uint64, np.uint64]:
+    seed = int(seed) & ((1 << 64) - 1)
+    return np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+
+
+def qsgd_encode_numba(x, levels, seed, *, block=64, bits=None, scales=None):
+    """:func:`~gradzip.kernels.quant.qsgd_encode_reference`, its per-element pass compiled."""
+    v = _float32_vector(x)
+    n, s = v.numel(), int(levels)
+    bits = bits or qsgd_bits(s)
+    nb, b = quant_layout(n, block)
+    if scales is None:
+        sq = np.empty(nb, dtype=np.float64)
+        _block_sumsq(v.numpy(), b, sq)
+        sq = torch.from_numpy(sq)
+        norms = qsgd_norms(sq, torch.isfinite(sq))  # a float32 block's sum is finite exactly when the block is
+    else:
+        norms = scales.to(device=v.device, dtype=torch.float32)
+        if not bool(torch.isfinite(v).all()):  # the reference's cast of a NaN level is the platform's
+            return qsgd_encode_reference(x, levels, seed, block=block, bits=bits, scales=scales)
+    if not bool(torch.isfinite(norms).all()):
+        return qsgd_encode_reference(x, levels, seed, block=block, bits=bits, scales=scales)
+    out = np.empty((n * bits + 7) // 8, dtype=np.uint8)
+    k0, k1 = _key(seed)
+    _qsgd_codes(v.numpy(), norms.contiguous().numpy(), b, s, k0, k1, {2: 1, 4: 2, 8: 3}[bits], out)
+    return norms, torch.from_numpy(out)
+
+
+def terngrad_encode_numba(x, seed, *, block=None, clip=None, scales=None):
+    """:func:`~gradzip.kernels.quant.terngrad_encode_reference`, its per-element pass compiled."""
+    v = _float32_vector(x)
+    n = v.numel()
+    nb, b = quant_layout(n, block)
+    if scales is None:
+        amax, sq = _amax(v, nb, b), None
+        if clip is not None:
+            sq = np.empty(nb, dtype=np.float64)
+            _block_sumsq(v.numpy(), b, sq)
+            sq = torch.from_numpy(sq)
+        scales = terngrad_scales(amax, sq, quant_counts(n, nb, b, v.device), clip)
+    else:
+        scales = scales.to(device=v.device, dtype=torch.float32)
+    if not bool(torch.isfinite(scales).all()):
+        return terngrad_encode_reference(x, seed, block=block, clip=clip, scales=scales)
+    out = np.empty((n + 3) // 4, dtype=np.uint8)
+    k0, k1 = _key(seed)
+    _tern_codes(v.numpy(), scales.contiguous().numpy(), b, k0, k1, out)
+    return scales, torch.from_numpy(out)
+
+
+def int8_encode_numba(x, *, block=1024, scales=None):
+    """:func:`~gradzip.kernels.quant.int8_encode_reference`: the block maxima by torch, the
+    scales by :func:`~gradzip.kernels.quant.int8_scales`, the codes compiled."""
+    v = _float32_vector(x)
+    n = v.numel()
+    nb, b = quant_layout(n, block)
+    if scales is None:
+        amax = _amax(v, nb, b)
+        if not bool(torch.isfinite(amax).all()):  # a block holding inf or NaN
+            return int8_encode_reference(x, block=block)
+        scales = int8_scales(amax)
+    else:
+        scales = scales.to(device=v.device, dtype=torch.float32).contiguous()
+        if not (bool(torch.isfinite(scales).all()) and bool(torch.isfinite(v).all())):
+            return int8_encode_reference(x, block=block, scales=scales)
+    out = np.empty(n, dtype=np.int8)
+    _int8_codes(v.numpy(), scales.numpy(), b, out)
+    return scales, torch.from_numpy(out)
+
+
+def decode_add_quant_numba(out, bodies, kind, *, block=None, levels=0, bits=None):
+    """``out += decode(body_p)`` for QSGD, TernGrad and Int8 frames, peer by peer in order (each
+    element gets the reference's additions); sign1 frames take the reference's table lookup."""
+    if kind not in ("qsgd", "tern2", "int8"):
+        raise Unsupported(f"{kind} frames decode by the reference's CPU path")
+    if kind == "int8":
+        int8_apply_numba(out, bodies, block=block)
+        return
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != torch.float32:
+        raise Unsupported("Numba decoders take a contiguous float32 CPU tensor")
+    n = out.numel()
+    acc = out.numpy().reshape(-1)
+    for body in bodies:
+        _, b, scales, code = _split_body(body, n, kind, block, bits)
+        sc, cd = scales.contiguous().numpy(), code.contiguous().numpy()
+        if kind == "qsgd":
+            _qsgd_add(acc, sc, cd, b, int(levels), {2: 1, 4: 2, 8: 3}[int(bits)])
+        else:
+            _tern_add(acc, sc, cd, b)
+
+
+def int8_apply_numba(out, bodies, *, block, subtract=False):
+    """:func:`~gradzip.kernels.quant.int8_apply_`: ``out += decode(body_p)`` (``subtract``:
+    ``-=``) for every int8 frame in order, ``out`` a contiguous float32 or float64 CPU tensor."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in (torch.float32, torch.float64):
+        raise Unsupported("Numba decoders take a contiguous float32 or float64 CPU tensor")
+    n = out.numel()
+    acc = out.numpy().reshape(-1)
+    for body in bodies:
+        _, b, scales, code = _split_body(body, n, "int8", block, None)
+        sc = scales.contiguous().numpy().astype(acc.dtype)
+        _int8_add(acc, sc, code.contiguous().numpy().view(np.int8), b, -1 if subtract else 1)
+
+
+def sign_ef_numba(x, residual=None, *, block=None, new_residual=None, out=None, scales=None):
+    """:func:`~gradzip.kernels.quant.sign_ef_reference` in two compiled passes: ``v = x + residual``
+    with the block sums of ``|v|``, then the sign words and the new residual."""
+    xv = _float32_vector(x)
+    if residual is not None and (residual.device.type != "cpu" or residual.dtype != torch.float32):
+        raise Unsupported("a float32 CPU residual")
+    n = xv.numel()
+    nb, b = quant_layout(n, block)
+    rv = residual.detach().reshape(-1).contiguous() if residual is not None else torch.empty(0)
+    want = wants_residual(residual, new_residual, out)
+    v = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32)
+    sums = np.empty(nb, dtype=np.float64)
+    _compensate_abs_sums(xv.numpy(), rv.numpy(), v.numpy(), b, sums)
+    if scales is None:
+        total = torch.from_numpy(sums)
+        scales = sign_scales(total, quant_counts(n, nb, b, v.device), torch.isfinite(total))
+    else:
+        scales = scales.to(device=v.device, dtype=torch.float32)
+    words = np.zeros(4 * ((n + 31) // 32), dtype=np.uint8)
+    _sign_bits_residual(
+        v.numpy(), scales.contiguous().numpy(), b, words, v.numpy() if want else np.empty(0, np.float32)
+    )
+    return scales, torch.from_numpy(words.view(np.int32)), (out if out is not None else v) if want else None

@@ -1,0 +1,208 @@
+"""The Numba CPU kernels (kernels/numba_ops.py) against the references, frame for frame.
+
+Awkward lengths (short last blocks and bytes, fewer elements than a Philox quad), every input
+dtype, magnitudes near float32's ends, and non-finite inputs (which the kernels hand to the
+references). Each check runs the op through the dispatch unforced (Numba) and forced to the
+reference, so it also covers the dispatch's choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradzip.kernels as K
+from gradzip.kernels import dispatch
+from gradzip.kernels import quant as Q
+
+pytest.importorskip("numba")
+
+LENGTHS = [1, 3, 4, 5, 63, 64, 65, 1000, 4097, 40_003]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SCALES = [1.0, 1e-30, 1e30, 1e-42]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (so -0.0 and NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def data(n: int, dtype, scale: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+    if n > 10:
+        x[3], x[7] = 0.0, -0.0
+    return x
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """``both(call)``: the call unforced (asserting Numba ran it) and under GRADZIP_KERNELS=reference."""
+
+    def run(op: str, call):
+        monkeypatch.delenv(K.ENV_VAR, raising=False)
+        got = call()
+        assert K.backend_report()["ops"][op]["chosen"]["cpu"]["backend"] == "numba", op
+        monkeypatch.setenv(K.ENV_VAR, "reference")
+        want = call()
+        monkeypatch.delenv(K.ENV_VAR, raising=False)
+        return got, want
+
+    return run
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_encoders_give_the_reference_frames(both, n, dtype, scale):
+    x = data(n, dtype, scale, n)
+    for levels, block in [(7, 64), (1, None), (127, 128), (3, 5)]:
+        got, want = both("qsgd_encode", lambda: K.qsgd_encode(x, levels, 12345, block=block))
+        assert all(same(a, b) for a, b in zip(got, want)), ("qsgd", levels, block)
+    for block, clip in [(None, None), (64, 2.5), (7, None)]:
+        got, want = both("terngrad_encode", lambda: K.terngrad_encode(x, 99, block=block, clip=clip))
+        assert all(same(a, b) for a, b in zip(got, want)), ("terngrad", block, clip)
+    for block in [None, 1024, 7, 256]:
+        got, want = both("int8_encode", lambda: K.int8_encode(x, block=block))
+        assert all(same(a, b) for a, b in zip(got, want)), ("int8", block)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 4097])
+def test_non_finite_inputs_take_the_reference_and_give_its_frames(n):
+    x = data(n, torch.float32, 1.0, 1)
+    x[n // 2] = float("nan")
+    x[0] = float("inf")
+    pairs = [
+        (K.qsgd_encode(x, 7, 1), Q.qsgd_encode_reference(x, 7, 1)),
+        (K.terngrad_encode(x, 1, block=64), Q.terngrad_encode_reference(x, 1, block=64)),
+        (K.int8_encode(x, block=64), Q.int8_encode_reference(x, block=64)),
+        (
+            K.int8_encode(x, block=None, scales=torch.ones(1)),
+            Q.int8_encode_reference(x, block=None, scales=torch.ones(1)),
+        ),
+    ]
+    for got, want in pairs:
+        assert all(same(a, b) for a, b in zip(got, want))
+
+
+def test_int8_near_ties_are_computed_in_float64():
+    """Quotients a float32 division rounds onto a half-integer: the float64 reference's codes."""
+    s = torch.tensor([0.1], dtype=torch.float32)
+    k = torch.arange(-127, 127, dtype=torch.float64) + 0.5
+    x = (k * 0.1).to(torch.float32)  # v / S_b within float32 rounding of k + 1/2
+    x = torch.cat([x, torch.nextafter(x, torch.zeros_like(x)), torch.nextafter(x, 2 * x)])
+    got, want = K.int8_encode(x, block=None, scales=s), Q.int8_encode_reference(x, block=None, scales=s)
+    assert all(same(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kind", ["qsgd", "tern2", "int8"])
+@pytest.mark.parametrize("n", [1, 5, 1000, 4097, 40_003])
+@pytest.mark.parametrize("block", [None, 64, 7])
+def test_decoders_add_the_reference_values(both, kind, n, block):
+    x = data(n, torch.float32, 1.0, n)
+    if kind == "qsgd":
+        kw = dict(block=block, levels=7, bits=4)
+        scales, codes = Q.qsgd_encode_reference(x, 7, 5, block=block)
+    elif kind == "tern2":
+        kw = dict(block=block)
+        scales, codes = Q.terngrad_encode_reference(x, 5, block=block)
+    else:
+        kw = dict(block=block)
+        scales, codes = Q.int8_encode_reference(x, block=block)
+    body = torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)])
+    start = torch.randn(n, generator=torch.Generator().manual_seed(3))
+
+    def add():
+        out = start.clone()
+        K.decode_add_quant(out, [body, body], kind, **kw)
+        return out
+
+    got, want = both("decode_add_quant", add)
+    assert same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("subtract", [False, True])
+def test_int8_apply_adds_and_subtracts_as_the_reference(both, dtype, subtract):
+    x = data(5000, torch.float32, 1.0, 9)
+    scales, codes = Q.int8_encode_reference(x, block=333)
+    body = torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)])
+    start = torch.randn(5000, dtype=dtype, generator=torch.Generator().manual_seed(4))
+
+    def apply():
+        out = start.clone()
+        K.int8_apply_(out, [body, body], block=333, subtract=subtract)
+        return out
+
+    got, want = both("int8_apply_", apply)
+    assert same(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    block=st.one_of(st.none(), st.integers(1, 600)),
+    levels=st.integers(1, 127),
+    seed=st.integers(0, 2**63 - 1),
+    exp=st.integers(-40, 38),
+)
+def test_qsgd_and_terngrad_frames_match_the_reference_on_any_layout(n, block, levels, seed, exp):
+    x = data(n, torch.float32, 10.0**exp, seed % 1000)
+    got, want = K.qsgd_encode(x, levels, seed, block=block), Q.qsgd_encode_reference(x, levels, seed, block=block)
+    assert all(same(a, b) for a, b in zip(got, want))
+    got, want = K.terngrad_encode(x, seed, block=block), Q.terngrad_encode_reference(x, seed, block=block)
+    assert all(same(a, b) for a, b in zip(got, want))
+
+
+def test_without_numba_cpu_calls_take_the_reference(monkeypatch):
+    """Numba not importable: the dispatch says so and runs the references."""
+    dispatch.reset_dispatch()
+    monkeypatch.setitem(dispatch._import_errors, "numba", "numba is not importable (ImportError: test)")
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    x = data(100, torch.float32, 1.0, 2)
+    assert all(same(a, b) for a, b in zip(K.qsgd_encode(x, 7, 5), Q.qsgd_encode_reference(x, 7, 5)))
+    chosen = K.backend_report()["ops"]["qsgd_encode"]["chosen"]["cpu"]
+    assert chosen["backend"] == "reference" and "not importable" in chosen["why"][0]
+    assert not K.uses_kernel("qsgd_encode", "cpu")
+    monkeypatch.setenv(K.ENV_VAR, "numba")
+    with pytest.raises(K.KernelBackendError, match="numba"):
+        K.qsgd_encode(x, 7, 5)
+    dispatch.reset_dispatch()
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 33, 1000, 4097])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 64, 7])
+@pytest.mark.parametrize("mode", ["no residual", "residual", "into the residual", "into x", "new residual"])
+def test_sign_ef_gives_the_reference_words_scales_and_residual(both, n, dtype, block, mode):
+    x, r = data(n, dtype, 1.0, n), data(n, torch.float32, 0.1, n + 1)
+
+    def call():
+        xx, rr = x.clone(), r.clone()
+        if mode == "no residual":
+            return K.sign_ef(xx, None, block=block)
+        if mode == "residual":
+            return K.sign_ef(xx, rr, block=block)
+        if mode == "into x" and dtype == torch.float32:
+            res = K.sign_ef(xx, rr, block=block, out=xx)
+            assert res[2] is xx
+            return res
+        if mode == "new residual":
+            return K.sign_ef(xx, None, block=block, new_residual=True)
+        res = K.sign_ef(xx, rr, block=block, out=rr)
+        assert res[2] is rr
+        return res
+
+    got, want = both("sign_ef", call)
+    assert all((a is None and b is None) or same(a, b) for a, b in zip(got, want))
+
+
+def test_sign_ef_on_non_finite_input_matches_the_reference():
+    x, r = data(1000, torch.float32, 1.0, 5), data(1000, torch.float32, 0.1, 6)
+    x[3], x[700] = float("nan"), float("inf")
+    got, want = K.sign_ef(x, r.clone(), block=64), Q.sign_ef_reference(x, r.clone(), block=64)
+    assert all(same(a, b) for a, b in zip(got, want))
