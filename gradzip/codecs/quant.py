@@ -121,7 +121,7 @@ def _code_stats(frames: list[tuple[torch.Tensor, torch.Tensor, int]], bits: int,
         neg = (scales < 0).any() if scales.numel() else torch.zeros((), dtype=torch.bool, device=code.device)
         if kind == "int8":
             top = (
-                (from_bytes(code, torch.int8) == -128).any()
+                from_bytes(code, torch.int8).amin() == -128
                 if n
                 else torch.zeros((), dtype=torch.bool, device=code.device)
             )

@@ -67,7 +67,7 @@ from .base import (
     check_scale,
     check_vdtype,
 )
-from .sparse import call_counts, check_codes2, pack_gaps, unpack_gaps
+from .sparse import call_counts, check_codes2, pack_gaps, topk_abs, unpack_gaps
 
 __all__ = ["Threshold", "exact_tau"]
 
@@ -227,7 +227,7 @@ class Threshold(Codec):
                 return Payload(
                     body=empty, shape=x.shape, dtype=x.dtype, fmt=FMT_EMPTY, scale=self.current_tau(ctx)
                 ), None
-            kth = float(torch.topk(x.reshape(-1).abs(), k, sorted=False).values.min())
+            kth = float(topk_abs(x, k)[1].min())
             base = kth if kth > 0 else self.current_tau(ctx)
         else:
             base = self.current_tau(ctx)
