@@ -254,6 +254,17 @@ def message_nbytes(payloads: list[Payload]) -> int:
     )
 
 
+def message_capacity(payloads: list[Payload]) -> int:
+    """Bytes that hold the message of ``payloads`` with or without the checksum: what a rank
+    pads its message to when the ranks know every frame's length without asking (AllGather of
+    ``fixed_frames`` codecs), whatever each rank's :func:`set_checksum`."""
+    return (
+        HEADER_BYTES
+        + CRC.size
+        + sum(frame_nbytes(p.body.numel() * p.body.element_size(), bool(p.scale)) for p in payloads)
+    )
+
+
 def _crc32(msg: torch.Tensor, end: int) -> int:
     """CRC-32 of a message's header, entries and bodies (bytes ``[0, 8)`` and ``[12, end)``)."""
     raw = msg[:end].cpu().numpy()

@@ -80,6 +80,9 @@ class Codec(Registered, register=False):
     rounds_sum: ClassVar[bool] = False
     framable: ClassVar[bool] = True  # a payload decodes from its frame alone (no local data)
     sparse: ClassVar[bool] = False  # sends some coordinates whole, the rest not at all (momentum masking)
+    #: every rank's frame of a tensor has the same entry and length, a function of its shape, dtype
+    #: and the codec's configuration (not of its values): AllGather then needs no size round
+    fixed_frames: ClassVar[bool] = False
     protocol: str | None = None
     #: ``"call"``: the codec chooses what to send over all tensors of a call at once
     #: (:meth:`allot`), and only ``AllGather`` carries it; ``"tensor"``: tensor by tensor.

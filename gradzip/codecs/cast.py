@@ -81,6 +81,7 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Cast(Codec):
     summable = True
     rounds_sum = True  # payloads added in the wire dtype round the sum
+    fixed_frames = True
     # Round-to-nearest is not systematically biased; error feedback stays opt-in,
     # as in torch's fp16/bf16 hooks. Pass error_feedback=True to keep the rounding error.
     biased = False

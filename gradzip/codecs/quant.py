@@ -144,6 +144,7 @@ class _Quantizer(Codec):
     """Frame checks and decoding, shared: every peer's frames decode in one ``kernels.decode_add_quant``."""
 
     _kind = ""  # decode_add_quant's kind
+    fixed_frames = True  # nb float32 scales, then the codes: lengths from n alone
     _fmt = 0
     _label = ""
     _bits = 8  # bits per code (sign1: 1)

@@ -3,7 +3,11 @@
 Each rank frames the payloads of the call's tensors into one byte message
 (:func:`gradzip.wire.pack_frames`); the ranks agree on the longest message
 (allreduce MAX of its length: gloo refuses uneven all-gathers) and all-gather
-the messages padded to it. Every rank decodes every peer's frames, tensor by
+the messages padded to it. A codec whose frames' lengths follow from the tensors'
+shapes alone (``fixed_frames``: the quantizers, the casts) needs no agreement: every
+rank pads its message to :func:`gradzip.wire.message_capacity` and the all-gather is
+the only round, issued as the call is submitted, so that it overlaps the backward
+pass on gloo too (later rounds wait for the front end's flush there). Every rank decodes every peer's frames, tensor by
 tensor and peers in rank order, into one float32 buffer (float64 for float64
 gradients), so every rank computes the same floats, and divides by the world
 size. Bytes handed to the collectives grow with the world size: ``(N - 1)``
@@ -15,22 +19,21 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import Codec
-from ..comm import allgather_bytes
-from ..wire import accum_dtype, narrow, pack_frames, unpack_frames
+from ..comm import Round, allgather_bytes
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
 
 
 class AllGather(Protocol):
-    """Framed payloads of any codec: an allreduce(MAX) of the message length, then an
-    all-gather of the padded messages; every peer decoded in rank order.
+    """Framed payloads of any codec: an allreduce(MAX) of the message length (none for a
+    ``fixed_frames`` codec), then an all-gather of the padded messages; every peer decoded in
+    rank order.
 
     Args:
         codec: a codec whose payloads decode from their frame alone (``framable``).
     """
-
-    rounds = 2
 
     def __init__(self, codec: Codec) -> None:
         if not isinstance(codec, Codec) or not codec.framable:
@@ -41,13 +44,25 @@ class AllGather(Protocol):
     def biased(self) -> bool:  # type: ignore[override]
         return self.codec.biased
 
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        return 1 if self.codec.fixed_frames else 2
+
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
         with call.codec():
             payloads = call.encode_all(codec)
             msg = pack_frames(payloads, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
-        gathered = yield from allgather_bytes(call.comm, msg)
+            if self.codec.fixed_frames:
+                size = message_capacity(payloads)
+                msg = torch.cat([msg, msg.new_zeros(size - msg.numel())]) if msg.numel() < size else msg
+        if self.codec.fixed_frames:
+            out = msg.new_empty(call.world_size * msg.numel())
+            yield Round([call.comm.allgather(out, msg)], last=True)
+            gathered = out.view(call.world_size, msg.numel())
+        else:
+            gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():
             shapes = [p.shape for p in payloads]
             dtypes = [p.dtype for p in payloads]

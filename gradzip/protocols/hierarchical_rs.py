@@ -56,7 +56,9 @@ class HierarchicalReduceScatter(Protocol, register=False):
             capped at the world size.
     """
 
-    rounds = 3
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        return 2 if self.codec.fixed_frames else 3
 
     def __init__(self, codec: Codec, *, local_size: int | None = None) -> None:
         ReduceScatter(codec)  # the same refusals (frames, scope="call")

@@ -47,7 +47,9 @@ def _framable(codec: Codec) -> bool:
 
 
 class ReduceScatter(Protocol):
-    rounds = 2
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        return 1 if self.codec.fixed_frames else 2
 
     def __init__(self, codec: Codec) -> None:
         if not isinstance(codec, Codec) or not _framable(codec):

@@ -33,7 +33,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes
-from ..wire import accum_dtype, narrow, pack_frames, unpack_frames
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -63,8 +63,6 @@ class TwoPhase(Protocol):
             feedback).
     """
 
-    rounds = 4
-
     def __init__(self, codec: Codec) -> None:
         if not isinstance(codec, Codec) or not codec.framable:
             raise ValueError(f"codec must be a gradzip codec whose payloads travel in frames, got {codec!r}")
@@ -79,11 +77,16 @@ class TwoPhase(Protocol):
     def biased(self) -> bool:  # type: ignore[override]
         return self.codec.biased
 
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        return 2 if self.codec.fixed_frames else 4
+
     def exchange(self, call: Call) -> Exchange:
         codec, world, me = self.codec, call.world_size, call.rank
         count = len(call.tensors)
         bounds = [piece_bounds(t.numel(), world) for t in call.tensors]
-        owned = yield from reduce_scatter_pieces(call, codec, bounds)
+        caps: list = []
+        owned = yield from reduce_scatter_pieces(call, codec, bounds, caps)
         with call.codec():
             acc_dtype = accum_dtype(call.out_dtype)
             # Phase 2: the owner's pieces, re-encoded with the owner's own error feedback.
@@ -101,7 +104,13 @@ class TwoPhase(Protocol):
             ]
             msg = pack_frames(again, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
-        gathered = yield from allgather_bytes(call.comm, msg)
+        if caps:  # fixed frames: every owner's message fits the largest phase-1 message to an owner
+            msg = _padded(msg, max(caps))
+            out = msg.new_empty(world * msg.numel())
+            yield Round([call.comm.allgather(out, msg)], last=True)
+            gathered = out.view(world, msg.numel())
+        else:
+            gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():
             out = call.output(zero=acc_dtype == call.out_dtype)
             acc = out if acc_dtype == call.out_dtype else torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
@@ -124,7 +133,14 @@ class TwoPhase(Protocol):
         return out
 
 
-def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
+def _padded(msg: torch.Tensor, size: int) -> torch.Tensor:
+    """``msg`` zero-padded to ``size`` bytes (a fixed-frame message is never longer)."""
+    if msg.numel() > size:
+        raise RuntimeError(f"a message of {msg.numel()} bytes exceeds the {size} its frames' lengths promised")
+    return torch.cat([msg, msg.new_zeros(size - msg.numel())]) if msg.numel() < size else msg
+
+
+def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | None = None) -> Exchange:
     """Phase 1 of :class:`TwoPhase`, a compressed reduce-scatter (also the whole of
     :class:`~gradzip.protocols.reduce_scatter.ReduceScatter`): every rank encodes piece
     ``j`` (elements ``[bounds[i][j], bounds[i][j+1])`` of tensor ``i``) of ``gradient +
@@ -133,6 +149,11 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
     pieces ``j`` (an all-to-all of the message lengths, then a pairwise all-to-all of the
     messages). Returns this rank's pieces, one flat tensor per tensor: every sender's
     frames decoded in rank order into the accumulation dtype and divided by the world size.
+
+    A ``fixed_frames`` codec skips the lengths' all-to-all: the frames a sender writes for
+    owner ``j`` are as long as this rank's own for ``j``, so every message to ``j`` is padded
+    to :func:`~gradzip.wire.message_capacity` of them, and the pairwise all-to-all is the only
+    round. ``caps`` (a list) then receives those capacities, one per owner.
     """
     world, me = call.world_size, call.rank
     count = len(call.tensors)
@@ -142,12 +163,20 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list) -> Exchange:
             for i in range(count)
         ]
         msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
-        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
+        call.comm.stats.add(bytes_payload=sum(m.numel() for m in msgs))
+        if codec.fixed_frames:
+            fixed = [message_capacity([sent[i][j] for i in range(count)]) for j in range(world)]
+            msgs = [_padded(m, c) for m, c in zip(msgs, fixed)]
+            if caps is not None:
+                caps[:] = fixed
         send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
+    if codec.fixed_frames:
+        in_splits, out_splits = fixed, [fixed[me]] * world
+    else:
+        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
         got_len = torch.empty(world, dtype=torch.int64, device=call.device)
-        call.comm.stats.add(bytes_payload=send.numel())
-    yield Round([call.comm.alltoall(got_len, lengths, control=True)])
-    in_splits, out_splits = lengths.tolist(), got_len.tolist()
+        yield Round([call.comm.alltoall(got_len, lengths, control=True)])
+        in_splits, out_splits = lengths.tolist(), got_len.tolist()
     recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
     yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])
     with call.codec():

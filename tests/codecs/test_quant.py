@@ -445,7 +445,9 @@ def expected_step_bytes(label, comp, n, world):
         return FLAG_BYTES + 4 * nb + 8 * math.ceil(n / lanes)  # scales, then lane-packed words
     body = body_bytes(comp, n)
     scale = 4 if label.startswith("QSGD") else 0  # QSGD's entry carries its levels
-    return FLAG_BYTES + 8 + HEADER_BYTES + ENTRY_BYTES + scale + body  # size exchange, message header, entry, body
+    # No size exchange (a quantizer's frame length follows from n): the message header, room for the
+    # checksum (every rank pads to it, on or off), the entry and the body.
+    return FLAG_BYTES + HEADER_BYTES + 4 + ENTRY_BYTES + scale + body
 
 
 SMALL = [("a", (40, 3)), ("b", (7,)), ("c", (1,)), ("d", (0,)), ("e", (1823,))]

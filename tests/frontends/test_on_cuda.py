@@ -333,7 +333,7 @@ def test_frontends_on_cpu_with_forced_kernels_match_reference_path():
     on the reference path: bit for bit, the kernels chosen."""
     pytest.importorskip("triton")
     for frontend, specs in INTERPRETED.items():
-        want = run_ranks(frontend_rank, 2, frontend, specs, "cpu", "gloo", None, INTERPRETED_STEPS)
+        want = run_ranks(frontend_rank, 2, frontend, specs, "cpu", "gloo", "reference", INTERPRETED_STEPS)
         got = run_ranks(frontend_rank, 2, frontend, specs, "cpu", "gloo", "triton", INTERPRETED_STEPS)
         for r in range(2):
             assert_runs_match(got[r], want[r], frontend)
