@@ -110,6 +110,9 @@ class Communicator:
         self.intra = intra
         self.stats = stats if stats is not None else Stats()
         self._pending: list[_Pending] = []
+        #: a list to trace collectives into (``benchmarks/overlap.py``): each one appends
+        #: ``[kind, bytes, issued, done]`` (``time.perf_counter()``; ``done`` set when it completes)
+        self.trace: list | None = None
 
     def split(self, local_size: int) -> tuple[Communicator, Communicator]:
         """Communicators on this rank's node (its ``local_size`` ranks, numbered node by node
@@ -131,7 +134,7 @@ class Communicator:
         )
 
     # -- single collectives (async; each returns a Work) ------------------------------
-    def _timed(self, work, nbytes: int, control: bool, link: float, gather: bool = False):
+    def _timed(self, work, nbytes: int, control: bool, link: float, gather: bool = False, kind: str = ""):
         t0 = time.perf_counter()
         self.stats.add(
             bytes_sent=nbytes,
@@ -141,10 +144,16 @@ class Communicator:
             bytes_link=link,
             bytes_link_intra=link if self.intra else 0.0,
         )
-        stats = self.stats
+        stats, rec = self.stats, None
+        if self.trace is not None:
+            rec = [kind, nbytes, t0, None]
+            self.trace.append(rec)
 
         def done(fut):
-            stats.add(comm_seconds=time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            stats.add(comm_seconds=t1 - t0)
+            if rec is not None:
+                rec[3] = t1
             return None
 
         work.get_future().then(done)
@@ -154,13 +163,13 @@ class Communicator:
         """Allreduce in place. ``control=True`` books the bytes as protocol overhead too."""
         w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         nbytes = t.numel() * t.element_size()
-        return self._timed(w, nbytes, control, ring_allreduce_link(nbytes, self.world_size))
+        return self._timed(w, nbytes, control, ring_allreduce_link(nbytes, self.world_size), kind="allreduce")
 
     def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
         w = _all_gather_single(out, inp, self.group)
         nbytes = inp.numel() * inp.element_size()
-        return self._timed(w, nbytes, control, (self.world_size - 1) * nbytes, gather=True)
+        return self._timed(w, nbytes, control, (self.world_size - 1) * nbytes, gather=True, kind="allgather")
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, *, control: bool = False):
         """Send ``inp``'s ``in_splits[j]`` elements (in order) to rank ``j`` and receive rank
@@ -171,7 +180,7 @@ class Communicator:
         el = inp.element_size()
         nbytes = inp.numel() * el
         mine = (in_splits[self.rank] if in_splits is not None else inp.numel() // self.world_size) * el
-        return self._timed(w, nbytes, control, nbytes - mine)
+        return self._timed(w, nbytes, control, nbytes - mine, kind="alltoall")
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol, device: torch.device | None = None) -> torch.futures.Future:

@@ -76,6 +76,7 @@ class HorovodCommunicator(Communicator):
         self.intra = False
         self.stats = stats if stats is not None else Stats()
         self._pending = []
+        self.trace = None
         self._ops = {dist.ReduceOp.SUM: hvd.Sum, dist.ReduceOp.MAX: hvd.Max}
         self._name = f"gradzip.{next(_IDS)}"
         self._count = itertools.count()
@@ -136,7 +137,9 @@ class HorovodCommunicator(Communicator):
             raise ValueError(f"HorovodCommunicator.allreduce supports SUM and MAX, got {op}")
         h = self.hvd.allreduce_async_(t, name=self._next_name(), op=self._ops[op])
         nbytes = t.numel() * t.element_size()
-        return self._timed(self._watch(h, None), nbytes, control, ring_allreduce_link(nbytes, self.world_size))
+        return self._timed(
+            self._watch(h, None), nbytes, control, ring_allreduce_link(nbytes, self.world_size), kind="allreduce"
+        )
 
     def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (``hvd.allgather_async``)."""
@@ -149,7 +152,9 @@ class HorovodCommunicator(Communicator):
             out.view(-1).copy_(got.view(-1))
 
         nbytes = inp.numel() * inp.element_size()
-        return self._timed(self._watch(h, finish), nbytes, control, (self.world_size - 1) * nbytes, gather=True)
+        return self._timed(
+            self._watch(h, finish), nbytes, control, (self.world_size - 1) * nbytes, gather=True, kind="allgather"
+        )
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, *, control: bool = False):
         """Send ``inp``'s ``in_splits[j]`` elements to rank ``j``, receive into ``out`` at
@@ -168,4 +173,4 @@ class HorovodCommunicator(Communicator):
         el = inp.element_size()
         nbytes = inp.numel() * el
         mine = (in_splits[self.rank] if in_splits is not None else inp.numel() // self.world_size) * el
-        return self._timed(self._watch(h, finish), nbytes, control, nbytes - mine)
+        return self._timed(self._watch(h, finish), nbytes, control, nbytes - mine, kind="alltoall")

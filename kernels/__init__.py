@@ -131,7 +131,11 @@ __all__ = [
 _OPS = {
     "threshold_ef": (
         threshold_ef_reference,
-        {"triton": (".triton.threshold", "threshold_ef_triton"), "cupy": (".cupy_ops", "threshold_ef_cupy")},
+        {
+            "numba": (".numba_ops", "threshold_ef_numba"),
+            "triton": (".triton.threshold", "threshold_ef_triton"),
+            "cupy": (".cupy_ops", "threshold_ef_cupy"),
+        },
     ),
     "decode_add_bitmap2": (decode_add_bitmap2_reference, {"triton": (".triton.decode", "decode_add_bitmap2_triton")}),
     "scatter_add_signed": (scatter_add_signed_reference, {"triton": (".triton.decode", "scatter_add_signed_triton")}),

@@ -4,7 +4,7 @@ The references (:mod:`.quant`) are torch ops, a pass over memory each; QSGD and 
 draw their uniforms with :func:`~gradzip.kernels.philox.philox_uniform`, ten rounds of Philox
 on int64 tensors (about 230 ns an element on one core). These kernels (SignSGD's error-feedback
 encoder, QSGD and TernGrad's encoders with the same Philox draws, Int8's encoder, the QSGD,
-TernGrad and Int8 decoders and Int8's error-feedback subtraction) give the references' results
+TernGrad and Int8 decoders, Int8's error-feedback subtraction, and Threshold's fused pass) give the references' results
 on float32 CPU tensors (float16 and bfloat16 are widened first, as the references do):
 
 * the block statistics (``max |v|``; float64 sums of ``|v|`` or ``v^2``) are compiled too, and
@@ -43,7 +43,7 @@ from .quant import (
     terngrad_encode_reference,
     terngrad_scales,
 )
-from .reference import accum_dtype, wants_residual
+from .reference import ThresholdResult, accum_dtype, wants_residual
 
 try:  # imported by the dispatch only after `import numba` succeeded; the guard keeps this importable
     import numba
@@ -57,6 +57,7 @@ __all__ = [
     "decode_add_quant_numba",
     "int8_apply_numba",
     "sign_ef_numba",
+    "threshold_ef_numba",
 ]
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -549,3 +550,101 @@ def sign_ef_numba(x, residual=None, *, block=None, new_residual=None, out=None, 
         v.numpy(), scales.contiguous().numpy(), b, words, v.numpy() if want else np.empty(0, np.float32)
     )
     return scales, torch.from_numpy(words.view(np.int32)), (out if out is not None else v) if want else None
+
+
+def _threshold_pass(x, r, v, tau, bitmap, keep):
+    """The fused threshold in two loops the compiler vectorises: ``v = x + r`` (``r`` empty:
+    ``v = x``; ``v`` may be ``x``'s or ``r``'s memory) with ``max |v|``; then the 2-bit codes (1
+    where ``v >= tau``, 2 where ``v <= -tau``, four to a byte into ``bitmap``) and, with
+    ``keep``, ``v -= sent`` in place. Returns ``(count, amax, NaN seen)``."""
+    n = x.size
+    zero = np.float32(0.0)
+    amax = np.float32(0.0)
+    nan = False
+    if r.size > 0:
+        for i in range(n):
+            w = x[i] + r[i]
+            v[i] = w
+            amax = max(amax, abs(w))
+            nan |= w != w
+    else:
+        for i in range(n):
+            w = x[i]
+            v[i] = w
+            amax = max(amax, abs(w))
+            nan |= w != w
+    count = 0
+    for k in range((n + 3) // 4):
+        row = v[4 * k : min(n, 4 * k + 4)]
+        byte = np.uint8(0)
+        for j in range(row.size):
+            w = row[j]
+            pos = w >= tau
+            neg = w <= -tau
+            byte |= np.uint8((1 if pos else (2 if neg else 0)) << (2 * j))
+            count += 1 if (pos or neg) else 0
+            if keep:
+                row[j] = w - (tau if pos else (-tau if neg else zero))
+        bitmap[k] = byte
+    return count, amax, nan
+
+
+def _bitmap_words(bitmap, n, words):
+    """``FMT_SIGNED_INDEX`` words of a 2-bit map: each set position ``i`` ascending, as ``i``, or
+    ``i - 2**31`` (bit 31 set) where its code is 2 (``-tau``)."""
+    k = 0
+    for b in range(bitmap.size):
+        byte = bitmap[b]
+        if byte:
+            for j in range(4):
+                code = (byte >> np.uint8(2 * j)) & np.uint8(3)
+                i = 4 * b + j
+                if code and i < n:
+                    words[k] = np.int32(i - 2147483648) if code == 2 else np.int32(i)
+                    k += 1
+
+
+if numba is not None:
+    _threshold_pass = _jit(_threshold_pass)
+    _bitmap_words = _jit(_bitmap_words)
+
+
+class NumbaThresholdResult(ThresholdResult):
+    """A threshold pass's stats, 2-bit map and residual, computed by :func:`_threshold_pass`."""
+
+    backend = "numba"
+
+    def __init__(self, n, tau, residual, bitmap, count, amax):
+        super().__init__(n, tau, residual)
+        self._bitmap = bitmap
+        self._stats = (count, amax)
+
+    def _fetch_stats(self):
+        return self._stats
+
+    def bitmap(self):
+        return self._bitmap
+
+    def indices(self):
+        self._check_indexable()
+        words = np.empty(self._stats[0], dtype=np.int32)
+        _bitmap_words(self._bitmap.numpy(), self.n, words)
+        return torch.from_numpy(words)
+
+
+def threshold_ef_numba(x, tau, residual=None, *, new_residual=None, out=None):
+    """:func:`~gradzip.kernels.reference.threshold_ef_reference` in one compiled pass (``tau``
+    compared and sent in float32, as the reference's float32 ``v >= tau`` and ``pos * tau``)."""
+    xv = _float32_vector(x)
+    if residual is not None and (residual.device.type != "cpu" or residual.dtype != torch.float32):
+        raise Unsupported("a float32 CPU residual")
+    n = xv.numel()
+    rv = residual.detach().reshape(-1).contiguous() if residual is not None else torch.empty(0)
+    want = wants_residual(residual, new_residual, out)
+    v = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32)
+    bitmap = np.zeros((n + 3) // 4, dtype=np.uint8)
+    count, amax, nan = _threshold_pass(xv.numpy(), rv.numpy(), v.numpy(), np.float32(tau), bitmap, want)
+    result = (out if out is not None else v) if want else None
+    return NumbaThresholdResult(
+        n, tau, result, torch.from_numpy(bitmap), int(count), float("nan") if nan else float(amax)
+    )

@@ -8,6 +8,7 @@ reference, so it also covers the dispatch's choice.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,7 +29,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes (so -0.0 and NaN payloads count)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t).view(torch.uint8)
+
+    return torch.equal(raw(a), raw(b))
 
 
 def data(n: int, dtype, scale: float, seed: int) -> torch.Tensor:
@@ -206,3 +211,43 @@ def test_sign_ef_on_non_finite_input_matches_the_reference():
     x[3], x[700] = float("nan"), float("inf")
     got, want = K.sign_ef(x, r.clone(), block=64), Q.sign_ef_reference(x, r.clone(), block=64)
     assert all(same(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1000, 4097])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tau", [0.7, 0.3, 1e-40, 2.5])
+@pytest.mark.parametrize("mode", ["no residual", "residual", "into the residual", "into x", "new residual"])
+def test_threshold_ef_gives_the_reference_result(both, n, dtype, tau, mode):
+    """Bitmap, index words, count, max |v| and residual; ``tau`` lands on float32 values of both
+    roundings (0.7 rounds down in float32, 0.3 up) and on a subnormal."""
+    x, r = data(n, dtype, 1.0, n), data(n, torch.float32, 0.1, n + 1)
+    if n > 4:
+        x[1], x[2] = torch.tensor(tau).to(dtype), -torch.tensor(tau).to(dtype)
+
+    def call():
+        xx, rr = x.clone(), r.clone()
+        if mode == "no residual":
+            res = K.threshold_ef(xx, tau)
+        elif mode == "residual":
+            res = K.threshold_ef(xx, tau, rr)
+        elif mode == "into x" and dtype == torch.float32:
+            res = K.threshold_ef(xx, tau, rr, out=xx)
+            assert res.residual is xx
+        elif mode == "new residual":
+            res = K.threshold_ef(xx, tau, new_residual=True)
+        else:
+            res = K.threshold_ef(xx, tau, rr, out=rr)
+            assert res.residual is rr
+        return res.bitmap(), res.indices(), torch.tensor([res.count]), torch.tensor([res.amax]), res.residual
+
+    got, want = both("threshold_ef", call)
+    assert all((a is None and b is None) or same(a, b) for a, b in zip(got, want))
+
+
+def test_threshold_ef_with_nan_reports_nan_as_the_reference():
+    x = data(1000, torch.float32, 1.0, 3)
+    x[10] = float("nan")
+    got, want = K.threshold_ef(x, 0.5, new_residual=True), K.threshold_ef_reference(x, 0.5, new_residual=True)
+    assert got.backend == "numba" and want.backend == "reference"
+    assert got.count == want.count and np.isnan(got.amax) and np.isnan(want.amax)
+    assert same(got.bitmap(), want.bitmap()) and same(got.residual, want.residual)

@@ -232,11 +232,14 @@ def test_topk_codec_approx_mode():
 # -- dispatch -------------------------------------------------------------------------------------
 
 
-def test_cpu_tensors_use_the_reference(clean_dispatch):
+def test_cpu_tensors_use_numba_or_the_reference(clean_dispatch, monkeypatch):
     res = K.threshold_ef(rand(100), 0.5)
-    assert res.backend == "reference"
+    assert res.backend == "numba"
     rep = K.backend_report()
-    assert rep["ops"]["threshold_ef"]["chosen"]["cpu"]["backend"] == "reference"
+    assert rep["ops"]["threshold_ef"]["chosen"]["cpu"]["backend"] == "numba"
+    assert K.abs_select(rand(100), 0.5).numel() and K.backend_report()["ops"]["abs_select"]["chosen"]["cpu"][
+        "backend"
+    ] == ("reference")  # no CPU kernel for abs_select
     assert set(rep["backends"]) == {"reference", "numba", "triton", "cupy"}
     assert rep["forced"] is None
 

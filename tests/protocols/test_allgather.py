@@ -24,14 +24,20 @@ class _Variable(gz.SignSGD):
 def _average(rank, world, crc_on_rank):
     wire.set_checksum(rank == crc_on_rank)
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) for n in (1000, 7, 1, 4097)]
+    names = [f"t{i}" for i in range(len(xs))]
     out = {}
     for label, codec in (("fixed", gz.SignSGD(block=64)), ("variable", _Variable(block=64))):
         eng = Engine(AllGather(codec), error_feedback=False)
-        fut = eng.reduce([f"t{i}" for i in range(len(xs))], [x.clone() for x in xs], torch.float32)
-        eng.flush()  # gloo defers later rounds (here: the configuration check's) to the flush
-        avg = fut.wait()
-        eng.end_step()
-        out[label] = (avg, eng.stats()["collectives"])
+        avgs, traces = [], []
+        for _ in range(2):  # the first call also runs the configuration check
+            eng.comm.trace = []
+            fut = eng.reduce(names, [x.clone() for x in xs], torch.float32)
+            first = [c[0] for c in eng.comm.trace]  # issued as the call was submitted
+            eng.flush()  # gloo defers later rounds to the flush
+            avgs.append(fut.wait())
+            eng.end_step()
+            traces.append((first, [c[0] for c in eng.comm.trace], all(c[3] is not None for c in eng.comm.trace)))
+        out[label] = (avgs, traces)
     wire.set_checksum(False)
     return out
 
@@ -40,10 +46,15 @@ def test_fixed_frames_take_one_round_and_average_as_the_two_round_path():
     for crc_on_rank in (-1, 1):  # checksum nowhere, or on rank 1 only
         res = run_ranks(_average, 3, crc_on_rank)
         for r in res:
-            assert torch.equal(r["fixed"][0], res[0]["fixed"][0])
-            assert torch.equal(r["fixed"][0], r["variable"][0])
-        # per call: the config check's two rounds, the flag, then 1 (fixed) or 2 (variable) collectives
-        assert res[0]["variable"][1] - res[0]["fixed"][1] == 1
+            for step in range(2):
+                assert torch.equal(r["fixed"][0][step], res[0]["fixed"][0][step])
+                assert torch.equal(r["fixed"][0][step], r["variable"][0][step])
+        # the second call: the payload's all-gather (and the engine's flag) issued at submission, nothing
+        # left for the flush; the two-round path issues its size exchange first and the payload at the flush
+        first, whole, done = res[0]["fixed"][1][1]
+        assert sorted(first) == sorted(whole) == ["allgather", "allreduce"] and done
+        first, whole, done = res[0]["variable"][1][1]
+        assert sorted(first) == ["allreduce", "allreduce"] and sorted(whole) == ["allgather", "allreduce", "allreduce"]
 
 
 def _many_buckets(rank, world, steps):
