@@ -35,6 +35,14 @@ def main() -> int:
     p.add_argument("--cpu-share", default="auto", help="'auto' (max(1, ranks / cores)) or a number")
     p.add_argument("--cores", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=3, help="profile: fastest of this many timings")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs=2,
+        default=(4096, 1 << 20),
+        metavar=("N0", "N1"),
+        help="profile: the two tensor sizes each codec's line is fitted through (CodecProfile's default)",
+    )
     p.add_argument("--out", default=str(RESULTS / "plan_check.json"))
     a = p.parse_args()
 
@@ -45,7 +53,7 @@ def main() -> int:
     from gradzip.machine import machine
 
     torch.set_num_threads(1)
-    profile = CodecProfile(repeats=a.repeats, threads=1)
+    profile = CodecProfile(repeats=a.repeats, threads=1, sizes=tuple(a.sizes))
     out_rows = []
     for path in a.results:
         with open(path) as f:

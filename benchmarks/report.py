@@ -518,6 +518,26 @@ def cpu_codec_cost(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def overlap(doc: dict) -> str:
+    """How much of each method's communication is in flight during the backward pass (benchmarks/overlap.py)."""
+    lines = [
+        f"`{_cmd(doc['command'])}` ({doc['ranks']} ranks, {doc['link']}; {doc['model']}; median of "
+        f"{doc['steps']} steps of rank 0; machine: {_machine(doc['machine'])})",
+        "",
+        "| method | collectives / step | in flight s | in flight during backward | bytes issued during backward "
+        "| step s | exposed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['collectives_per_step']:.0f} | {r['busy_s']:.3f} "
+            f"| {100 * r['busy_in_backward']:.0f}% | {100 * r['bytes_issued_in_backward']:.0f}% "
+            f"| {r['step_s']:.3f} | {100 * r['exposed']:+.0f}% |"
+        )
+    lines.append(f"\nNo-communication step: {doc['rows'][0]['no_comm_step_s']:.3f} s." if doc["rows"] else "")
+    return "\n".join(lines)
+
+
 def powersgd_runs(*names: str) -> str:
     """gradzip PowerSGD over torch's powerSGD_hook in several runs of ``powersgd_step.py``: each
     run's ratio per width, their median and spread."""
@@ -767,6 +787,7 @@ RENDERERS = {
     "powersgd": _with_files(powersgd),
     "powersgd_runs": powersgd_runs,
     "cpu_codec_cost": _with_files(cpu_codec_cost),
+    "overlap": _with_files(overlap),
     "kernels": _with_files(kernels),
     "explore": _explore,
 }
