@@ -121,9 +121,11 @@ def _pack(codes, m, shift, out):
         out[whole] = acc
 
 
-def _qsgd_codes(v, ne, b, s, k0, k1, shift, out):
-    """QSGD's codes ``s + sign(v) * level``, packed ``8 >> shift`` to a byte into ``out``.
-    (Loops index slices from 0: Numba then drops its negative-index checks and vectorises.)"""
+def _stochastic_codes(v, scales, b, k0, k1, qsgd, s, shift, out):
+    """QSGD's codes ``s + sign(v) * level`` (``qsgd``) or TernGrad's (1: ``+S_b``, 2: ``-S_b``),
+    ``8 >> shift`` to a byte into ``out``: a chunk of Philox draws at a time, then each block's
+    run of the chunk with its scale. (Loops index slices from 0: Numba then drops its
+    negative-index checks and vectorises.)"""
     n = v.size
     sf = np.float32(s)
     zero = np.float32(0.0)
@@ -137,47 +139,27 @@ def _qsgd_codes(v, ne, b, s, k0, k1, shift, out):
         while i < c1:
             blk = i // b
             stop = min(c1, (blk + 1) * b)
-            e = ne[blk]
+            e = scales[blk]
             vr = v[i:stop]
             ur = u[i - c0 : stop - c0]
             cr = codes[i - c0 : stop - c0]
-            for t in range(vr.size):
-                x = vr[t]
-                r = abs(x) / e * sf if e > zero else zero
-                r = min(r, sf)
-                lo = np.floor(r)
-                lvl = lo + one if ur[t] < r - lo else lo
-                lvl = min(lvl, sf)
-                cr[t] = np.uint8(sf - lvl if x < zero else sf + lvl)
+            if qsgd:
+                for t in range(vr.size):
+                    x = vr[t]
+                    r = abs(x) / e * sf if e > zero else zero
+                    r = min(r, sf)
+                    lo = np.floor(r)
+                    lvl = lo + one if ur[t] < r - lo else lo
+                    lvl = min(lvl, sf)
+                    cr[t] = np.uint8(sf - lvl if x < zero else sf + lvl)
+            else:
+                for t in range(vr.size):
+                    x = vr[t]
+                    p = abs(x) / e if e > zero else zero
+                    p = min(p, one)
+                    cr[t] = (np.uint8(2) if x < zero else np.uint8(1)) if ur[t] < p else np.uint8(0)
             i = stop
         _pack(codes, c1 - c0, shift, out[c0 >> (3 - shift) :])
-
-
-def _tern_codes(v, se, b, k0, k1, out):
-    """TernGrad's 2-bit codes (1: ``+S_b``, 2: ``-S_b``), packed four to a byte into ``out``."""
-    n = v.size
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
-    u = np.empty(_CHUNK + 4, dtype=np.float32)
-    codes = np.empty(_CHUNK, dtype=np.uint8)
-    for c0 in range(0, n, _CHUNK):
-        c1 = min(n, c0 + _CHUNK)
-        _fill_uniform(c0 // 4, (c1 - c0 + 3) // 4, k0, k1, u)
-        i = c0
-        while i < c1:
-            blk = i // b
-            stop = min(c1, (blk + 1) * b)
-            e = se[blk]
-            vr = v[i:stop]
-            ur = u[i - c0 : stop - c0]
-            cr = codes[i - c0 : stop - c0]
-            for t in range(vr.size):
-                x = vr[t]
-                p = abs(x) / e if e > zero else zero
-                p = min(p, one)
-                cr[t] = (np.uint8(2) if x < zero else np.uint8(1)) if ur[t] < p else np.uint8(0)
-            i = stop
-        _pack(codes, c1 - c0, 1, out[c0 >> 2 :])
 
 
 def _int8_codes(v, s, b, out):
@@ -394,8 +376,7 @@ def _sign_bits_residual(v, s, b, words, residual):
 if numba is not None:
     _fill_uniform = _jit(_fill_uniform)
     _pack = _jit(_pack)
-    _qsgd_codes = _jit(_qsgd_codes)
-    _tern_codes = _jit(_tern_codes)
+    _stochastic_codes = _jit(_stochastic_codes)
     _int8_codes = _jit(_int8_codes)
     _block_sumsq = _jit(_block_sumsq)
     _block_amax = _jit(_block_amax)
@@ -447,7 +428,7 @@ def qsgd_encode_numba(x, levels, seed, *, block=64, bits=None, scales=None):
         return qsgd_encode_reference(x, levels, seed, block=block, bits=bits, scales=scales)
     out = np.empty((n * bits + 7) // 8, dtype=np.uint8)
     k0, k1 = _key(seed)
-    _qsgd_codes(v.numpy(), norms.contiguous().numpy(), b, s, k0, k1, {2: 1, 4: 2, 8: 3}[bits], out)
+    _stochastic_codes(v.numpy(), norms.contiguous().numpy(), b, k0, k1, True, s, {2: 1, 4: 2, 8: 3}[bits], out)
     return norms, torch.from_numpy(out)
 
 
@@ -469,7 +450,7 @@ def terngrad_encode_numba(x, seed, *, block=None, clip=None, scales=None):
         return terngrad_encode_reference(x, seed, block=block, clip=clip, scales=scales)
     out = np.empty((n + 3) // 4, dtype=np.uint8)
     k0, k1 = _key(seed)
-    _tern_codes(v.numpy(), scales.contiguous().numpy(), b, k0, k1, out)
+    _stochastic_codes(v.numpy(), scales.contiguous().numpy(), b, k0, k1, False, 1, 1, out)
     return scales, torch.from_numpy(out)
 
 
