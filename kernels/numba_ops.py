@@ -33,7 +33,6 @@ from .dispatch import Unsupported
 from .quant import (
     _split_body,
     int8_encode_reference,
-    int8_scales,
     qsgd_bits,
     qsgd_encode_reference,
     qsgd_norms,
@@ -68,6 +67,7 @@ _ROUND_A = np.uint64(0xD2511F53)
 _ROUND_B = np.uint64(0xCD9E8D57)
 _HALF = np.uint64(1 << 31)
 _SCALE = np.float32(4.6566127342e-10)
+_F32_TINY = np.float32(2.0**-149)  # the smallest float32 subnormal
 
 
 def _jit(fn):
@@ -219,6 +219,26 @@ def _block_sumsq(v, b, out):
             w = np.float64(vr[i])
             a0 += w * w
         out[blk] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
+def _int8_scales(bits, out):
+    """:func:`~gradzip.kernels.quant.int8_scales` of the block maxima (float32 bits, as
+    :func:`_block_amax` gives them), written into ``out``. False (and nothing written) where a
+    maximum is not finite: the caller takes the reference."""
+    for blk in range(bits.size):
+        if bits[blk] >= np.int32(0x7F800000):
+            return False
+    for blk in range(bits.size):
+        a = np.float64(bits[blk : blk + 1].view(np.float32)[0])
+        if a > 0.0:
+            q = a / 127.0
+            s = np.float32(q)
+            if np.float64(s) * 127.0 > a:
+                s = np.float32(np.nextafter(s, np.float32(0.0)))
+            out[blk] = max(s, _F32_TINY)
+        else:
+            out[blk] = np.float32(0.0)
+    return True
 
 
 def _block_amax(bits, b, out):
@@ -380,11 +400,19 @@ if numba is not None:
     _int8_codes = _jit(_int8_codes)
     _block_sumsq = _jit(_block_sumsq)
     _block_amax = _jit(_block_amax)
+    _int8_scales = _jit(_int8_scales)
     _qsgd_add = _jit(_qsgd_add)
     _tern_add = _jit(_tern_add)
     _int8_add = _jit(_int8_add)
     _compensate_abs_sums = _jit(_compensate_abs_sums)
     _sign_bits_residual = _jit(_sign_bits_residual)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor sharing its memory; an empty one as a fresh empty tensor (numpy's
+    empty arrays come with stride 0, which ``Tensor.view(dtype)`` refuses)."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(0, dtype=t.dtype)
 
 
 def _float32_vector(x: torch.Tensor) -> torch.Tensor:
@@ -401,7 +429,7 @@ def _amax(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
     """float32 ``max |v|`` per block (NaN where a block holds one)."""
     bits = np.empty(nb, dtype=np.int32)
     _block_amax(v.numpy().view(np.int32), b, bits)
-    return torch.from_numpy(bits.view(np.float32))
+    return _tensor(bits.view(np.float32))
 
 
 def _key(seed: int) -> tuple[np.uint64, np.uint64]:
@@ -418,7 +446,7 @@ def qsgd_encode_numba(x, levels, seed, *, block=64, bits=None, scales=None):
     if scales is None:
         sq = np.empty(nb, dtype=np.float64)
         _block_sumsq(v.numpy(), b, sq)
-        sq = torch.from_numpy(sq)
+        sq = _tensor(sq)
         norms = qsgd_norms(sq, torch.isfinite(sq))  # a float32 block's sum is finite exactly when the block is
     else:
         norms = scales.to(device=v.device, dtype=torch.float32)
@@ -429,7 +457,7 @@ def qsgd_encode_numba(x, levels, seed, *, block=64, bits=None, scales=None):
     out = np.empty((n * bits + 7) // 8, dtype=np.uint8)
     k0, k1 = _key(seed)
     _stochastic_codes(v.numpy(), norms.contiguous().numpy(), b, k0, k1, True, s, {2: 1, 4: 2, 8: 3}[bits], out)
-    return norms, torch.from_numpy(out)
+    return norms, _tensor(out)
 
 
 def terngrad_encode_numba(x, seed, *, block=None, clip=None, scales=None):
@@ -442,7 +470,7 @@ def terngrad_encode_numba(x, seed, *, block=None, clip=None, scales=None):
         if clip is not None:
             sq = np.empty(nb, dtype=np.float64)
             _block_sumsq(v.numpy(), b, sq)
-            sq = torch.from_numpy(sq)
+            sq = _tensor(sq)
         scales = terngrad_scales(amax, sq, quant_counts(n, nb, b, v.device), clip)
     else:
         scales = scales.to(device=v.device, dtype=torch.float32)
@@ -451,7 +479,7 @@ def terngrad_encode_numba(x, seed, *, block=None, clip=None, scales=None):
     out = np.empty((n + 3) // 4, dtype=np.uint8)
     k0, k1 = _key(seed)
     _stochastic_codes(v.numpy(), scales.contiguous().numpy(), b, k0, k1, False, 1, 1, out)
-    return scales, torch.from_numpy(out)
+    return scales, _tensor(out)
 
 
 def int8_encode_numba(x, *, block=1024, scales=None):
@@ -461,17 +489,19 @@ def int8_encode_numba(x, *, block=1024, scales=None):
     n = v.numel()
     nb, b = quant_layout(n, block)
     if scales is None:
-        amax = _amax(v, nb, b)
-        if not bool(torch.isfinite(amax).all()):  # a block holding inf or NaN
+        bits = np.empty(nb, dtype=np.int32)
+        _block_amax(v.numpy().view(np.int32), b, bits)
+        sc = np.empty(nb, dtype=np.float32)
+        if not _int8_scales(bits, sc):  # a block holding inf or NaN
             return int8_encode_reference(x, block=block)
-        scales = int8_scales(amax)
+        scales = _tensor(sc)
     else:
         scales = scales.to(device=v.device, dtype=torch.float32).contiguous()
         if not (bool(torch.isfinite(scales).all()) and bool(torch.isfinite(v).all())):
             return int8_encode_reference(x, block=block, scales=scales)
     out = np.empty(n, dtype=np.int8)
     _int8_codes(v.numpy(), scales.numpy(), b, out)
-    return scales, torch.from_numpy(out)
+    return scales, _tensor(out)
 
 
 def decode_add_quant_numba(out, bodies, kind, *, block=None, levels=0, bits=None):
@@ -522,7 +552,7 @@ def sign_ef_numba(x, residual=None, *, block=None, new_residual=None, out=None, 
     sums = np.empty(nb, dtype=np.float64)
     _compensate_abs_sums(xv.numpy(), rv.numpy(), v.numpy(), b, sums)
     if scales is None:
-        total = torch.from_numpy(sums)
+        total = _tensor(sums)
         scales = sign_scales(total, quant_counts(n, nb, b, v.device), torch.isfinite(total))
     else:
         scales = scales.to(device=v.device, dtype=torch.float32)
@@ -530,7 +560,7 @@ def sign_ef_numba(x, residual=None, *, block=None, new_residual=None, out=None, 
     _sign_bits_residual(
         v.numpy(), scales.contiguous().numpy(), b, words, v.numpy() if want else np.empty(0, np.float32)
     )
-    return scales, torch.from_numpy(words.view(np.int32)), (out if out is not None else v) if want else None
+    return scales, _tensor(words.view(np.int32)), (out if out is not None else v) if want else None
 
 
 def _threshold_pass(x, r, v, tau, bitmap, keep):
@@ -610,7 +640,7 @@ class NumbaThresholdResult(ThresholdResult):
         self._check_indexable()
         words = np.empty(self._stats[0], dtype=np.int32)
         _bitmap_words(self._bitmap.numpy(), self.n, words)
-        return torch.from_numpy(words)
+        return _tensor(words)
 
 
 def threshold_ef_numba(x, tau, residual=None, *, new_residual=None, out=None):
@@ -626,6 +656,4 @@ def threshold_ef_numba(x, tau, residual=None, *, new_residual=None, out=None):
     bitmap = np.zeros((n + 3) // 4, dtype=np.uint8)
     count, amax, nan = _threshold_pass(xv.numpy(), rv.numpy(), v.numpy(), np.float32(tau), bitmap, want)
     result = (out if out is not None else v) if want else None
-    return NumbaThresholdResult(
-        n, tau, result, torch.from_numpy(bitmap), int(count), float("nan") if nan else float(amax)
-    )
+    return NumbaThresholdResult(n, tau, result, _tensor(bitmap), int(count), float("nan") if nan else float(amax))

@@ -92,9 +92,7 @@ class WeightGather(Protocol, register=False):
             return out
         codec, count = self.codec, len(call.tensors)
         with call.codec():
-            finite = (
-                torch.stack([torch.isfinite(t).all() for t in call.tensors]).tolist() if count else []
-            )  # one host sync for the call
+            finite = _finite_flags(call.tensors)
             payloads = [
                 codec.compress(t if ok else torch.zeros_like(t), ctx)
                 for t, ctx, ok in zip(call.tensors, call.contexts, finite)
@@ -132,3 +130,15 @@ def _output(call: Call, numel: int) -> torch.Tensor:
     if d is not None and d.dtype == call.out_dtype and d.numel() == numel and d.is_contiguous():
         return d.view(-1)
     return torch.empty(numel, dtype=call.out_dtype, device=call.device)
+
+
+def _finite_flags(tensors) -> list[bool]:
+    """Whether each tensor is finite, with one host sync for the call in the common case: a
+    tensor's sum is non-finite whenever an element is (NaN and +-Inf propagate), and a sum reads
+    the tensor once without a mask; a non-finite sum of finite values (overflow) is told apart
+    by the exact check."""
+    if not tensors:
+        return []
+    sums = [t.detach().reshape(-1).sum() if t.numel() else torch.zeros((), device=t.device) for t in tensors]
+    ok = torch.isfinite(torch.stack([x.float() for x in sums])).tolist()
+    return [True if good else bool(torch.isfinite(t).all()) for t, good in zip(tensors, ok)]

@@ -251,3 +251,34 @@ def test_threshold_ef_with_nan_reports_nan_as_the_reference():
     assert got.backend == "numba" and want.backend == "reference"
     assert got.count == want.count and np.isnan(got.amax) and np.isnan(want.amax)
     assert same(got.bitmap(), want.bitmap()) and same(got.residual, want.residual)
+
+
+def test_int8_scales_of_any_finite_maximum_match_the_reference():
+    """Every binade (random float32 bit patterns, subnormals and the largest finite included): the
+    compiled scales equal ``quant.int8_scales``, rounding down included; a NaN or Inf refuses."""
+    from gradzip.kernels import numba_ops as N
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits = torch.cat([bits, torch.tensor([0, 1, 2, 0x7F7FFFFF, 0x00800000, 0x3F800000], dtype=torch.int32)])
+    out = np.empty(bits.numel(), dtype=np.float32)
+    assert N._int8_scales(bits.numpy(), out)
+    want = Q.int8_scales(bits.view(torch.float32))
+    assert same(torch.from_numpy(out), want)
+    for bad in (0x7F800000, 0x7FC00000):
+        assert not N._int8_scales(np.array([1, bad], dtype=np.int32), np.empty(2, dtype=np.float32))
+
+
+def test_empty_tensors_give_the_reference_frames():
+    x = torch.empty(0)
+    for got, want in [
+        (K.int8_encode(x), Q.int8_encode_reference(x)),
+        (K.qsgd_encode(x, 7, 1), Q.qsgd_encode_reference(x, 7, 1)),
+        (K.terngrad_encode(x, 1), Q.terngrad_encode_reference(x, 1)),
+        (K.sign_ef(x, None, new_residual=True), Q.sign_ef_reference(x, None, new_residual=True)),
+    ]:
+        for a, b in zip(got, want):
+            assert same(a, b) and a.stride() == (1,)
+            a.view(torch.uint8)  # frames view their parts as bytes
+    res = K.threshold_ef(x, 0.5, new_residual=True)
+    assert res.count == 0 and res.bitmap().numel() == 0 and res.indices().numel() == 0
