@@ -36,7 +36,6 @@ DistributedOptimizer and LocalSGD read the result on their own streams).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -114,10 +113,6 @@ class Communicator:
         #: a list to trace collectives into (``benchmarks/overlap.py``): each one appends
         #: ``[kind, bytes, issued, done]`` (``time.perf_counter()``; ``done`` set when it completes)
         self.trace: list | None = None
-        #: with ``defer``: each ``submit()`` first moves every pending protocol on by one round
-        #: (waiting on its current round), so that later rounds go out between buckets rather
-        #: than at the flush. Off unless asked (``GRADZIP_PIPELINE_ROUNDS=1``; benchmarks/overlap.py).
-        self.pipeline = os.environ.get("GRADZIP_PIPELINE_ROUNDS", "") not in ("", "0")
 
     def split(self, local_size: int) -> tuple[Communicator, Communicator]:
         """Communicators on this rank's node (its ``local_size`` ranks, numbered node by node
@@ -195,8 +190,6 @@ class Communicator:
         future CUDA-aware there (see the module docstring)."""
         if not self.defer:
             self.flush()
-        elif self.pipeline:
-            self._step_pending()
         job = _Pending(protocol, torch.futures.Future(devices=future_devices(device)))
         self._advance(job)
         if job.round is not None and not job.round.last:
@@ -211,18 +204,6 @@ class Communicator:
                 for w in job.round.works:
                     w.wait()
                 self._advance(job)
-
-    def _step_pending(self) -> None:
-        """Move every pending protocol on by one round, in submission order (waiting on each
-        one's current round): the same order on every rank, since it follows the submissions."""
-        keep = []
-        for job in self._pending:
-            for w in job.round.works:
-                w.wait()
-            self._advance(job)
-            if job.round is not None and not job.round.last:
-                keep.append(job)
-        self._pending = keep
 
     @property
     def pending(self) -> int:

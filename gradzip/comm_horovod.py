@@ -77,7 +77,6 @@ class HorovodCommunicator(Communicator):
         self.stats = stats if stats is not None else Stats()
         self._pending = []
         self.trace = None
-        self.pipeline = False  # defer's rounds go out at flush(): Horovod's waits block the host
         self._ops = {dist.ReduceOp.SUM: hvd.Sum, dist.ReduceOp.MAX: hvd.Max}
         self._name = f"gradzip.{next(_IDS)}"
         self._count = itertools.count()

@@ -45,7 +45,7 @@ from .codecs.cast import Identity
 from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, future_devices
 from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
-from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time
+from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time, finite_flags
 from .stats import Stats, log_line
 from .wire import accum_dtype
 
@@ -85,17 +85,9 @@ def _extremes(tensors) -> list[tuple[float, float]]:
 
 
 def all_finite(tensors) -> bool:
-    """True when no tensor holds a NaN or Inf. One host sync in the common case: a sum
-    is non-finite whenever an element is (NaN and +-Inf propagate), and summing reads
-    each tensor once without a mask. A non-finite sum of finite values (overflow) is
-    told apart by aminmax, which is exact."""
-    tensors = [t.detach().reshape(-1) for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    if bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
-        return True
-    ext = [torch.stack(torch.aminmax(t)) for t in tensors]
-    return bool(torch.isfinite(torch.cat(ext)).all())
+    """True when no tensor holds a NaN or Inf (:func:`gradzip.protocols.finite_flags`: one host
+    sync in the common case)."""
+    return all(finite_flags(tensors))
 
 
 def route_summary(rows: list[dict]) -> list[str]:

@@ -164,9 +164,15 @@ def _stochastic_codes(v, scales, b, k0, k1, qsgd, s, shift, out):
 
 def _int8_codes(v, s, b, out):
     """``clamp(round(fl64(v / S_b)), -127, 127)`` (ties to even; 0 where ``S_b`` is 0), for
-    finite ``v`` and ``S_b`` (the caller sends anything else to the reference). Computed in
-    float32, and a block with a quotient within ``2**-14`` of a half-integer again in float64:
-    the argument of :func:`~gradzip.kernels.quant._int8_encode_f32`."""
+    finite ``v`` and ``S_b`` (the caller sends anything else to the reference), computed in
+    float32, and a block with a quotient within ``2**-14`` of a half-integer again in float64.
+
+    Why equal: the exact quotient ``t = v / S_b`` and float32's correctly rounded ``q = fl32(t)``
+    differ by at most half an ulp of ``q``, ``2**-18`` where ``|q| < 128`` (and far less below);
+    larger quotients clamp to 127 either way. So ``round(q)`` is ``round(t)`` unless ``t`` lies
+    within ``2**-18`` of a half-integer, where ``q`` can land on or across it; such blocks are
+    computed again in float64, as the reference computes every element (float64's own
+    ``fl64(t)`` can round onto a half-integer too: the redone blocks match it there as well)."""
     n = v.size
     near_tie = np.float32(0.5 - 2.0**-14)
     for blk in range(s.size):

@@ -327,68 +327,14 @@ def int8_encode_reference(
     v = x.reshape(-1).to(accum_dtype(x.dtype))
     n = v.numel()
     nb, b = quant_layout(n, block)
-    if scales is not None:
-        scales = scales.to(device=v.device, dtype=torch.float32)
-    if v.device.type == "cpu" and v.dtype == torch.float32 and not v.requires_grad:
-        return _int8_encode_f32(v, scales, nb, b)
     if scales is None:
         amax = quant_pad(v.abs(), nb, b).amax(dim=1) if nb else v.new_zeros(0)
         scales = int8_scales(amax)
+    else:
+        scales = scales.to(device=v.device, dtype=torch.float32)
     se = quant_per_element(scales.to(torch.float64), nb, b, n)
     q = torch.where(se > 0, v.to(torch.float64) / se, torch.zeros(n, dtype=torch.float64, device=v.device))
     return scales, q.round_().clamp_(-127, 127).to(torch.int8)
-
-
-#: Rows of a block a CPU chunk of the fast Int8 path holds (about 256K elements: cache-sized).
-_CHUNK = 1 << 18
-#: A float32 quotient this close to a half-integer is redone in float64 (see _int8_encode_f32).
-_NEAR_TIE = 0.5 - 2.0**-14
-
-
-def _block_chunks(nb: int, b: int, n: int):
-    """``(r0, r1, a, e, whole)`` for each cache-sized chunk of the ``nb`` blocks of ``b`` of ``n``
-    elements: blocks ``r0 .. r1``, elements ``a .. e``, ``whole`` unless the last block is short."""
-    rows = max(1, _CHUNK // b)
-    for r0 in range(0, nb, rows):
-        r1 = min(nb, r0 + rows)
-        a, e = r0 * b, min(n, r1 * b)
-        yield r0, r1, a, e, e - a == (r1 - r0) * b
-
-
-def _int8_encode_f32(v: torch.Tensor, scales: torch.Tensor | None, nb: int, b: int):
-    """Int8's ``(scales, codes)`` of a float32 CPU vector in one pass of cache-sized chunks:
-    each chunk's block scales (:func:`int8_scales` of ``max |v|``, unless ``scales`` are
-    given), then its codes, equal to the float64 reference's ``round(fl64(v / S_b))`` clamped
-    to ``[-127, 127]`` (0 where ``S_b = 0``), computed in float32.
-
-    Why equal: the exact quotient ``t = v / S_b`` and float32's correctly rounded ``q = fl32(t)``
-    differ by at most half an ulp of ``q``, ``2**-18`` where ``|q| < 128`` (and far less below);
-    larger quotients clamp to 127 either way. So ``round(q)`` is ``round(t)`` unless ``t`` lies
-    within ``2**-18`` of a half-integer, where ``q`` can land on or across it; every element
-    whose ``q`` is within ``2**-14`` of a half-integer is computed again in float64, as the
-    reference computes all of them (float64's own ``fl64(t)`` can round onto a half-integer
-    too: the redone elements match the reference bit for bit there as well)."""
-    n = v.numel()
-    out = torch.empty(n, dtype=torch.int8)
-    given = scales is not None
-    if not given:
-        scales = torch.empty(nb, dtype=torch.float32)
-    for r0, r1, a, e, whole in _block_chunks(nb, b, n):
-        x = v[a:e].view(r1 - r0, b) if whole else v[a:e]
-        if not given:
-            amax = x.abs().amax(dim=1) if whole else quant_pad(x.abs(), r1 - r0, b).amax(dim=1)
-            scales[r0:r1] = int8_scales(amax)
-        s = scales[r0:r1]
-        ss = s.view(-1, 1) if whole else quant_per_element(s, r1 - r0, b, e - a)
-        ok = ss > 0
-        q = torch.where(ok, x / torch.where(ok, ss, 1.0), 0.0)
-        t = q.round()
-        near = (q - t).abs_() >= _NEAR_TIE
-        if bool(near.any()):
-            s64 = ss.to(torch.float64).expand_as(x)[near]
-            t[near] = (x[near].to(torch.float64) / s64).round().to(torch.float32)
-        out[a:e] = t.clamp_(-127, 127).view(-1)
-    return scales, out
 
 
 # -- decode ---------------------------------------------------------------------------------
@@ -441,39 +387,6 @@ def _lut_decodes(kind: str, acc: torch.dtype, *tensors: torch.Tensor) -> bool:
     return kind == "sign1" and acc in (torch.float32, torch.float64) and all(t.device.type == "cpu" for t in tensors)
 
 
-def _int8_chunked(kind: str, acc: torch.dtype, *tensors: torch.Tensor) -> bool:
-    return kind == "int8" and acc in (torch.float32, torch.float64) and all(t.device.type == "cpu" for t in tensors)
-
-
-def _int8_chunk(codes, scales, r0: int, r1: int, a: int, e: int, whole: bool, b: int, acc: torch.dtype):
-    """The values ``code * S_b`` in ``acc`` of elements ``a .. e`` (blocks ``r0 .. r1``) of an int8
-    frame: the products of the whole-frame formula ``code.to(acc) * se``, without its
-    per-element copy of the scales."""
-    sc = scales[r0:r1].to(acc)
-    if whole:
-        return codes[a:e].view(r1 - r0, b).to(acc).mul_(sc.view(-1, 1)).view(-1)
-    return codes[a:e].to(acc).mul_(quant_per_element(sc, r1 - r0, b, e - a))
-
-
-def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
-    """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order,
-    ``out`` a flat contiguous float32 or float64 CPU tensor: a cache-sized chunk of blocks at a
-    time, every frame's values for it, with the whole-frame additions' order and rounding
-    (each element gets ``((out + d_0) + d_1) ...``, the values ``code * S_b`` as decoded)."""
-    n = out.numel()
-    frames = [_split_body(body, n, "int8", block, None) for body in bodies]
-    if not frames or n == 0:
-        return
-    nb, b = frames[0][0], frames[0][1]
-    for r0, r1, a, e, whole in _block_chunks(nb, b, n):
-        for _, _, scales, code in frames:
-            vals = _int8_chunk(code.view(torch.int8), scales, r0, r1, a, e, whole, b, out.dtype)
-            if subtract:
-                out[a:e].sub_(vals)
-            else:
-                out[a:e].add_(vals)
-
-
 def decode_quant_reference(
     body: torch.Tensor,
     n: int,
@@ -495,11 +408,6 @@ def decode_quant_reference(
         return torch.zeros(0, dtype=acc, device=body.device)
     if _lut_decodes(kind, acc, body):
         return _sign_values(code, scales, nb, b, n, acc)
-    if _int8_chunked(kind, acc, body):
-        out = torch.empty(n, dtype=acc)
-        for r0, r1, a, e, whole in _block_chunks(nb, b, n):
-            out[a:e] = _int8_chunk(code.view(torch.int8), scales, r0, r1, a, e, whole, b, acc)
-        return out
     se = quant_per_element(scales.to(acc), nb, b, n)
     if kind == "sign1":
         neg = unpack_bits(code.view(torch.int32), n)
@@ -530,9 +438,6 @@ def decode_add_quant_reference(
     its dtype). On the CPU, sign1 frames decode by table lookup a chunk at a time into a
     small scratch, with the same additions."""
     n = out.numel()
-    if _int8_chunked(kind, out.dtype, out, *bodies) and out.is_contiguous() and n:
-        int8_apply_(out.view(-1), bodies, block=block)
-        return
     if not (_lut_decodes(kind, out.dtype, out, *bodies) and out.is_contiguous()) or n == 0:
         for body in bodies:
             out.add_(
@@ -550,3 +455,15 @@ def decode_add_quant_reference(
             flat[start:stop].add_(
                 _sign_values(code, scales, nb, b, n, out.dtype, out=scratch, start=start, count=stop - start)
             )
+
+
+def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
+    """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order, ``out``
+    flat, float32 or float64: Int8's decode-add and its error feedback's subtraction."""
+    n = out.numel()
+    for body in bodies:
+        d = decode_quant_reference(body, n, "int8", acc=out.dtype, block=block)
+        if subtract:
+            out.sub_(d)
+        else:
+            out.add_(d)

@@ -404,8 +404,8 @@ class Int8(_Quantizer):
         return _frame(x, FMT_INT8, scales, as_bytes(codes))
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
-        """``v -= decompress(payload)``; on the CPU a chunk of blocks at a time, with no dense
-        copy of the decoded tensor (the same values and the same subtraction)."""
+        """``v -= decompress(payload)``; on the CPU in one pass (``kernels.int8_apply_``), with no
+        dense copy of the decoded tensor (the same values and the same subtraction)."""
         cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
         if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
             K.int8_apply_(v.view(-1), [_aligned(payload.body)], block=self.block, subtract=True)

@@ -2,7 +2,7 @@
 
 from .allgather import AllGather
 from .allreduce import Allreduce
-from .base import Call, Exchange, Protocol, as_protocol, codec_time
+from .base import Call, Exchange, Protocol, as_protocol, codec_time, finite_flags
 from .filter import Filter
 from .hierarchical import Hierarchical
 from .int8_allreduce import Int8Allreduce
@@ -17,6 +17,7 @@ __all__ = [
     "Exchange",
     "as_protocol",
     "codec_time",
+    "finite_flags",
     "Allreduce",
     "AllGather",
     "Filter",

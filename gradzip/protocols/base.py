@@ -25,7 +25,7 @@ from ..feedback import ErrorFeedback
 from ..registry import Registered, lookup
 from ..wire import Payload
 
-__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time", "nested"]
+__all__ = ["Protocol", "Call", "Exchange", "as_protocol", "codec_time", "nested", "finite_flags"]
 
 Exchange = Generator[Round, None, torch.Tensor]
 
@@ -388,6 +388,19 @@ def nested(protocol: Exchange, call: Call | None = None) -> Exchange:
             rnd = next(protocol)
     except StopIteration as stop:
         return stop.value
+
+
+def finite_flags(tensors) -> list[bool]:
+    """Whether each tensor holds no NaN or Inf, with one host sync in the common case: a sum is
+    non-finite whenever an element is (NaN and +-Inf propagate), and summing reads each tensor
+    once without a mask. A non-finite sum of finite values (overflow) is told apart by aminmax,
+    which is exact (the engine's checks and WeightGather's flags)."""
+    tensors = [t.detach().reshape(-1) for t in tensors]
+    if not tensors:
+        return []
+    sums = [t.sum().float() if t.numel() else torch.zeros((), device=t.device) for t in tensors]
+    ok = torch.isfinite(torch.stack(sums)).tolist()
+    return [good or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()) for t, good in zip(tensors, ok)]
 
 
 @contextmanager

@@ -39,7 +39,7 @@ import torch
 from ..codecs.base import Codec
 from ..comm import Round
 from ..wire import pack_frames, unpack_frames
-from .base import Call, Exchange, Protocol
+from .base import Call, Exchange, Protocol, finite_flags
 
 __all__ = ["WeightGather", "GATHER_CODECS"]
 
@@ -92,7 +92,7 @@ class WeightGather(Protocol, register=False):
             return out
         codec, count = self.codec, len(call.tensors)
         with call.codec():
-            finite = _finite_flags(call.tensors)
+            finite = finite_flags(call.tensors)
             payloads = [
                 codec.compress(t if ok else torch.zeros_like(t), ctx)
                 for t, ctx, ok in zip(call.tensors, call.contexts, finite)
@@ -130,15 +130,3 @@ def _output(call: Call, numel: int) -> torch.Tensor:
     if d is not None and d.dtype == call.out_dtype and d.numel() == numel and d.is_contiguous():
         return d.view(-1)
     return torch.empty(numel, dtype=call.out_dtype, device=call.device)
-
-
-def _finite_flags(tensors) -> list[bool]:
-    """Whether each tensor is finite, with one host sync for the call in the common case: a
-    tensor's sum is non-finite whenever an element is (NaN and +-Inf propagate), and a sum reads
-    the tensor once without a mask; a non-finite sum of finite values (overflow) is told apart
-    by the exact check."""
-    if not tensors:
-        return []
-    sums = [t.detach().reshape(-1).sum() if t.numel() else torch.zeros((), device=t.device) for t in tensors]
-    ok = torch.isfinite(torch.stack([x.float() for x in sums])).tolist()
-    return [True if good else bool(torch.isfinite(t).all()) for t, good in zip(tensors, ok)]

@@ -767,8 +767,8 @@ def _int8_codes_f64(v: torch.Tensor, scales: torch.Tensor, block: int) -> torch.
 
 @pytest.mark.parametrize("n, block", [(1, 1024), (1023, 1024), (300_001, 1024), (70_000, 64), (5000, None)])
 def test_int8_float32_cpu_path_equals_the_float64_definition(n, block):
-    """The CPU fast path computes in float32 and redoes near-ties in float64: the same codes as
-    float64 everywhere, ties and values one ulp beside them included."""
+    """The CPU path (Numba) computes in float32 and redoes near-ties in float64: the same codes as
+    the float64 definition everywhere, ties and values one ulp beside them included."""
     g = torch.Generator().manual_seed(n)
     v = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
     if n > 8:
@@ -792,9 +792,9 @@ def test_int8_float32_cpu_path_equals_the_float64_definition(n, block):
 
 @pytest.mark.parametrize("n, block", [(1, 1024), (300_001, 1024), (600_000, 64), (5000, None), (262_145, 3)])
 @pytest.mark.parametrize("acc", [torch.float32, torch.float64])
-def test_int8_decode_by_chunks_equals_the_whole_frame_formula(n, block, acc):
-    """The CPU decode of int8 frames, a chunk of blocks at a time (decode, decode-add of several
-    peers, and the error feedback's subtraction), bit for bit the whole-frame formula."""
+def test_int8_decode_equals_the_whole_frame_formula(n, block, acc):
+    """The CPU decode of int8 frames (decode, decode-add of several peers through the dispatch, and
+    the reference's error-feedback subtraction), bit for bit the whole-frame formula."""
     g = torch.Generator().manual_seed(n + (block or 0))
     bodies = []
     for _ in range(3):
