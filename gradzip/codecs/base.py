@@ -126,6 +126,24 @@ class Codec(Registered, register=False):
         """Dense tensor of ``payload.shape`` and ``payload.dtype`` (the compressed input's)."""
         raise NotImplementedError
 
+    def dense_wire(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype of a body that holds a ``dtype`` tensor's elements one for one, in order,
+        whatever their values (a cast's), else None. Such a codec implements
+        :meth:`compress_into`: a protocol may then encode a call's tensors straight into one
+        wire buffer."""
+        return None
+
+    def compress_into(self, x: torch.Tensor, body: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        """:meth:`compress` with the body written into ``body`` (flat, of ``x.numel()``
+        elements of :meth:`dense_wire`'s dtype): no tensor of its own. Only codecs whose
+        :meth:`dense_wire` is not None implement it."""
+        raise NotImplementedError(f"{type(self).__name__} writes bodies of its own")
+
+    def decompress_into(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out[:] = decompress(payload)`` for a flat ``out`` of the tensor's size (its dtype
+        may differ: the copy converts); override to skip the dense tensor in between."""
+        out.copy_(self.decompress(payload).reshape(-1))
+
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         """``out += decompress(payload)`` for a flat ``out``; override to skip the dense copy."""
         out.add_(self.decompress(payload).reshape(-1))

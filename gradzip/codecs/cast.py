@@ -46,6 +46,18 @@ def _values(payload: Payload) -> torch.Tensor:
 _MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
+def _in_range(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a plain cast of ``x`` to ``dtype`` saturates nothing: ``x``'s dtype has no values
+    beyond ``dtype``'s range, or every value of ``x`` is finite and within it (one reduction:
+    NaN and infinities fail the test, as NaN compares false)."""
+    fmax = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max <= fmax or x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return bool(torch.maximum(lo.neg(), hi).to(wide) <= fmax)
+
+
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast to a narrower float dtype without turning finite values into infinities.
 
@@ -56,13 +68,7 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Infinities and NaNs pass through unchanged.
     """
     fmax = torch.finfo(dtype).max
-    if torch.finfo(x.dtype).max <= fmax or x.numel() == 0:
-        return x.to(dtype)
-    # The common case in one reduction: every value within range (NaN and infinities fail the
-    # test, as NaN compares false, and take the path below, which passes them through).
-    lo, hi = torch.aminmax(x)
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if bool(torch.maximum(lo.neg(), hi).to(wide) <= fmax):
+    if _in_range(x, dtype):
         return x.to(dtype)
     # Compare in a dtype that holds fmax exactly (65504 rounds to 65536 in bfloat16).
     a = x.abs().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
@@ -93,6 +99,21 @@ class _Cast(Codec):
             body=saturating_cast(x.reshape(-1), self.wire_dtype), shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype
         )
 
+    def dense_wire(self, dtype: torch.dtype) -> torch.dtype | None:
+        return self.wire_dtype
+
+    def compress_into(self, x: torch.Tensor, body: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
+        check_input(x)
+        flat = x.reshape(-1)
+        if body.dtype != self.wire_dtype or body.numel() != flat.numel():
+            want = f"{flat.numel()} {self.wire_dtype} elements"
+            raise ValueError(f"body must hold {want}, got {body.numel()} {body.dtype}")
+        if _in_range(flat, self.wire_dtype):
+            body.copy_(flat)  # the cast, written where it goes: no tensor in between
+        else:
+            body.copy_(saturating_cast(flat, self.wire_dtype))
+        return Payload(body=body, shape=x.shape, dtype=x.dtype, vdtype=self.wire_dtype)
+
     def check_frame(self, payload: Payload) -> None:
         """``DENSE`` only: every element in the wire dtype, no scale."""
         check_format(self, payload, (FMT_DENSE,))
@@ -102,6 +123,21 @@ class _Cast(Codec):
         self.validated(payload)
         # Saturating: float16 gradients sent as bfloat16 may round up past 65504.
         return saturating_cast(_values(payload).to(torch.float32), payload.dtype).reshape(payload.shape)
+
+    def decompress_into(self, payload: Payload, out: torch.Tensor) -> None:
+        # Into float32 or float64 the wire value converts exactly, and saturating to float32
+        # or float64 changes nothing: one copy does decompress's work.
+        if payload.dtype in _WIDE and out.dtype in _WIDE:
+            self.validated(payload)
+            v = _values(payload)
+            if v.numel() != out.numel():
+                raise ValueError(f"out holds {out.numel()} elements, the payload {v.numel()}")
+            out.copy_(v)
+        else:
+            super().decompress_into(payload, out)
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 class FP16(_Cast):

@@ -45,9 +45,14 @@ class Allreduce(Protocol):
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
         with call.codec():
-            payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
+            flat = _wire_buffer(codec, call)
+            if flat is not None:  # a cast's bodies, written straight into the wire buffer
+                payloads = [call.encode_into(codec, i, flat[call.slice(i)]) for i in range(len(call.tensors))]
+            else:
+                payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
             bodies = [p.body.reshape(-1) for p in payloads]
-            flat = back_to_back(bodies, call.dest) if self.plain(call) else None
+            if flat is None and self.plain(call):
+                flat = back_to_back(bodies, call.dest)
             if flat is None and payloads:
                 flat = torch.cat(bodies, out=_cat_target(bodies, call))
             elif flat is None:
@@ -56,7 +61,16 @@ class Allreduce(Protocol):
             call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
         yield Round([call.comm.allreduce(flat)], last=True)
         with call.codec():
-            decoded, in_place, pos = [], flat.dtype == call.out_dtype, 0
+            if flat.dtype != call.out_dtype:  # flat is not dest: decode straight into the output
+                out, pos = call.output(), 0
+                for i, p in enumerate(payloads):
+                    k = p.body.numel()
+                    body = flat[pos : pos + k]
+                    summed = Payload(body=body, shape=p.shape, dtype=p.dtype, vdtype=p.vdtype, local=p.local)
+                    codec.decompress_into(summed, out[call.slice(i)])
+                    pos += k
+                return out
+            decoded, in_place, pos = [], True, 0
             for p in payloads:
                 k = p.body.numel()
                 summed = Payload(body=flat[pos : pos + k], shape=p.shape, dtype=p.dtype, vdtype=p.vdtype, local=p.local)
@@ -71,6 +85,19 @@ class Allreduce(Protocol):
             for i, d in enumerate(decoded):
                 out[call.slice(i)] = d
         return out
+
+
+def _wire_buffer(codec: Codec, call: Call) -> torch.Tensor | None:
+    """One flat buffer for all of the call's bodies where the codec writes each tensor's
+    elements one for one in a dtype of their own (:meth:`Codec.dense_wire`: a cast) and no
+    tensor has error feedback; else None."""
+    n = len(call.tensors)
+    if not n or any(call.feeds(i) for i in range(n)):
+        return None
+    wires = {codec.dense_wire(t.dtype) for t in call.tensors}
+    if len(wires) != 1 or None in wires:
+        return None
+    return torch.empty(call.numel, dtype=wires.pop(), device=call.device)
 
 
 def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:

@@ -237,6 +237,13 @@ class Call:
         self._mask(codec, name, payload, 0, self.tensors[i].numel())
         return payload
 
+    def encode_into(self, codec: Codec, i: int, body: torch.Tensor) -> Payload:
+        """Compress tensor ``i`` (error feedback off for it) with its body written into
+        ``body`` (:meth:`Codec.compress_into`)."""
+        if self.feeds(i):
+            raise ValueError(f"{self.names[i]!r} has error feedback: encode it with encode()")
+        return codec.compress_into(self._x.get(self.names[i], self.tensors[i]), body, self.contexts[i])
+
     def encode_all(self, codec: Codec) -> list:
         """:meth:`encode` every tensor of the call. A ``scope="call"`` codec first sees all
         the compensated inputs together and allots each tensor its count
