@@ -142,7 +142,11 @@ _OPS = {
     "scatter_add_sparse": (scatter_add_sparse_reference, {"triton": (".triton.decode", "scatter_add_sparse_triton")}),
     "abs_select": (
         abs_select_reference,
-        {"triton": (".triton.topk", "abs_select_triton"), "cupy": (".cupy_ops", "abs_select_cupy")},
+        {
+            "numba": (".numba_ops", "abs_select_numba"),
+            "triton": (".triton.topk", "abs_select_triton"),
+            "cupy": (".cupy_ops", "abs_select_cupy"),
+        },
     ),
     "sign_ef": (
         sign_ef_reference,

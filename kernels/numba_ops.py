@@ -57,6 +57,7 @@ __all__ = [
     "int8_apply_numba",
     "sign_ef_numba",
     "threshold_ef_numba",
+    "abs_select_numba",
 ]
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -571,7 +572,8 @@ def sign_ef_numba(x, residual=None, *, block=None, new_residual=None, out=None, 
 
 def _threshold_pass(x, r, v, tau, bitmap, keep):
     """The fused threshold in two loops the compiler vectorises: ``v = x + r`` (``r`` empty:
-    ``v = x``; ``v`` may be ``x``'s or ``r``'s memory) with ``max |v|``; then the 2-bit codes (1
+    ``v = x``; ``v`` may be ``x``'s or ``r``'s memory; ``r`` and ``v`` both empty, without
+    ``keep``: ``x`` is read, nothing written) with ``max |v|``; then the 2-bit codes (1
     where ``v >= tau``, 2 where ``v <= -tau``, four to a byte into ``bitmap``) and, with
     ``keep``, ``v -= sent`` in place. Returns ``(count, amax, NaN seen)``."""
     n = x.size
@@ -584,10 +586,16 @@ def _threshold_pass(x, r, v, tau, bitmap, keep):
             v[i] = w
             amax = max(amax, abs(w))
             nan |= w != w
-    else:
+    elif v.size > 0:
         for i in range(n):
             w = x[i]
             v[i] = w
+            amax = max(amax, abs(w))
+            nan |= w != w
+    else:  # no residual, none wanted: the codes come from x itself
+        v = x
+        for i in range(n):
+            w = x[i]
             amax = max(amax, abs(w))
             nan |= w != w
     count = 0
@@ -626,6 +634,40 @@ if numba is not None:
     _bitmap_words = _jit(_bitmap_words)
 
 
+def _abs_select(v, thr, out):
+    """The ascending indices ``i`` with ``|v[i]| >= thr`` into ``out`` while it has room;
+    returns how many there are (more than ``out.size``: ``out`` holds the first ones only)."""
+    k = 0
+    cap = out.size
+    for i in range(v.size):
+        if abs(v[i]) >= thr:
+            if k < cap:
+                out[k] = i
+            k += 1
+    return k
+
+
+if numba is not None:
+    _abs_select = _jit(_abs_select)
+
+
+def abs_select_numba(v, thr, expected=None):
+    """:func:`~gradzip.kernels.reference.abs_select_reference` in one compiled pass (a second
+    where more than the buffer sized from ``expected`` reach ``thr``), float32 only: the
+    reference compares in ``v``'s dtype, and a float16 or bfloat16 ``thr`` would round."""
+    if v.device.type != "cpu" or v.dtype != torch.float32:
+        raise Unsupported("float32 CPU tensors")
+    x = v.detach().reshape(-1).contiguous().numpy()
+    t = np.float32(thr.item() if isinstance(thr, torch.Tensor) else float(thr))
+    cap = x.size if expected is None else min(x.size, 2 * int(expected) + 1024)
+    out = np.empty(cap, dtype=np.int64)
+    k = _abs_select(x, t, out)
+    if k > cap:
+        out = np.empty(k, dtype=np.int64)
+        _abs_select(x, t, out)
+    return _tensor(out[:k].copy() if k < cap // 2 else out[:k])
+
+
 class NumbaThresholdResult(ThresholdResult):
     """A threshold pass's stats, 2-bit map and residual, computed by :func:`_threshold_pass`."""
 
@@ -658,7 +700,12 @@ def threshold_ef_numba(x, tau, residual=None, *, new_residual=None, out=None):
     n = xv.numel()
     rv = residual.detach().reshape(-1).contiguous() if residual is not None else torch.empty(0)
     want = wants_residual(residual, new_residual, out)
-    v = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32)
+    if out is not None:
+        v = out.view(-1)
+    elif want or residual is not None:
+        v = torch.empty(n, dtype=torch.float32)
+    else:  # nothing to keep: the pass reads x and writes no copy of it
+        v = torch.empty(0, dtype=torch.float32)
     bitmap = np.zeros((n + 3) // 4, dtype=np.uint8)
     count, amax, nan = _threshold_pass(xv.numpy(), rv.numpy(), v.numpy(), np.float32(tau), bitmap, want)
     result = (out if out is not None else v) if want else None

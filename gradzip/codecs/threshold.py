@@ -284,7 +284,11 @@ class Threshold(Codec):
             idx, neg = K.decode_signed_indices(sel.indices())
             body = pack_gaps(idx, neg, extra_bits=1)
             if body.numel() < bitmap:
-                return Payload(body=body, shape=x.shape, dtype=dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
+                # Built here, so checked: the positions kept as check_frame parses them, and the
+                # local decode (error feedback's subtract) does not unpack the gaps again.
+                p = Payload(body=body, shape=x.shape, dtype=dtype, fmt=FMT_SIGNED_INDEX, scale=tau)
+                p.parsed, p.checked = (idx, neg, tau), True
+                return p
         return Payload(body=sel.bitmap(), shape=x.shape, dtype=dtype, fmt=FMT_BITMAP2, scale=tau)
 
     # -- decode ------------------------------------------------------------------------
@@ -327,7 +331,10 @@ class Threshold(Codec):
         if out.numel() != payload.numel:
             raise ValueError(f"a frame of {payload.numel} elements decoded into {out.numel()}")
         self.validated(payload)
-        tau = payload.scale
+        self._add(payload, out, payload.scale)
+
+    def _add(self, payload: Payload, out: torch.Tensor, tau: float) -> None:
+        """``out += decode(payload)`` with ``tau`` for the frame's (checked) scale."""
         if payload.fmt == FMT_EMPTY:
             return
         if payload.fmt == FMT_SIGNED_INDEX:
@@ -339,6 +346,17 @@ class Threshold(Codec):
             K.scatter_add_sparse(out, idx, vals)
             return
         K.decode_add_bitmap2(out, [payload.body], [tau])
+
+    def subtract(self, payload: Payload, v: torch.Tensor) -> None:
+        """``v -= decompress(payload)`` with no dense tensor in between: ``v`` accumulates the
+        frame with ``-tau`` (``v + -tau`` is ``v - tau`` exactly). Where ``v``'s dtype is not the
+        payload's float32 or float64 (the decoded values would first round), the dense way."""
+        if v.numel() != payload.numel:
+            raise ValueError(f"a frame of {payload.numel} elements subtracted from {v.numel()}")
+        if v.dtype != payload.dtype or v.dtype not in (torch.float32, torch.float64) or not v.is_contiguous():
+            return super().subtract(payload, v)
+        self.validated(payload)
+        self._add(payload, v.view(-1), -payload.scale)
 
     def accumulate_many(self, payloads, out: torch.Tensor) -> None:
         """``accumulate`` each payload in order (one tensor, N peers).

@@ -158,6 +158,23 @@ def test_threshold_exact_residual_where_naive_subtraction_rounds():
     assert torch.equal(r.double() + d.double(), v.double())
 
 
+@pytest.mark.parametrize("density", [0.001, 0.3, 0.9])  # index frames, then 2-bit maps
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_threshold_subtract_is_the_dense_subtraction(density, dtype):
+    # the sparse subtract (v + -tau where sent) against v - decompress(p), bit for bit; float16
+    # takes the dense way (its decoded tau rounds first)
+    comp = gz.Threshold(policy="target", density=density)
+    v = (torch.randn(5000, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 3).to(dtype)
+    v[::97] = 0.0
+    p = comp.compress(v)
+    a, b = v.clone(), v.clone()
+    comp.subtract(p, a)
+    b.sub_(comp.decompress(p))
+    assert torch.equal(a, b) and not torch.equal(a, v)
+    with pytest.raises(ValueError, match="subtracted from"):
+        comp.subtract(p, v[:-1].clone())
+
+
 def test_threshold_adaptive_moves_tau_into_band():
     comp = gz.Threshold(tau=10.0, policy="adaptive", band=(0.01, 0.05), decay=0.5)
     ctx = TensorContext(name="w")
@@ -281,6 +298,41 @@ def test_summable_payloads_add_up(comp):
     total = dataclasses.replace(ps[0], body=sum(p.body.double() for p in ps).to(ps[0].body.dtype))
     assert comp.summable
     torch.testing.assert_close(comp.decompress(total), sum(comp.decompress(p) for p in ps), rtol=1e-2, atol=1e-2)
+
+
+DENSE_WIRE = [c for c in COMPRESSORS if c.dense_wire(torch.float32) is not None]
+
+
+@pytest.mark.parametrize("comp", DENSE_WIRE, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@given(data=st.data())
+def test_compress_into_and_decompress_into_are_compress_and_decompress_bit_for_bit(comp, dtype, data):
+    # the casts' one-buffer path (Allreduce): the same body bytes, and the same decoded values in
+    # every output dtype; values beyond the wire's range (saturated) and non-finite ones included
+    x = data.draw(tensors(dtype=torch.float64, max_abs=1e6)).to(dtype)
+    if x.numel() and data.draw(st.booleans()):
+        x.view(-1)[0] = data.draw(st.sampled_from([math.inf, -math.inf, math.nan, 1e30, -7e4]))
+    wire = comp.dense_wire(dtype)
+    ref = comp.compress(x, ctx_for(x))
+    body = torch.full((x.numel() + 2,), 3.0, dtype=wire)  # the call's buffer: neighbours untouched
+    got = comp.compress_into(x, body[1:-1], ctx_for(x))
+    assert (got.shape, got.dtype, got.vdtype) == (ref.shape, ref.dtype, ref.vdtype)
+    assert got.body.data_ptr() == body[1:].data_ptr() or not x.numel()
+    assert torch.equal(got.body.reshape(-1).view(torch.int16), ref.body.reshape(-1).view(torch.int16))
+    assert body[0].item() == body[-1].item() == 3.0
+    dec = comp.decompress(ref).reshape(-1)
+    for out_dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        out = torch.full((x.numel() + 2,), 5.0, dtype=out_dtype)
+        comp.decompress_into(ref, out[1:-1])
+        assert _same(out[1:-1], dec.to(out_dtype))
+        assert out[0].item() == out[-1].item() == 5.0
+    with pytest.raises(ValueError, match="body must hold"):
+        comp.compress_into(x, torch.empty(x.numel() + 1, dtype=wire))
+
+
+def _same(a, b):
+    """Equal element for element, NaN where NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 @pytest.mark.parametrize("comp", COMPRESSORS, ids=IDS)

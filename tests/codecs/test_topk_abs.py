@@ -44,6 +44,16 @@ def test_nan_and_ties_take_torch_topk():
     v = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
     v[77] = float("nan")
     check(v, 100)
+    # the NaN check is one sum: infinities of both signs make it NaN (the whole tensor, still
+    # the right answer); finite values whose sum overflows to inf hide no NaN
+    v[77] = float("inf")
+    v[78] = -float("inf")
+    check(v, 100)
+    big = torch.rand(1 << 18, generator=torch.Generator().manual_seed(2)) * 3e38
+    big[:1000] = 3.4e38
+    assert torch.isinf(big.sum())
+    check(big, 500)
+    check(big, 2000)
     ties = torch.ones(1 << 18)
     idx, vals = topk_abs(ties, 1000)
     assert idx.unique().numel() == 1000 and bool((vals == 1).all())

@@ -253,6 +253,28 @@ def test_threshold_ef_with_nan_reports_nan_as_the_reference():
     assert same(got.bitmap(), want.bitmap()) and same(got.residual, want.residual)
 
 
+@pytest.mark.parametrize("n", [1, 5, 1000, 40_003])
+@pytest.mark.parametrize("thr", [0.0, 0.7, 1.3e-30, 1e30, "tensor"])
+@pytest.mark.parametrize("expected", [None, 0, 3, 10**6])
+def test_abs_select_gives_the_reference_indices(both, n, thr, expected):
+    # every element, none, a buffer far too small (the second pass) or far too large; a 0-d
+    # tensor threshold; -0.0, NaN and infinities among the values (NaN never reaches thr)
+    x = data(n, torch.float32, 1.0, n)
+    if n > 10:
+        x[1], x[2], x[4] = float("nan"), float("inf"), -float("inf")
+    t = x.abs().nan_to_num(0.0).max().reshape(()) / 2 if thr == "tensor" else thr
+    got, want = both("abs_select", lambda: K.abs_select(x, t, expected))
+    assert same(got, want) and got.dtype == torch.int64
+
+
+def test_abs_select_leaves_half_precision_to_the_reference(monkeypatch):
+    # the reference compares in float16: a float32 comparison would round thr differently
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    x = data(1000, torch.float16, 1.0, 1)
+    assert same(K.abs_select(x, 0.70001), (x.abs() >= 0.70001).nonzero().reshape(-1))
+    assert K.backend_report()["ops"]["abs_select"]["chosen"]["cpu"]["backend"] == "reference"
+
+
 def test_int8_scales_of_any_finite_maximum_match_the_reference():
     """Every binade (random float32 bit patterns, subnormals and the largest finite included): the
     compiled scales equal ``quant.int8_scales``, rounding down included; a NaN or Inf refuses."""
