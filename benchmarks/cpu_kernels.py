@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         "qsgd_encode (levels 7, block 64)": lambda: K.qsgd_encode(x, 7, 5),
         "terngrad_encode (one block)": lambda: K.terngrad_encode(x, 5),
         "int8_encode (block 1024)": lambda: K.int8_encode(x, block=1024),
+        "abs_select (|x| >= 2.6, 1% of x)": lambda: K.abs_select(x, 2.5758, expected=x.numel() // 100),
         "decode_add_quant qsgd": lambda: K.decode_add_quant(out, [qsgd], "qsgd", block=64, levels=7, bits=4),
         "decode_add_quant tern2": lambda: K.decode_add_quant(out, [tern], "tern2"),
         "decode_add_quant int8": lambda: K.decode_add_quant(out, [int8], "int8", block=1024),
