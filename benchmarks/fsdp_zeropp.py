@@ -29,6 +29,8 @@ for 4 ranks, and other jobs ran beside it.
 
     sudo .venv/bin/python -m benchmarks.fsdp_zeropp                 # writes benchmarks/results/fsdp_zeropp.json
     sudo .venv/bin/python -m benchmarks.fsdp_zeropp --quick         # 2 ranks on lo only
+    sudo .venv/bin/python -m benchmarks.fsdp_zeropp --nodes-only --layers 4 --width 768 --heads 12 --steps 10 \
+        --out benchmarks/results/fsdp_zeropp_wide.json                # a wider model (28.9M), 2 x 2 nodes
 
 Needs root (``ip netns``, ``tc``) and iproute2.
 """
@@ -222,7 +224,7 @@ def work(ctx, cfg):
 
 
 def run(label, ag, rs, raf, world, nodes, a) -> dict:
-    size = lm_size(a.size)
+    size = lm_size(a.size, a)
     cfg = dict(
         ag=ag, rs=rs, raf=raf, world=world, size=size, batch=a.batch, context=a.context, steps=a.steps, warmup=a.warmup
     )
@@ -254,11 +256,17 @@ def run(label, ag, rs, raf, world, nodes, a) -> dict:
     return row
 
 
-def lm_size(name: str) -> dict:
+def lm_size(name: str, a=None) -> dict:
+    """The GPT's shape: ``gradzip.bench.lm.SIZES[name]``, with ``--layers``, ``--width`` and
+    ``--heads`` where given."""
     from gradzip.bench import lm
 
     s = lm.SIZES[name]
-    return {"layers": s.layers, "width": s.width, "heads": s.heads, "context": s.context}
+    size = {"layers": s.layers, "width": s.width, "heads": s.heads, "context": s.context}
+    for k in ("layers", "width", "heads"):
+        if a is not None and getattr(a, k, None):
+            size[k] = getattr(a, k)
+    return size
 
 
 def ratios(rows: list, key: str, base_label: str = "plain FSDP2") -> None:
@@ -300,6 +308,9 @@ def table(doc: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="small", choices=["tiny", "small"], help="gradzip.bench.lm GPT size")
+    ap.add_argument("--layers", type=int, default=None, help="override the size's number of blocks")
+    ap.add_argument("--width", type=int, default=None, help="override the size's width")
+    ap.add_argument("--heads", type=int, default=None, help="override the size's attention heads")
     ap.add_argument("--batch", type=int, default=1, help="windows per rank per step")
     ap.add_argument("--context", type=int, default=64, help="bytes per window (at most the model's context)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run")
@@ -358,7 +369,7 @@ def main() -> int:
             "description": f"this shared {os.cpu_count()}-core VM (other jobs ran beside it), CPU only, gloo; "
             f"{max(worlds, default=4)} ranks on {os.cpu_count()} cores",
         },
-        "model": f"gradzip.bench.lm GPT {a.size} {lm_size(a.size)}, fully_shard per block and on the root; "
+        "model": f"gradzip.bench.lm GPT {a.size} {lm_size(a.size, a)}, fully_shard per block and on the root; "
         f"AdamW; batch {a.batch} x {a.context} bytes per rank",
         "steps": a.steps,
         "warmup": a.warmup,
