@@ -39,9 +39,10 @@ def main() -> int:
         "--sizes",
         type=int,
         nargs=2,
-        default=(4096, 1 << 20),
+        default=(4096, 1 << 24),
         metavar=("N0", "N1"),
-        help="profile: the two tensor sizes each codec's line is fitted through (CodecProfile's default)",
+        help="profile: the two tensor sizes each codec's line is fitted through (default: 4096 and the largest "
+        "tensor of step_time.py's model, 16M; gradzip plan's --profile-sizes)",
     )
     p.add_argument("--out", default=str(RESULTS / "plan_check.json"))
     a = p.parse_args()

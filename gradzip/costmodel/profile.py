@@ -68,7 +68,7 @@ def measure_codec(
     *,
     error_feedback: bool | None = None,
     sizes: tuple[int, int] = (4096, 1 << 20),
-    worlds: tuple[int, int] = (1, 8),
+    worlds: tuple[int, int] = (2, 8),
     repeats: int = 5,
     threads: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -83,8 +83,11 @@ def measure_codec(
     other processes; a shared machine inflates the mean, not the minimum). The
     line through the two sizes at ``worlds[0]`` gives ``encode_s`` and
     ``encode_s_per_elem``. If the exchange all-gathers, the extra seconds at
-    ``worlds[1]`` per extra peer give ``peer_s`` and ``peer_s_per_elem``; an
-    exchange that only allreduces decodes once (0 per peer). Negative intercepts or
+    ``worlds[1]`` per extra peer give ``peer_s`` and ``peer_s_per_elem``, and the base
+    terms are that line in ``N`` taken back to one rank; an exchange that only allreduces
+    decodes once (0 per peer). ``worlds`` default to ``(2, 8)``: on one rank a protocol
+    that splits tensors among the ranks does what it never does in use (TwoPhase's owner
+    re-encodes whole tensors: a line from ``N = 1`` read twice TopK's cost at 4 ranks). Negative intercepts or
     slopes (timing noise) are clipped to 0. ``threads`` sets torch's intra-op
     threads while timing (``None``: leave them as they are); CPU codecs run one
     rank per core or so, and more threads than free cores makes timings erratic.
@@ -125,12 +128,15 @@ def measure_codec(
                 raw[f"n={n},W={w}"] = min(times)
     finally:
         torch.set_num_threads(saved)
-    a, b = _fit_line(n0, raw[f"n={n0},W={w0}"], n1, raw[f"n={n1},W={w0}"])
     c = d_ = 0.0
+    base = {n: raw[f"n={n},W={w0}"] for n in (n0, n1)}
     if gathers:
-        p0 = (raw[f"n={n0},W={w1}"] - raw[f"n={n0},W={w0}"]) / (w1 - w0)
-        p1 = (raw[f"n={n1},W={w1}"] - raw[f"n={n1},W={w0}"]) / (w1 - w0)
-        c, d_ = _fit_line(n0, p0, n1, p1)
+        peer = {n: max((raw[f"n={n},W={w1}"] - raw[f"n={n},W={w0}"]) / (w1 - w0), 0.0) for n in (n0, n1)}
+        c, d_ = _fit_line(n0, peer[n0], n1, peer[n1])
+        # CodecFit counts peers from one rank: the line in N through the two worlds, taken back
+        # to N = 1 (at worlds (1, ...) the measured base itself)
+        base = {n: max(base[n] - (w0 - 1) * (c + d_ * n), 0.0) for n in (n0, n1)}
+    a, b = _fit_line(n0, base[n0], n1, base[n1])
     return CodecFit(a, b, c, d_), raw
 
 
@@ -160,7 +166,7 @@ class CodecProfile:
         machine: dict | None = None,
         measure_missing: bool = True,
         sizes: tuple[int, int] = (4096, 1 << 20),
-        worlds: tuple[int, int] = (1, 8),
+        worlds: tuple[int, int] = (2, 8),
         repeats: int = 5,
         threads: int | None = None,
         classes: list | None = None,
