@@ -526,7 +526,7 @@ class Engine:
         residuals, compensated inputs, and (compensated now) residuals not used yet."""
         if call.memory is None:
             return []
-        bad = []
+        names, tensors = [], []
         for i, name in enumerate(call.names):
             if not call.feeds(i):
                 continue
@@ -536,9 +536,11 @@ class Engine:
                 t = call.x(i)
             else:
                 continue
-            if not all_finite([t]):
-                bad.append(name)
-        return bad
+            names.append(name)
+            tensors.append(t)
+        if all_finite(tensors):  # one host sync for the call's tensors, not one each
+            return []
+        return [n for n, ok in zip(names, finite_flags(tensors)) if not ok]
 
     def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
         """The context of a tensor (or of a protocol's piece of one, by its key) this step; its
