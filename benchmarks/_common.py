@@ -1,8 +1,10 @@
 """What the benchmark scripts share: where the repository and its results are, how a run
-records its command line, how a script starts its own ranks again, and a free port."""
+records its command line and writes its result, how a script starts its own ranks again, and a
+free port."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
@@ -41,3 +43,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_result(path, doc: dict, *, indent: int = 1) -> None:
+    """Write a result document as JSON (its folder made if need be) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=indent)
+        f.write("\n")
+    print(f"wrote {path}")

@@ -18,13 +18,12 @@ Writes benchmarks/results/adam_steps_cpu.json (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks._common import RESULTS, command
+from benchmarks._common import RESULTS, command, write_result
 from gradzip import bench
 
 WORLD = 4
@@ -147,9 +146,7 @@ def main(argv=None) -> int:
         },
         "rows": rows,
     }
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 

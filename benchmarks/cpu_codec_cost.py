@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import statistics
 import sys
 
 import torch
 
-from benchmarks._common import RESULTS, command
+from benchmarks._common import RESULTS, command, write_result
 
 #: The sparsifiers and quantizers (and PowerSGD for scale) at the settings the bench and the README
 #: use: unlike the GPU profile's list (gpu_suite.PROFILE_METHODS, every config of the grammar),
@@ -128,10 +127,7 @@ def main(argv=None) -> int:
         "goal": f"codec <= {GOAL:.0%} of the wire time saved",
         "rows": rows,
     }
-    with open(a.out, "w") as f:
-        f.write(json.dumps(doc, indent=2))
-        f.write("\n")
-    print(f"wrote {a.out}")
+    write_result(a.out, doc, indent=2)
     return 0
 
 

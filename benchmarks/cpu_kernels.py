@@ -13,13 +13,12 @@ Writes ``--out`` (default ``benchmarks/results/cpu_kernels.json``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-from benchmarks._common import RESULTS, command
+from benchmarks._common import RESULTS, command, write_result
 
 
 def main(argv=None) -> int:
@@ -82,9 +81,7 @@ def main(argv=None) -> int:
         "repeats": a.repeats,
         "rows": rows,
     }
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 

@@ -27,13 +27,11 @@ decides what the link's time can hide. Writes ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
-from benchmarks._common import RESULTS, command, free_port
+from benchmarks._common import RESULTS, command, free_port, write_result
 
 DEFAULT_METHODS = "Identity,FP16,TopK-1%,SignSGD,Int8,PowerSGD-1,PowerSGD-4"
 
@@ -199,10 +197,7 @@ def main(argv=None) -> int:
         "steps": a.steps,
         "rows": table,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 

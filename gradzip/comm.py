@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .stats import Stats
+from .wire import pad_message
 
 #: The engine's per-call non-finite flag: one int32, allreduce MAX.
 FLAG_DTYPE = torch.int32
@@ -272,9 +273,14 @@ def allgather_bytes(
     """
     size = torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)
     yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX, control=True)])
-    m = int(size.item())
-    if msg.numel() < m:
-        msg = torch.cat([msg, msg.new_zeros(m - msg.numel())])
-    out = msg.new_empty(comm.world_size * m)
+    return (yield from allgather_fixed(comm, pad_message(msg, int(size.item())), last=last, control=control))
+
+
+def allgather_fixed(
+    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False
+) -> Generator[Round, None, torch.Tensor]:
+    """Protocol: all-gather uint8 messages of one length that every rank knows without asking
+    (``msg`` already padded to it): one round. Returns a ``(world_size, len)`` uint8 tensor."""
+    out = msg.new_empty(comm.world_size * msg.numel())
     yield Round([comm.allgather(out, msg, control=control)], last=last)
-    return out.view(comm.world_size, m)
+    return out.view(comm.world_size, msg.numel())

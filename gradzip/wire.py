@@ -265,6 +265,15 @@ def message_capacity(payloads: list[Payload]) -> int:
     )
 
 
+def pad_message(msg: torch.Tensor, size: int) -> torch.Tensor:
+    """``msg`` with zero bytes after it up to ``size`` (trailing padding: no frame reads it, the
+    checksum does not cover it). A message longer than ``size`` raises: the ranks all-gather
+    ``size`` bytes each, and a longer message would not fit."""
+    if msg.numel() > size:
+        raise RuntimeError(f"a message of {msg.numel()} bytes exceeds the {size} bytes the ranks agreed on")
+    return torch.cat([msg, msg.new_zeros(size - msg.numel())]) if msg.numel() < size else msg
+
+
 def _crc32(msg: torch.Tensor, end: int) -> int:
     """CRC-32 of a message's header, entries and bodies (bytes ``[0, 8)`` and ``[12, end)``)."""
     raw = msg[:end].cpu().numpy()

@@ -301,6 +301,8 @@ def _tern_add(out, scales, codes, b):
     tmp = np.empty(_CHUNK, dtype=np.uint8)
     for c0 in range(0, n, _CHUNK):
         c1 = min(n, c0 + _CHUNK)
+        # _qsgd_add's unpacking with its width fixed at 2 bits: written out, the compiler unrolls
+        # it (a shared helper taking the width as an argument decoded TernGrad measurably slower)
         cb = codes[c0 // 4 : (c1 + 3) // 4]
         for k in range(cb.size):
             byte = cb[k]

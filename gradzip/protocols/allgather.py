@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import Codec
-from ..comm import Round, allgather_bytes
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
+from ..comm import allgather_bytes, allgather_fixed
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
@@ -54,13 +54,8 @@ class AllGather(Protocol):
             payloads = call.encode_all(codec)
             msg = pack_frames(payloads, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
-            if self.codec.fixed_frames:
-                size = message_capacity(payloads)
-                msg = torch.cat([msg, msg.new_zeros(size - msg.numel())]) if msg.numel() < size else msg
-        if self.codec.fixed_frames:
-            out = msg.new_empty(call.world_size * msg.numel())
-            yield Round([call.comm.allgather(out, msg)], last=True)
-            gathered = out.view(call.world_size, msg.numel())
+        if codec.fixed_frames:
+            gathered = yield from allgather_fixed(call.comm, pad_message(msg, message_capacity(payloads)))
         else:
             gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():

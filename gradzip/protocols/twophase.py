@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import Codec
-from ..comm import Round, allgather_bytes
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
+from ..comm import Round, allgather_bytes, allgather_fixed
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -105,10 +105,7 @@ class TwoPhase(Protocol):
             msg = pack_frames(again, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
         if caps:  # fixed frames: every owner's message fits the largest phase-1 message to an owner
-            msg = _padded(msg, max(caps))
-            out = msg.new_empty(world * msg.numel())
-            yield Round([call.comm.allgather(out, msg)], last=True)
-            gathered = out.view(world, msg.numel())
+            gathered = yield from allgather_fixed(call.comm, pad_message(msg, max(caps)))
         else:
             gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():
@@ -131,13 +128,6 @@ class TwoPhase(Protocol):
             if acc is not out:
                 out.copy_(narrow(acc, out.dtype))
         return out
-
-
-def _padded(msg: torch.Tensor, size: int) -> torch.Tensor:
-    """``msg`` zero-padded to ``size`` bytes (a fixed-frame message is never longer)."""
-    if msg.numel() > size:
-        raise RuntimeError(f"a message of {msg.numel()} bytes exceeds the {size} its frames' lengths promised")
-    return torch.cat([msg, msg.new_zeros(size - msg.numel())]) if msg.numel() < size else msg
 
 
 def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | None = None) -> Exchange:
@@ -166,7 +156,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         call.comm.stats.add(bytes_payload=sum(m.numel() for m in msgs))
         if codec.fixed_frames:
             fixed = [message_capacity([sent[i][j] for i in range(count)]) for j in range(world)]
-            msgs = [_padded(m, c) for m, c in zip(msgs, fixed)]
+            msgs = [pad_message(m, c) for m, c in zip(msgs, fixed)]
             if caps is not None:
                 caps[:] = fixed
         send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)

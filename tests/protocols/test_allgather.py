@@ -4,6 +4,7 @@ with ranks of different batch sizes neither hang nor diverge."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,3 +81,11 @@ def test_bucket_cap_1mb_on_four_ranks_never_hangs():
         assert all(bool(torch.isfinite(p).all()) for p in params), key
         for r in res[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r[key], params)), key
+
+
+def test_pad_message_pads_with_zeros_and_refuses_a_longer_message():
+    msg = torch.arange(1, 6, dtype=torch.uint8)
+    assert wire.pad_message(msg, 5) is msg
+    assert wire.pad_message(msg, 8).tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    with pytest.raises(RuntimeError, match="5 bytes exceeds the 4"):
+        wire.pad_message(msg, 4)
