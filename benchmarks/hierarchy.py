@@ -157,7 +157,7 @@ def predicted(r: dict, a) -> dict:
             continue
         d = dry_run(gz.parse(r["method"]), [sample(shapes[i], seed=i) for i in b], world_size=WORLD, decode=False)
         colls += d.collectives
-        if not d.plain:
+        if not (d.plain or d.flag_carried):  # the engine's own flag
             colls.append(Collective("allreduce", FLAG_BYTES, control=True))
     wire = wire_time(colls, WORLD, inter, local_size=LOCAL, intra=intra)
     codec = r.get("codec_seconds_per_step", 0.0)

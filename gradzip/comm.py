@@ -261,7 +261,7 @@ def future_devices(device) -> list[torch.device]:
 
 
 def allgather_bytes(
-    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False
+    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False, call=None
 ) -> Generator[Round, None, torch.Tensor]:
     """Protocol: all-gather variable-length uint8 messages.
 
@@ -270,17 +270,31 @@ def allgather_bytes(
     Returns a ``(world_size, max_len)`` uint8 tensor. The padding is counted in
     the bytes sent, because it is sent. Pass ``last=False`` when more rounds follow.
     The size exchange is booked as control bytes; so is the payload if ``control``.
+    ``call``: a call whose engine wants its non-finite flag (``Call.wants_flag``), when
+    round 1 is the call's first: the flag then rides in it, a second int64.
     """
-    size = torch.tensor([msg.numel()], dtype=torch.int64, device=msg.device)
+    flag = call is not None and call.wants_flag
+    size = torch.tensor([msg.numel(), 0] if flag else [msg.numel()], dtype=torch.int64, device=msg.device)
+    if flag:
+        size[1] = call.take_flag(size[1:])
     yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX, control=True)])
-    return (yield from allgather_fixed(comm, pad_message(msg, int(size.item())), last=last, control=control))
+    return (yield from allgather_fixed(comm, pad_message(msg, int(size[0].item())), last=last, control=control))
 
 
 def allgather_fixed(
-    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False
+    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False, call=None
 ) -> Generator[Round, None, torch.Tensor]:
     """Protocol: all-gather uint8 messages of one length that every rank knows without asking
-    (``msg`` already padded to it): one round. Returns a ``(world_size, len)`` uint8 tensor."""
+    (``msg`` already padded to it): one round. Returns a ``(world_size, len)`` uint8 tensor.
+    ``call``: as for :func:`allgather_bytes`, when this round is the call's first: the flag
+    then rides as one more byte after every message (booked as control), not returned."""
+    flag = call is not None and call.wants_flag
+    n = msg.numel()
+    if flag:
+        msg = torch.cat([msg, msg.new_zeros(1)])
     out = msg.new_empty(comm.world_size * msg.numel())
+    if flag:
+        msg[n] = call.take_flag(out.view(comm.world_size, n + 1)[:, n])
+        comm.stats.add(bytes_control=1)
     yield Round([comm.allgather(out, msg, control=control)], last=last)
-    return out.view(comm.world_size, msg.numel())
+    return out.view(comm.world_size, msg.numel())[:, :n]

@@ -14,9 +14,11 @@ owns the safety nets, all decided identically on every rank:
   gradients for NaN/Inf (the protocol may reduce them in place); after the first
   round it reads the error-feedback state the protocol has built (new residuals
   and compensated inputs, where ``gradient + residual`` may overflow). One
-  int32 allreduce(MAX) of "this rank saw one" rides in the first round, except for
-  a call whose protocol sums every tensor as it is (``Protocol.plain``): there a
-  NaN/Inf on any rank shows in the average, which every rank checks anyway. If
+  int32 allreduce(MAX) of "this rank saw one" rides in the first round (or one
+  the protocol's own first round, ``Call.take_flag``: PowerSGD, AllGather,
+  TwoPhase, and Allreduce where it builds a buffer), except for a call whose protocol sums every tensor as it is
+  (``Protocol.plain``): there a NaN/Inf on any rank shows in the average, which
+  every rank checks anyway. If
   any rank saw one (or the average overflows the output dtype), the call's result
   is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as it would
   without compression) or every rank raises ``FloatingPointError`` (``"raise"``).
@@ -462,15 +464,24 @@ class Engine:
     def _flagged(self, inner, call: Call, local: list, flag: bool):
         """Run ``inner``, adding the non-finite flag allreduce to its first round (when
         ``flag``). Returns ``(out, any rank saw a non-finite value, this rank's names)``."""
+        seen = list(local)
+
+        def source() -> int:  # this rank's flag; the protocol may take it (Call.take_flag)
+            with codec_time(self.stats_):
+                seen.extend(n for n in self._feedback_nonfinite(call) if n not in seen)
+            return 1 if seen else 0
+
+        if flag:
+            call.flag_source = source
         try:
             rnd = next(inner)
         except StopIteration as stop:
             rnd, out = None, stop.value
+        carried = call.flag_seen
+        call.flag_source = None  # past the first round: too late to carry it
         work, flagged = None, None
-        if flag:
-            with codec_time(self.stats_):
-                local = local + [n for n in self._feedback_nonfinite(call) if n not in local]
-            flagged = torch.tensor([1 if local else 0], dtype=FLAG_DTYPE, device=call.device)
+        if flag and carried is None:
+            flagged = torch.tensor([source()], dtype=FLAG_DTYPE, device=call.device)
             work = self.comm.allreduce(flagged, op=dist.ReduceOp.MAX, control=True)
         if rnd is None:  # the protocol sent nothing: the flag goes alone
             if work is not None:
@@ -486,7 +497,9 @@ class Engine:
                     out = stop.value
                     break
         # Without a flag (a plain call) a NaN/Inf anywhere shows in the average itself.
-        return out, flagged is not None and bool(flagged.item()), local
+        if carried is not None:
+            return out, bool((carried > 0).any()), seen
+        return out, flagged is not None and bool(flagged.item()), seen
 
     def adopt_momentum(self, buffers: dict) -> None:
         """Start momentum correction from buffers an optimizer already held (``{key: tensor}``,

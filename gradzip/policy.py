@@ -312,7 +312,7 @@ class Policy(Protocol):
         for i, g in enumerate(choice):
             groups.setdefault(g, []).append(i)
         order = sorted(groups)
-        subs = [call.subset(groups[g], feedback=not _exact(self.candidates[g])) for g in order]
+        subs = [call.subset(groups[g], feedback=not _exact(self.candidates[g]), flag=True) for g in order]
         return order, groups, subs
 
     def plain(self, call: Call) -> bool:
@@ -355,9 +355,11 @@ class Policy(Protocol):
                     )
                     for i in undecided
                 ]
-                flags = torch.tensor(votes, dtype=torch.int32, device=call.device)
+                flags = torch.tensor(votes + [0] if call.wants_flag else votes, dtype=torch.int32, device=call.device)
                 call.comm.stats.add(bytes_payload=4 * len(votes))
         if undecided:
+            if flags.numel() > len(undecided):  # the engine's non-finite flag rides with the votes
+                flags[-1] = call.take_flag(flags[-1:])
             yield Round([call.comm.allreduce(flags, op=dist.ReduceOp.MAX, control=True)])
             for i, f in zip(undecided, flags.tolist()):
                 call.contexts[i].store[DECISION] = int(f)

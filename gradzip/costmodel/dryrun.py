@@ -122,6 +122,9 @@ class DryRun:
     #: The protocol sums every tensor as it is (``Protocol.plain``): the engine then sends
     #: no non-finite flag for the call.
     plain: bool = False
+    #: The protocol carried the engine's non-finite flag in its first round
+    #: (``Call.take_flag``): the engine then sends no flag of its own either.
+    flag_carried: bool = False
     #: Wall seconds of the whole dry run, and of the loopback's stand-ins for the collectives
     #: in it (``LoopbackComm.complete``: a multiply or a copy per round); with ``sync`` given,
     #: the device is synchronized at the start, the end and around each stand-in.
@@ -147,6 +150,7 @@ def dry_run(
     stores: dict | None = None,
     step: int = 0,
     sync: Callable[[], None] | None = None,
+    flag: bool = True,
 ) -> DryRun:
     """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
 
@@ -158,7 +162,9 @@ def dry_run(
     follows ``method.biased``, as the engine does. ``stores`` maps names to the
     per-tensor state dicts to use (fresh ones by default, so nothing real is touched).
     The input tensors are not modified. ``sync`` (e.g. ``torch.cuda.synchronize``) is
-    called before the clocks are read (:attr:`DryRun.wall_seconds`).
+    called before the clocks are read (:attr:`DryRun.wall_seconds`). ``flag``: offer the
+    protocol the engine's non-finite flag (``Call.take_flag``), as the engine does for a
+    call that is not ``plain``; False for a route that runs in another protocol's sub-call.
     """
     sync = sync or (lambda: None)
     sync()
@@ -190,6 +196,8 @@ def dry_run(
         bytes_only=not decode,
     )
     plain = protocol.plain(call)
+    if flag and not plain:  # as the engine asks: the protocol may carry the flag (its bytes are counted)
+        call.flag_source = lambda: 0
     gen = protocol.exchange(call)
     rounds, out = 0, None
     try:
@@ -216,4 +224,5 @@ def dry_run(
         gen.close()
     sync()
     wall = time.perf_counter() - t_start
-    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, plain, wall, loopback)
+    carried = call.flag_seen is not None
+    return DryRun(comm.log, comm.stats.codec_seconds, rounds, out, plain, carried, wall, loopback)

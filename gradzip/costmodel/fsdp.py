@@ -17,7 +17,8 @@ compressed collectives are dry runs of the protocols ``gradzip.fsdp`` runs
 (:class:`~gradzip.protocols.weight_gather.WeightGather` on the group's shards,
 :class:`~gradzip.protocols.reduce_scatter.ReduceScatter` or, for ``Hierarchical(codec)``,
 :class:`~gradzip.protocols.hierarchical_rs.HierarchicalReduceScatter` on its ``[N, padded]``
-gradients), plus the engine's non-finite flag per reduce-scatter; the backward all-gather of a
+gradients), plus the engine's non-finite flag per reduce-scatter where the protocol does
+not carry it in its first round (``ReduceScatter`` does); the backward all-gather of a
 secondary shard is always plain (the forward's decoded weights). Codec seconds come from the
 profile, per tensor, as for DDP buckets.
 
@@ -206,8 +207,11 @@ def fsdp_step_cost(
         if rs is None:
             add("reduce_scatter", [Collective("reducescatter", sum(world * p for p in shards) * elem)])
         else:
-            got, _ = cache.call(rs, [(world, p) for p in shards], world, error_feedback=rs_ef, dtype=dtype, seed=seed)
-            add("reduce_scatter", got + [Collective("allreduce", FLAG_BYTES, control=True)])
+            got, alone, carried = cache.call(
+                rs, [(world, p) for p in shards], world, error_feedback=rs_ef, dtype=dtype, seed=seed
+            )
+            flag = [] if alone or carried else [Collective("allreduce", FLAG_BYTES, control=True)]
+            add("reduce_scatter", got + flag)
             codec += sum(profile.fit(rs, rs_ef).seconds(world * p, world) for p in shards)
     wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)
     detail = {"fsdp_groups": len(groups), "bytes_per_rank_by_collective": by_kind}

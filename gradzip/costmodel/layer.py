@@ -37,6 +37,8 @@ def layer_cost(
     """
     latency_share = args.number("latency_share", latency_share, 0.0, 1.0)
     ef = comp.biased if error_feedback is None else bool(error_feedback)
-    run = dry_run(comp, [x], world_size=world, error_feedback=False if sample_is_compensated else ef, decode=False)
+    run = dry_run(
+        comp, [x], world_size=world, error_feedback=False if sample_is_compensated else ef, decode=False, flag=False
+    )
     shared = Link(link.bandwidth_bps, link.latency_s * latency_share)
     return profile.fit(comp, ef).seconds(x.numel(), world) + run.wire_time(world, shared)

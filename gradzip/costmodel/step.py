@@ -10,7 +10,8 @@
 Plain DDP (``method=None``) is one allreduce of each bucket's gradients and no
 codec. gradzip methods add the engine's non-finite flag allreduce per bucket
 (:data:`gradzip.comm.FLAG_BYTES`; none where the protocol sums every tensor as it
-is); the first step's configuration check is left out (it happens once).
+is, or carries the flag in its own first round, as PowerSGD does); the first step's
+configuration check is left out (it happens once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import gradzip.args as args
 
 from ..comm import FLAG_BYTES
 from ..protocols.base import Protocol, as_protocol
+from ..protocols.parallel import aligned_starts
 from .dryrun import dry_run
 from .link import Collective, Link, check_world, wire_time
 from .profile import CodecProfile, sample
@@ -88,7 +90,8 @@ class StepCost:
 
 
 class WireCache:
-    """Collective logs of dry runs, keyed by (compressor, error feedback, shapes, dtype, world).
+    """Collective logs of dry runs, keyed by (compressor, error feedback, shapes, dtype, world,
+    whether the engine's flag is offered to the protocol).
 
     With ``probe_worlds=(a, b)``, a bucket is dry-run at both ``a`` and ``b`` first;
     if the two logs are equal, the bytes are taken not to depend on the world size
@@ -102,36 +105,43 @@ class WireCache:
         self._invariant: dict = {}
         self.dry_runs = 0
 
-    def _run(self, comp, shapes, dtype, world, ef, seed) -> tuple:
-        key = (CodecProfile.key(comp, ef), shapes, str(dtype), world)
+    def _run(self, comp, shapes, dtype, world, ef, seed, flag) -> tuple:
+        key = (CodecProfile.key(comp, ef), shapes, str(dtype), world, flag)
         if key not in self._logs:
             xs = [sample(s, dtype, seed=seed + j) for j, s in enumerate(shapes)]
             names = [f"p{seed + j}" for j in range(len(shapes))]
-            run = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False)
-            self._logs[key] = (run.collectives, run.plain)
+            run = dry_run(comp, xs, world_size=world, names=names, error_feedback=ef, decode=False, flag=flag)
+            self._logs[key] = (run.collectives, run.plain, run.flag_carried)
             self.dry_runs += 1
         return self._logs[key]
 
-    def collectives(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> list:
+    def collectives(
+        self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0, flag: bool = True
+    ) -> list:
         """The collectives of a call of ``comp`` on ``shapes`` among ``world`` ranks."""
-        return self.call(comp, shapes, world, error_feedback=error_feedback, dtype=dtype, seed=seed)[0]
+        return self.call(comp, shapes, world, error_feedback=error_feedback, dtype=dtype, seed=seed, flag=flag)[0]
 
-    def call(self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0) -> tuple:
-        """``(collectives, plain)`` of a call of ``comp`` on ``shapes`` among ``world`` ranks;
-        ``plain``: every tensor summed as it is (``DryRun.plain``: the engine sends no flag)."""
+    def call(
+        self, comp, shapes, world, *, error_feedback=None, dtype=torch.float32, seed: int = 0, flag: bool = True
+    ) -> tuple:
+        """``(collectives, plain, carried)`` of a call of ``comp`` on ``shapes`` among ``world``
+        ranks; ``plain``: every tensor summed as it is (``DryRun.plain``: the engine sends no
+        flag); ``carried``: the protocol carried the engine's flag in its first round
+        (``DryRun.flag_carried``). ``flag``: the flag is offered to it (as the engine offers it
+        to its call's protocol, and a ``Policy`` to the routes that start in its first round)."""
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         ef = comp.biased if error_feedback is None else bool(error_feedback)
         if self.probe_worlds is None or world == 1:
-            return self._run(comp, shapes, dtype, world, ef, seed)
-        base = (CodecProfile.key(comp, ef), shapes, str(dtype))
+            return self._run(comp, shapes, dtype, world, ef, seed, flag)
+        base = (CodecProfile.key(comp, ef), shapes, str(dtype), flag)
         if base not in self._invariant:
             a, b = self.probe_worlds
-            self._invariant[base] = self._run(comp, shapes, dtype, a, ef, seed) == self._run(
-                comp, shapes, dtype, b, ef, seed
+            self._invariant[base] = self._run(comp, shapes, dtype, a, ef, seed, flag) == self._run(
+                comp, shapes, dtype, b, ef, seed, flag
             )
         if self._invariant[base]:
-            return self._run(comp, shapes, dtype, self.probe_worlds[0], ef, seed)
-        return self._run(comp, shapes, dtype, world, ef, seed)
+            return self._run(comp, shapes, dtype, self.probe_worlds[0], ef, seed, flag)
+        return self._run(comp, shapes, dtype, world, ef, seed, flag)
 
 
 def _nbytes(shape, dtype) -> int:
@@ -161,7 +171,8 @@ def step_cost(
     ``Policy``) is costed per bucket by its partition (``Protocol.routes``): each
     route's collectives come from a dry run of the route on its tensors, each tensor's
     codec from the route's fit, with error feedback as the route runs. A bucket whose
-    protocol sums every tensor as it is (``DryRun.plain``) sends no engine flag. On one
+    protocol sums every tensor as it is (``DryRun.plain``), or whose protocol carries the
+    flag in its own first round (``DryRun.flag_carried``), sends no engine flag. On one
     rank the step is ``compute_s`` alone.
 
     ``local_size``: ranks per node, which share one ``link`` (their NIC); ``intra``: the
@@ -188,18 +199,28 @@ def step_cost(
             groups = [(m, [b[j] for j in idx], ef) for m, idx, ef in method.routes([layers[i] for i in b], world)]
         else:
             groups = [(method, b, method.biased)]
-        plain = True
-        for comp, idx, ef in groups:
-            comp = as_protocol(comp, world, feedback=ef)  # the protocol that carries it at this world size
+        plain, carried = True, False
+        protocols = [as_protocol(comp, world, feedback=ef) for comp, _, ef in groups]  # at this world size
+        # The routes run side by side, aligned to end together (gradzip.protocols.parallel): the
+        # first of those that start at once to take the engine's flag carries it for the call.
+        starts = aligned_starts(protocols) if len(protocols) > 1 else [0]
+        for comp, (_, idx, ef), start in zip(protocols, groups, starts):
             groups_used[repr(comp)] = groups_used.get(repr(comp), 0) + len(idx)
-            got, alone = cache.call(
-                comp, [layers[i][1] for i in idx], world, error_feedback=ef, dtype=dtype, seed=idx[0]
+            got, alone, took = cache.call(
+                comp,
+                [layers[i][1] for i in idx],
+                world,
+                error_feedback=ef,
+                dtype=dtype,
+                seed=idx[0],
+                flag=not carried and start == 0,
             )
             colls += got
             plain = plain and alone
+            carried = carried or took
             fit = profile.fit(comp, ef)
             codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
-        if not plain:  # the engine's flag (a bucket summed as it is needs none; see gradzip.engine)
+        if not (plain or carried):  # the engine's flag (none for a bucket summed as it is; see gradzip.engine)
             colls.append(Collective("allreduce", FLAG_BYTES, control=True))
     wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)
     detail = {"tensors_per_method": groups_used} if len(groups_used) > 1 else {}

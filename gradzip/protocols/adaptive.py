@@ -586,7 +586,7 @@ class Adaptive(Protocol):
         for i, v in enumerate(values):
             groups.setdefault(v, []).append(i)
         order = sorted(groups)
-        subs = [call.subset(groups[v]) for v in order]
+        subs = [call.subset(groups[v], flag=True) for v in order]  # a route that starts first may carry the flag
         protocols = [
             as_protocol(self.settings[v], call.world_size, feedback=s.memory is not None) for v, s in zip(order, subs)
         ]

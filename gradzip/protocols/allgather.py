@@ -7,7 +7,9 @@ the messages padded to it. A codec whose frames' lengths follow from the tensors
 shapes alone (``fixed_frames``: the quantizers, the casts) needs no agreement: every
 rank pads its message to :func:`gradzip.wire.message_capacity` and the all-gather is
 the only round, issued as the call is submitted, so that it overlaps the backward
-pass on gloo too (later rounds wait for the front end's flush there). Every rank decodes every peer's frames, tensor by
+pass on gloo too (later rounds wait for the front end's flush there). The engine's
+non-finite flag rides in the first round: one more int64 in the length's allreduce,
+or one more byte after each fixed-length message. Every rank decodes every peer's frames, tensor by
 tensor and peers in rank order, into one float32 buffer (float64 for float64
 gradients), so every rank computes the same floats, and divides by the world
 size. Bytes handed to the collectives grow with the world size: ``(N - 1)``
@@ -54,10 +56,10 @@ class AllGather(Protocol):
             payloads = call.encode_all(codec)
             msg = pack_frames(payloads, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
-        if codec.fixed_frames:
-            gathered = yield from allgather_fixed(call.comm, pad_message(msg, message_capacity(payloads)))
+        if codec.fixed_frames:  # the engine's flag rides in the first round (Call.take_flag)
+            gathered = yield from allgather_fixed(call.comm, pad_message(msg, message_capacity(payloads)), call=call)
         else:
-            gathered = yield from allgather_bytes(call.comm, msg)
+            gathered = yield from allgather_bytes(call.comm, msg, call=call)
         with call.codec():
             shapes = [p.shape for p in payloads]
             dtypes = [p.dtype for p in payloads]

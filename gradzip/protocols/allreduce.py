@@ -6,9 +6,14 @@ cannot overflow the wire dtype) and allreduced; every tensor is then decoded
 from its slice of the sum. Identity on DDP's bucket sends no copy at all: the
 gradients already lie back to back in the bucket, which is also where the
 result goes, so the bucket is reduced in place, as DDP's own hook does.
+Where the protocol builds a buffer of its own and the engine wants its non-finite
+flag (a call that is not ``plain``), the flag rides as one more element after the
+bodies (``Call.take_flag``): one allreduce per call in all.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -45,7 +50,10 @@ class Allreduce(Protocol):
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
         with call.codec():
-            flat = _wire_buffer(codec, call)
+            # A buffer of our own has room for the engine's non-finite flag after the bodies.
+            spare = 1 if call.wants_flag else 0
+            wire = _wire_buffer(codec, call, spare)
+            flat = None if wire is None else wire[: call.numel]
             if flat is not None:  # a cast's bodies, written straight into the wire buffer
                 payloads = [call.encode_into(codec, i, flat[call.slice(i)]) for i in range(len(call.tensors))]
             else:
@@ -53,13 +61,28 @@ class Allreduce(Protocol):
             bodies = [p.body.reshape(-1) for p in payloads]
             if flat is None and self.plain(call):
                 flat = back_to_back(bodies, call.dest)
-            if flat is None and payloads:
-                flat = torch.cat(bodies, out=_cat_target(bodies, call))
-            elif flat is None:
-                flat = torch.empty(0, dtype=call.out_dtype, device=call.device)
+                wire = flat
+            if flat is None:
+                dtype = (
+                    functools.reduce(torch.promote_types, [b.dtype for b in bodies], bodies[0].dtype)
+                    if bodies
+                    else call.out_dtype
+                )
+                target = _cat_target(bodies, call) if bodies else None
+                n = sum(b.numel() for b in bodies)
+                wire = target if target is not None else torch.empty(n + spare, dtype=dtype, device=call.device)
+                flat = wire[:n]
+                if bodies:
+                    torch.cat(bodies, out=flat)
             flat.div_(call.world_size)  # pre-divide, as DDP does, so sums cannot overflow the wire dtype
             call.comm.stats.add(bytes_payload=flat.numel() * flat.element_size())
-        yield Round([call.comm.allreduce(flat)], last=True)
+            if wire.numel() > flat.numel() and wire.is_floating_point():  # the flag: 0 or 1, summed
+                call.comm.stats.add(bytes_control=wire.element_size())
+            else:
+                wire = flat
+        if wire is not flat:
+            wire[-1] = call.take_flag(wire[-1:])
+        yield Round([call.comm.allreduce(wire)], last=True)
         with call.codec():
             if flat.dtype != call.out_dtype:  # flat is not dest: decode straight into the output
                 out, pos = call.output(), 0
@@ -87,17 +110,17 @@ class Allreduce(Protocol):
         return out
 
 
-def _wire_buffer(codec: Codec, call: Call) -> torch.Tensor | None:
-    """One flat buffer for all of the call's bodies where the codec writes each tensor's
-    elements one for one in a dtype of their own (:meth:`Codec.dense_wire`: a cast) and no
-    tensor has error feedback; else None."""
+def _wire_buffer(codec: Codec, call: Call, spare: int = 0) -> torch.Tensor | None:
+    """One flat buffer for all of the call's bodies (and ``spare`` elements after them) where
+    the codec writes each tensor's elements one for one in a dtype of their own
+    (:meth:`Codec.dense_wire`: a cast) and no tensor has error feedback; else None."""
     n = len(call.tensors)
     if not n or any(call.feeds(i) for i in range(n)):
         return None
     wires = {codec.dense_wire(t.dtype) for t in call.tensors}
     if len(wires) != 1 or None in wires:
         return None
-    return torch.empty(call.numel, dtype=wires.pop(), device=call.device)
+    return torch.empty(call.numel + spare, dtype=wires.pop(), device=call.device)
 
 
 def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:

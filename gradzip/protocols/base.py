@@ -142,6 +142,16 @@ class Call:
     #: exchange is stopped once its last round is launched, its peers never decoded (a
     #: loopback's fabricated peers need not decode), and its result is zeros.
     bytes_only: bool = False
+    #: The engine's non-finite flag, when it needs one for this call (the protocol is not
+    #: ``plain``): a function giving this rank's flag (0 or 1) from what the call has built
+    #: so far. A protocol may carry it in its first round (:meth:`take_flag`), which saves
+    #: the engine's own allreduce; else the engine sends it beside that round.
+    flag_source: object = field(default=None, repr=False)
+    #: Where every rank's flag will have arrived once the protocol's first round is done
+    #: (:meth:`take_flag`), or None.
+    flag_seen: torch.Tensor | None = field(default=None, init=False, repr=False)
+    #: The call whose flag this sub-call may take (:meth:`subset` with ``flag=True``), or None.
+    flag_owner: Call | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -177,6 +187,38 @@ class Call:
         make = torch.zeros if zero else torch.empty
         return make(self.numel, dtype=self.out_dtype, device=self.device)
 
+    # -- the engine's non-finite flag -------------------------------------------------------
+    @property
+    def wants_flag(self) -> bool:
+        """Whether the engine needs this call's non-finite flag and no protocol has taken it
+        (for a sub-call given ``flag=True``: its parent's)."""
+        own = self.flag_owner if self.flag_owner is not None else self
+        return own.flag_source is not None and own.flag_seen is None
+
+    def take_flag(self, seen: torch.Tensor) -> int:
+        """Carry the engine's non-finite flag in the protocol's **first** round: returns this
+        rank's flag (1: it saw a NaN/Inf, else 0), which the protocol writes into what it
+        sends in that round, to every peer that round reaches. Call it once every tensor has
+        been encoded for the round (the flag reads the error-feedback state built so far), and
+        outside a :meth:`codec` block: the engine books the time of its check itself.
+
+        ``seen``: the elements that hold, once the round is done, what the ranks wrote
+        there: the one element of an allreduce (SUM or MAX; a sum of 0s and 1s is above
+        zero iff one is 1, in any floating-point dtype, and a NaN elsewhere in the buffer
+        does not reach it), or one element per rank of an all-gather or all-to-all. The
+        engine reads a NaN/Inf on some rank iff an element of ``seen`` is above zero. An
+        integer ``seen`` of an allreduce must be int32 or int64 (an 8-bit sum could wrap)."""
+        if not self.wants_flag:
+            raise RuntimeError("this call has no flag to carry (plain, taken already, or past its first round)")
+        if not seen.numel():
+            raise ValueError("the flag needs at least one element to arrive in")
+        if seen.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"the flag cannot arrive in a {seen.dtype} tensor")
+        own = self.flag_owner if self.flag_owner is not None else self
+        own.flag_seen = seen
+        return int(own.flag_source())
+
+    # -- error feedback ------------------------------------------------------------------
     # -- error feedback ------------------------------------------------------------------
     def x(self, i: int) -> torch.Tensor:
         """The tensor to compress: gradient plus residual with error feedback (in a buffer
@@ -349,10 +391,12 @@ class Call:
         self.updated[name] = new
 
     # -- composition ---------------------------------------------------------------------
-    def subset(self, idx: list, *, feedback: bool = True, dest: torch.Tensor | None = None) -> Call:
+    def subset(self, idx: list, *, feedback: bool = True, dest: torch.Tensor | None = None, flag: bool = False) -> Call:
         """A call over some of the tensors, sharing state and error feedback (for wrappers).
         ``feedback=False`` runs them without residuals (for routes whose residual would
-        stay zero; use it only for tensors that never had one)."""
+        stay zero; use it only for tensors that never had one). ``flag=True``: the sub-call's
+        protocol may take this call's non-finite flag (:meth:`take_flag`) if its first round
+        is this call's first; the first protocol to take it carries it for all."""
         sub = Call(
             comm=self.comm,
             names=[self.names[i] for i in idx],
@@ -367,6 +411,8 @@ class Call:
         sub.frozen = self.frozen
         sub.make_context = self.make_context
         sub.momentum = self.momentum
+        if flag:
+            sub.flag_owner = self.flag_owner if self.flag_owner is not None else self
         return sub
 
     def context(self, key: str, dtype: torch.dtype) -> TensorContext:

@@ -92,9 +92,11 @@ class Filter(Protocol):
             return out
         with call.codec():
             votes = [self.wants(call.x(i), call.contexts[i].store) for i in range(count)]
-            flags = torch.tensor(votes, dtype=torch.uint8, device=call.device)
+            flags = torch.tensor(votes + [0] if call.wants_flag else votes, dtype=torch.uint8, device=call.device)
+        if flags.numel() > count:  # the engine's non-finite flag rides with the votes (MAX: no wrap)
+            flags[-1] = call.take_flag(flags[-1:])
         yield Round([call.comm.allreduce(flags, op=dist.ReduceOp.MAX, control=True)])
-        sent = [i for i, f in enumerate(flags.tolist()) if f]
+        sent = [i for i, f in enumerate(flags[:count].tolist()) if f]
         with call.codec():
             sent_set = set(sent)
             for i in range(count):

@@ -5,7 +5,8 @@
    is monotone, so the ranks agree on the scale of the largest ``max|x|``. A block whose
    scale exceeds float32's range on some rank (a float64 block beyond it; an infinite
    value, which the engine's non-finite check reports anyway) goes as ``+inf``, wins the
-   MAX, and is then sent as zeros by every rank: error feedback keeps it whole;
+   MAX, and is then sent as zeros by every rank: error feedback keeps it whole. The
+   engine's non-finite flag (0 or 1) rides as one more element (``Call.take_flag``);
 2. every rank quantizes with the agreed ``S_b`` (``kernels.int8_encode``) and the
    ranks allreduce-SUM the codes exactly, as integers. torch.distributed has no
    int16 sum (gloo: "Invalid scalar type"; NCCL has no int16), so the codes
@@ -84,9 +85,17 @@ class Int8Allreduce(Protocol):
                 for i in range(len(call.tensors)):
                     call.commit(i, vs[i])
                 return out
+            nscales = sum(s.numel() for s in scales)
+            if call.wants_flag:  # the engine's non-finite flag rides after the scales (MAX of 0 and 1)
+                scales.append(scales[0].new_zeros(1))
             scales = torch.cat(scales)
+            if scales.numel() > nscales:
+                call.comm.stats.add(bytes_control=scales.element_size())
+        if scales.numel() > nscales:
+            scales[-1] = call.take_flag(scales[-1:])
         yield Round([call.comm.allreduce(scales, op=dist.ReduceOp.MAX)])
         with call.codec():
+            scales = scales[:nscales]
             scales = torch.where(torch.isinf(scales), 0.0, scales)  # beyond float32 on some rank: sent as zeros
             codes, per_element, pos = [], [], 0
             for i, (v, (nb, b)) in enumerate(zip(vs, layouts)):

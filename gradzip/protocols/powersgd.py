@@ -57,15 +57,17 @@ A tensor is compressed only if it has at least 2 dimensions and
 ``(n + m) * k * min_compression_rate < n * m``; the others (biases, small or
 nearly square-thin matrices) are averaged exactly, riding in round 1's buffer
 pre-divided by ``W``. Their residual is zero. So a call costs two allreduces
-(one when nothing in it is compressed), plus the engine's one-element
-non-finite flag beside the first; all are issued from the hook thread in call
-order (:mod:`gradzip.comm`), so any number of DDP buckets is safe.
+(one when nothing in it is compressed), the engine's non-finite flag riding in
+the first; all are issued from the hook thread in call order
+(:mod:`gradzip.comm`), so any number of DDP buckets is safe.
 
 Wire: everything travels in float32 (float64 for float64 gradients). Round 1 is
-``[uncompressed / W | P^T's | Accordion norms]``, round 2 the ``Q^T``'s (each
-``k x n`` / ``k x m``, row-major). With ``factors="bf16"`` the ``P^T``'s and ``Q^T``'s
+``[uncompressed / W | P^T's | Accordion norms | flag]``, round 2 the ``Q^T``'s (each
+``k x n`` / ``k x m``, row-major). ``flag`` is the engine's non-finite flag (1.0 or 0.0,
+summed; :meth:`~gradzip.protocols.base.Call.take_flag`), there when the engine asks for
+it, so a call is two allreduces in all. With ``factors="bf16"`` the ``P^T``'s and ``Q^T``'s
 travel in bfloat16 (half the bytes): round 1 is then two allreduces, the float32
-``[uncompressed / W | Accordion norms]`` (when not empty) and the bfloat16 ``P^T``'s.
+``[uncompressed / W | Accordion norms | flag]`` (when not empty) and the bfloat16 ``P^T``'s.
 Every rank receives the same rounded sums and computes ``M_hat`` and its residual
 ``M - M_hat`` from them, so error feedback keeps what the rounding drops.
 The products are computed as ``P^T = Q^T M^T`` and ``Q^T = P^T M``: on CPU (MKL) these
@@ -435,11 +437,12 @@ class PowerSGD(Protocol):
             n_unc = sum(call.tensors[i].numel() for i in unc)
             n_p = sum(len(idx) * n * k for (n, m, k), idx in groups)
             fdt = torch.bfloat16 if self.factors == "bf16" else wd  # the factors' wire dtype
-            if fdt == wd:  # one buffer: [uncompressed | P^T's | norms]
-                flat = torch.empty(n_unc + n_p + len(track), dtype=wd, device=dev)
+            nflag = 1 if call.wants_flag else 0  # the engine's non-finite flag rides last
+            if fdt == wd:  # one buffer: [uncompressed | P^T's | norms | flag]
+                flat = torch.empty(n_unc + n_p + len(track) + nflag, dtype=wd, device=dev)
                 pflat, p0, tail = flat, n_unc, n_unc + n_p
-            else:  # [uncompressed | norms] in wd, the P^T's in their own buffer
-                flat = torch.empty(n_unc + len(track), dtype=wd, device=dev)
+            else:  # [uncompressed | norms | flag] in wd, the P^T's in their own buffer
+                flat = torch.empty(n_unc + len(track) + nflag, dtype=wd, device=dev)
                 pflat, p0, tail = torch.empty(n_p, dtype=fdt, device=dev), 0, n_unc
             pos = 0
             for i in unc:
@@ -470,14 +473,19 @@ class PowerSGD(Protocol):
                 _check_bf16_range([w[2] for w in work], "P")
             if track:
                 sq = torch.stack([torch.linalg.vector_norm(call.tensors[i], dtype=wd) ** 2 for i in track])
-                flat[tail:].copy_(sq.div_(world))
+                flat[tail : tail + len(track)].copy_(sq.div_(world))
             bufs = [flat] if pflat is flat else ([b for b in (flat, pflat) if b.numel()] or [flat])
-            call.comm.stats.add(bytes_payload=sum(b.numel() * b.element_size() for b in bufs))
+            fbytes = nflag * flat.element_size()  # the flag is control, as the engine's own would be
+            call.comm.stats.add(
+                bytes_payload=sum(b.numel() * b.element_size() for b in bufs) - fbytes, bytes_control=fbytes
+            )
+        if nflag:  # after every tensor's compensation: the flag reads them
+            flat[-1] = call.take_flag(flat[-1:])
         yield Round([call.comm.allreduce(b) for b in bufs], last=not work)
 
         with call.codec():
             if track:
-                for i, v in zip(track, flat[tail:].tolist()):
+                for i, v in zip(track, flat[tail : tail + len(track)].tolist()):
                     self._accordion_update(call.contexts[i], v)
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=fdt, device=dev)

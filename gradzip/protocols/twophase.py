@@ -9,9 +9,10 @@ every tensor, as FSDP shards parameters. A piece is named after its tensor and p
    codec (its own error feedback: the residual keyed by the tensor's name, as the
    other protocols keep it) and sends owner ``j`` the frames of its pieces ``j``
    (``gradzip.wire`` framing): an all-to-all of the message lengths, then a pairwise
-   all-to-all of the messages. Owner ``j`` decodes every sender's frames in rank order
-   into float32 (float64 for float64 gradients) and divides by ``N``: the average of
-   its pieces.
+   all-to-all of the messages (a ``fixed_frames`` codec skips the lengths). The engine's
+   non-finite flag rides in the first of these (``Call.take_flag``). Owner ``j`` decodes
+   every sender's frames in rank order into float32 (float64 for float64 gradients) and
+   divides by ``N``: the average of its pieces.
 2. **All-gather.** Owner ``j`` encodes its averaged pieces again with the codec, with a
    second error-feedback memory of its own (keyed ``name#j/N:owner``, in the units of
    the average), so nothing is lost: sparse codecs re-sparsify the sum (a global top-k
@@ -159,15 +160,30 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
             msgs = [pad_message(m, c) for m, c in zip(msgs, fixed)]
             if caps is not None:
                 caps[:] = fixed
+        # The engine's non-finite flag rides in the first round (Call.take_flag): a second int64
+        # beside each length, or, for fixed frames, one more byte after each message.
+        flag = call.wants_flag
+        if codec.fixed_frames and flag:
+            msgs = [torch.cat([m, m.new_zeros(1)]) for m in msgs]
         send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
+    extra = 1 if codec.fixed_frames and flag else 0
     if codec.fixed_frames:
-        in_splits, out_splits = fixed, [fixed[me]] * world
+        in_splits, out_splits = [c + extra for c in fixed], [fixed[me] + extra] * world
     else:
-        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64, device=call.device)
-        got_len = torch.empty(world, dtype=torch.int64, device=call.device)
-        yield Round([call.comm.alltoall(got_len, lengths, control=True)])
-        in_splits, out_splits = lengths.tolist(), got_len.tolist()
+        lengths = torch.tensor(
+            [[m.numel(), 0] for m in msgs] if flag else [m.numel() for m in msgs], dtype=torch.int64, device=call.device
+        )
+        got_len = torch.empty_like(lengths)
+        if flag:
+            lengths[:, 1] = call.take_flag(got_len[:, 1])
+        yield Round([call.comm.alltoall(got_len.view(-1), lengths.view(-1), control=True)])
+        lens, got = (lengths[:, 0], got_len[:, 0]) if flag else (lengths, got_len)
+        in_splits, out_splits = lens.tolist(), got.tolist()
     recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
+    if extra:
+        ends = torch.tensor(in_splits, device=call.device).cumsum(0) - 1  # each message's last byte
+        send[ends] = call.take_flag(recv.view(world, fixed[me] + 1)[:, -1])
+        call.comm.stats.add(bytes_control=world)
     yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])
     with call.codec():
         acc_dtype = accum_dtype(call.out_dtype)
@@ -178,7 +194,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         for s in range(world):
             frames.append(
                 unpack_frames(
-                    recv[pos : pos + out_splits[s]],
+                    recv[pos : pos + out_splits[s] - extra],
                     shapes,
                     dtypes,
                     grad_dtypes=[t.dtype for t in call.tensors],

@@ -446,8 +446,9 @@ def expected_step_bytes(label, comp, n, world):
     body = body_bytes(comp, n)
     scale = 4 if label.startswith("QSGD") else 0  # QSGD's entry carries its levels
     # No size exchange (a quantizer's frame length follows from n): the message header, room for the
-    # checksum (every rank pads to it, on or off), the entry and the body.
-    return FLAG_BYTES + HEADER_BYTES + 4 + ENTRY_BYTES + scale + body
+    # checksum (every rank pads to it, on or off), the entry, the body, and one byte more: the
+    # engine's non-finite flag, which rides after the message.
+    return HEADER_BYTES + 4 + ENTRY_BYTES + scale + body + 1
 
 
 SMALL = [("a", (40, 3)), ("b", (7,)), ("c", (1,)), ("d", (0,)), ("e", (1823,))]

@@ -9,7 +9,6 @@ import torch
 from gradzip import plan
 from gradzip.codecs import FP16, Identity, TopK
 from gradzip.codecs.quant import Int8, SignSGD
-from gradzip.comm import FLAG_BYTES as ENGINE_FLAG_BYTES
 from gradzip.costmodel import (
     CodecFit,
     CodecProfile,
@@ -89,19 +88,23 @@ def test_dry_run_bytes_are_the_real_exchange():
     x = torch.randn(100, 100, generator=torch.Generator().manual_seed(0))
     before = x.clone()
     d = dry_run(AllGather(TopK(0.01)), [x], world_size=4)
-    # size exchange (one int64), then one frame: header + 100 int32 indices + 100 fp32 values
+    # size exchange (one int64, and the engine's flag beside it), then one frame: header + 100
+    # int32 indices + 100 fp32 values
     assert d.collectives == [
-        Collective("allreduce", 8, control=True),
+        Collective("allreduce", 16, control=True),
         Collective("allgather", message_nbytes([TopK(0.01).compress(x)])),
     ]
-    assert d.rounds == 2
+    assert d.rounds == 2 and d.flag_carried
+    no_flag = dry_run(AllGather(TopK(0.01)), [x], world_size=4, flag=False)  # as a route of a sub-call runs
+    assert no_flag.collectives[0] == Collective("allreduce", 8, control=True) and not no_flag.flag_carried
     comp = TopK(0.01)
     # from 4 ranks a codec that is not summable travels in two phases: lengths, the pieces to
-    # their owners, the owners' message length, then the owners' re-encoded pieces
+    # their owners (the engine's flag beside each length), the owners' message length, then the
+    # owners' re-encoded pieces
     t = dry_run(TopK(0.01), [x], world_size=4)
     pieces = [message_nbytes([TopK(0.01).compress(p)]) for p in x.reshape(-1).split(2500)]  # 25 of 2,500 each
     assert t.collectives == [
-        Collective("alltoall", 32, control=True, offrank=24),
+        Collective("alltoall", 64, control=True, offrank=48),
         Collective("alltoall", sum(pieces), offrank=sum(pieces[1:])),
         Collective("allreduce", 8, control=True),
         Collective("allgather", pieces[0]),
@@ -111,14 +114,19 @@ def test_dry_run_bytes_are_the_real_exchange():
     # four identical ranks: the average is what one rank sends
     assert torch.allclose(d.out, comp.decompress(comp.compress(x)).reshape(-1))
     assert [c.nbytes for c in dry_run(Identity(), [x], world_size=4).collectives] == [40000]
-    assert [c.nbytes for c in dry_run(FP16(), [x], world_size=4).collectives] == [20000]
+    assert [c.nbytes for c in dry_run(FP16(), [x], world_size=4).collectives] == [20002]  # the flag: one fp16 more
+    assert [c.nbytes for c in dry_run(FP16(), [x], world_size=4, flag=False).collectives] == [20000]
     # the engine's flag rule: only a call that sums its tensors as they are goes without one
     assert dry_run(Identity(), [x], world_size=4).plain and dry_run(Identity(), [x], world_size=4, decode=False).plain
     assert not dry_run(FP16(), [x], world_size=4).plain and not dry_run(TopK(0.01), [x], world_size=4).plain
     assert not dry_run(Identity(), [x], world_size=4, error_feedback=True).plain
-    # PowerSGD rank 2 of a 100x100 matrix: P (100x2) then Q (100x2), fp32
+    # PowerSGD rank 2 of a 100x100 matrix: P (100x2) and the engine's flag (one float32 it
+    # carries), then Q (100x2), fp32; the engine then sends no flag of its own
     p = dry_run(PowerSGD(rank=2), [x], world_size=4)
-    assert [c.nbytes for c in p.collectives] == [800, 800] and p.rounds == 2
+    assert [c.nbytes for c in p.collectives] == [804, 800] and p.rounds == 2
+    assert p.flag_carried and not p.plain
+    assert dry_run(FP16(), [x], world_size=4).flag_carried  # one float16 after the bodies
+    assert not dry_run(Identity(), [x], world_size=4).flag_carried  # plain: no flag at all
     assert torch.allclose(dry_run(Identity(), [x], world_size=3).out, x.reshape(-1))
     # bytes only: stops after launching the last round, decodes nothing
     q = dry_run(AllGather(TopK(0.01)), [x], world_size=1024, decode=False)
@@ -138,8 +146,10 @@ def test_dry_run_of_hierarchical_with_uneven_pieces_counts_bytes_without_decodin
         Hierarchical(SignSGD(), local_size=2), [x], world_size=16, names=["t"], error_feedback=True, decode=False
     )
     assert h.out is None
-    # the cross-node part is exactly the inner protocol on the node's piece among 8 nodes
-    inner = dry_run(SignSGD(), [x[:5]], world_size=8, names=["t@0/2"], error_feedback=True, decode=False)
+    # the cross-node part is exactly the inner protocol on the node's piece among 8 nodes (in a
+    # sub-call, which is offered no engine flag: the engine sends its own)
+    inner = dry_run(SignSGD(), [x[:5]], world_size=8, names=["t@0/2"], error_feedback=True, decode=False, flag=False)
+    assert not h.flag_carried
     assert [c for c in h.collectives if c.scope == "cross"] == [
         Collective(c.kind, c.nbytes, c.control, c.offrank, "cross", 8) for c in inner.collectives
     ]
@@ -280,8 +290,8 @@ def test_step_cost_hand_computed():
     frames = [TopK(0.01).compress(sample(s, seed=1 + j)) for j, s in enumerate([(256,), (256, 256)])]
     msg = message_nbytes(frames)
     assert msg == HEADER_BYTES + 2 * ENTRY_BYTES + sum(f.body.numel() for f in frames) and msg < 8 + 12 + 659 * 6
-    assert topk.bytes_per_rank == ENGINE_FLAG_BYTES + 8 + msg and topk.collectives == 3
-    wire = (2 * 3 / 4 * 8 * 4 / 1e9 + 6e-4) + (2 * 3 / 4 * 8 * 8 / 1e9 + 6e-4) + (3 * 8 * msg / 1e9 + 3e-4)
+    assert topk.bytes_per_rank == 16 + msg and topk.collectives == 2  # the engine's flag rides with the size
+    wire = (2 * 3 / 4 * 8 * 16 / 1e9 + 6e-4) + (3 * 8 * msg / 1e9 + 3e-4)
     assert topk.wire_s == pytest.approx(wire, rel=1e-12)
     codec = (1e-4 + 1e-8 * 65536 + 3 * (2e-5 + 1e-9 * 65536)) + (1e-4 + 1e-8 * 256 + 3 * (2e-5 + 1e-9 * 256))
     assert topk.codec_s == pytest.approx(codec, rel=1e-12)
@@ -292,6 +302,19 @@ def test_step_cost_hand_computed():
     ident = step_cost(Identity(), layers, 4, link, 0.05, prof)
     assert ident.bytes_per_rank == nbytes and ident.collectives == 1 and ident.wire_s == ddp.wire_s
     assert ident.codec_s == pytest.approx(2e-6)
+
+    # PowerSGD carries the engine's flag in its first allreduce: two collectives, no third;
+    # routed by a Policy (a sub-call that starts in the call's first round) it carries it too,
+    # and so does the first of two routes that start together; Hierarchical's inner protocol
+    # runs in a sub-call that is offered none, so the engine sends its own
+    prof.add(PowerSGD(rank=2), CodecFit(1e-6, 0.0), error_feedback=True)
+    psgd = step_cost(PowerSGD(rank=2), layers, 4, link, 0.05, prof)
+    assert psgd.collectives == 2 and psgd.bytes_per_rank == 4 * (256 + 256 * 2 + 1) + 4 * 256 * 2
+    routed = step_cost(Policy(PowerSGD(rank=2)), layers, 4, link, 0.05, prof)
+    assert (routed.collectives, routed.bytes_per_rank) == (psgd.collectives, psgd.bytes_per_rank)
+    two = step_cost(Policy(PowerSGD(rank=2), min_numel=1000), layers, 4, link, 0.05, prof)
+    assert two.collectives == 3  # PowerSGD's two rounds (the flag in its first), the bias's allreduce in the second
+    assert two.bytes_per_rank == 4 * (256 * 2 + 1) + 4 * 256 * 2 + 4 * 256
 
     one = step_cost(TopK(0.01), layers, 1, link, 0.05, prof)
     assert one.total_s == 0.05 and one.efficiency == 1.0

@@ -169,10 +169,12 @@ def test_policy_exchange_equals_its_parts_in_a_dry_run():
     pol = Policy(TopK(0.1), min_numel=50, skip=["bias"], per_layer={"emb": PowerSGD(rank=1)})
     stores = {}
     whole = dry_run(pol, xs, names=names, world_size=3, stores=stores)
-    # PowerSGD (2 rounds, unknown to the policy: starts first), TopK (2 rounds), Identity (1: starts late)
+    # PowerSGD (2 rounds, unknown to the policy: starts first, and takes the engine's flag: one
+    # float32 after its P), TopK (2 rounds), Identity (1: starts late)
     kinds = [(c.kind, c.nbytes) for c in whole.collectives]
+    assert whole.flag_carried
     assert kinds == [
-        ("allreduce", 4 * 30),
+        ("allreduce", 4 * 30 + 4),
         ("allreduce", 8),
         ("allreduce", 4 * 40),
         ("allgather", kinds[3][1]),
@@ -345,9 +347,10 @@ def test_engine_policy_equals_its_parts_on_two_ranks():
     expected = (res[0]["x"].reshape(-1) / 2) + (res[1]["x"].reshape(-1) / 2)
     for r in res:
         assert all(torch.equal(o, expected) for o in r["auto"])
-        # step 1: config check (2) + vote + flag + payload (the route is not known when the
-        # flag goes out); step 2: the payload alone (a call summed as it is sends no flag)
-        assert r["auto_collectives"] == [5, 6]
+        # step 1: config check (2) + vote (the engine's flag riding in it: the route is not known
+        # when the flag goes out) + payload; step 2: the payload alone (a call summed as it is
+        # sends no flag)
+        assert r["auto_collectives"] == [4, 5]
 
 
 # -- 2 gloo ranks: the DDP hook, many small buckets ----------------------------------------------

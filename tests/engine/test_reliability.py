@@ -121,6 +121,145 @@ def test_plain_calls_send_no_flag_and_still_catch_nonfinite(policy):
         assert "on rank 1" in res[1]["error"] and "'w'" in res[1]["error"]
 
 
+def _carried_flag(rank, world, policy):
+    """PowerSGD carries the engine's flag in its first round: two allreduces per call, and a
+    NaN on one rank is still named there and seen everywhere."""
+    eng = Engine(gz.PowerSGD(rank=1), on_nonfinite=policy)
+    log = {}
+
+    def step(w, b):
+        fut = eng.reduce(["w", "b"], [w, b])
+        eng.flush()
+        eng.end_step()
+        return fut.wait()
+
+    g = torch.Generator().manual_seed(rank)
+    step(torch.randn(16, 16, generator=g), torch.randn(16, generator=g))
+    before = eng.stats()
+    log["out"] = step(torch.randn(16, 16, generator=g), torch.randn(16, generator=g))
+    after = eng.stats()
+    log["collectives"] = after["collectives"] - before["collectives"]
+    log["control"] = after["bytes_control"] - before["bytes_control"]
+    w, b = torch.randn(16, 16, generator=g), torch.randn(16, generator=g)
+    if rank == 1:
+        w[3, 4] = float("inf")
+    r_before = {k: v.clone() for k, v in eng.memory.residuals.items()}
+    try:
+        log["bad_out"] = step(w, b)
+    except FloatingPointError as exc:
+        log["error"] = str(exc)
+    log["restored"] = all(torch.equal(eng.memory.residuals[k], v) for k, v in r_before.items())
+    return log
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_flag_carried_by_the_protocol_saves_its_allreduce_and_still_catches_nonfinite(policy):
+    res = run_ranks(_carried_flag, 2, policy)
+    for r in range(2):
+        assert res[r]["collectives"] == 2  # [bias | P | flag], then Q: no allreduce of the flag's own
+        assert res[r]["control"] == 4  # the flag's float32, booked as control as the engine's own is
+        assert torch.isfinite(res[r]["out"]).all()
+        assert res[r]["restored"]
+        if policy == "skip":
+            assert torch.isnan(res[r]["bad_out"]).all()
+    assert torch.equal(res[0]["out"], res[1]["out"])
+    if policy == "raise":  # rank 1 names its tensor: the flag, not the average, told rank 0
+        assert "on another rank" in res[0]["error"]
+        assert "on rank 1" in res[1]["error"] and "'w'" in res[1]["error"]
+
+
+#: Every protocol path that carries the engine's flag in its first round, with the
+#: collectives of a call (tensors (12, 12) and (12,)) then.
+CARRIERS = {
+    "AllGather(TopK(0.2))": 2,  # size (and flag), payload
+    "AllGather(Int8())": 1,  # payload (and one flag byte per message)
+    "TwoPhase(TopK(0.2))": 4,  # lengths (and flags), pieces, owners' size, owners' payload
+    "TwoPhase(Int8())": 2,  # pieces (and one flag byte each), owners' payload
+    "Allreduce(FP16())": 1,  # bodies (and one float16)
+    "Int8(allreduce=True)": 2,  # scales (and flag), codes
+    "PowerSGD(rank=1)": 2,  # [bias | P (and flag)], Q
+    "Filter(TopK(0.2), min_change=0.0)": 3,  # votes (and flag), size, payload
+    "Policy(TopK(0.2), min_numel=20)": 3,  # TopK's size (and flag), then its payload and the bias's allreduce
+}
+
+
+def _flag_transport(rank, world, spec):
+    """Rank 2 reports a non-finite error-feedback state that shows nowhere in what it sends (the
+    engine's own check, patched on that rank alone): only the carried flag tells the others."""
+    method = gz.parse(spec)
+    ef = None if not spec.startswith("Allreduce") else False
+    eng = Engine(method, error_feedback=ef)
+    g = torch.Generator().manual_seed(rank)
+
+    def step():
+        fut = eng.reduce(["w", "b"], [torch.randn(12, 12, generator=g), torch.randn(12, generator=g)])
+        eng.flush()
+        eng.end_step()
+        return fut.wait()
+
+    step()  # the configuration check's call
+    before = eng.stats()["collectives"]
+    good = step()
+    log = {"collectives": eng.stats()["collectives"] - before, "good": good}
+    if rank == 2:
+        eng._feedback_nonfinite = lambda call: ["w"]
+    log["bad"] = step()
+    return log
+
+
+@pytest.mark.parametrize("spec", list(CARRIERS))
+def test_every_carried_flag_reaches_every_rank(spec):
+    res = run_ranks(_flag_transport, 3, spec)
+    for r in res:
+        assert r["collectives"] == CARRIERS[spec]  # no allreduce of the engine's own
+        assert torch.isfinite(r["good"]).all() and torch.equal(r["good"], res[0]["good"])
+        assert torch.isnan(r["bad"]).all()  # every rank skipped the step, not only rank 2
+
+
+class _LateFlag(gz.protocols.Protocol):
+    """Tries to carry the flag in its second round: too late, the engine has sent it."""
+
+    def exchange(self, call):
+        buf = torch.cat([t.reshape(-1) for t in call.tensors])
+        yield gz.comm.Round([call.comm.allreduce(buf)])
+        slot = torch.zeros(1)
+        slot[0] = call.take_flag(slot)
+        yield gz.comm.Round([call.comm.allreduce(slot)], last=True)
+        return buf
+
+
+def test_take_flag_refuses_a_late_round_a_second_taker_and_a_bad_slot():
+    from gradzip.protocols import Call
+
+    call = Call(comm=None, names=["a"], tensors=[torch.ones(2)], contexts=[None], memory=None, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="no flag to carry"):
+        call.take_flag(torch.zeros(1))  # the engine asked for none
+    call.flag_source = lambda: 1
+    with pytest.raises(ValueError, match="at least one element"):
+        call.take_flag(torch.zeros(0))
+    with pytest.raises(ValueError, match="cannot arrive in a torch.bool"):
+        call.take_flag(torch.zeros(1, dtype=torch.bool))
+    sub, other = call.subset([0], flag=True), call.subset([0])
+    assert sub.wants_flag and not other.wants_flag  # only a sub-call given flag=True may take it
+    seen = torch.zeros(3, dtype=torch.uint8)
+    assert sub.take_flag(seen) == 1 and call.flag_seen is seen and not call.wants_flag and not sub.wants_flag
+    with pytest.raises(RuntimeError, match="no flag to carry"):
+        call.take_flag(torch.zeros(1))  # taken already (by the sub-call, for the call)
+    out = run_ranks(_late_flag, 1)
+    assert "no flag to carry" in out[0]
+
+
+def _late_flag(rank, world):
+    eng = Engine(_LateFlag())
+    fut = eng.reduce(["w"], [torch.ones(3)])
+    try:
+        eng.flush()
+        fut.wait()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 # -- 2. Config mismatch ----------------------------------------------------------------
 def _mismatch(rank, world):
     errors = {}

@@ -89,9 +89,10 @@ def test_residuals_survive_ddp_bucket_rebuild():
     res = run_ranks(_rebuild, 2, steps)
     expected, names = reference_run(steps, 2, rebuild_compressor())
     # DDP rebuilt its buckets after iteration 0: one bucket (config check: 2 collectives,
-    # then size + flag + payload: 3) in the first step, several buckets from then on.
+    # then size with the engine's flag beside it + payload: 2) in the first step, several
+    # buckets from then on.
     c = res[0]["collectives"]
-    assert c[0] == 2 + 3 and c[1] - c[0] > 3 and c[2] - c[1] == c[1] - c[0]
+    assert c[0] == 2 + 2 and c[1] - c[0] > 2 and c[2] - c[1] == c[1] - c[0]
     for r in res:
         assert r["residuals"] == sorted(names)
         for a, b in zip(r["params"], expected):
@@ -156,14 +157,14 @@ def test_nothing_above_threshold_sends_headers_only_and_does_not_hang():
     for r in res:
         st = r["stats"]
         assert r["same"]
-        # Per step: each bucket sends an 8-byte size, a 4-byte non-finite flag and a message of
-        # an 8-byte header and a 10-byte entry per tensor (its tau; no body), plus the first
-        # step's configuration check.
-        nbuckets = (st["collectives"] - 2) // 3
+        # Per step: each bucket sends an 8-byte size with the engine's 8-byte non-finite flag
+        # beside it, and a message of an 8-byte header and a 10-byte entry per tensor (its tau;
+        # no body), plus the first step's configuration check.
+        nbuckets = (st["collectives"] - 2) // 2
         assert st["bytes_sent"] - st["bytes_control"] == nbuckets * HEADER_BYTES + st["steps"] * ntensors * (
             ENTRY_BYTES + 4
         )
-        assert st["bytes_control"] == (8 + r["check"]) + nbuckets * (8 + 4)
+        assert st["bytes_control"] == (8 + r["check"]) + nbuckets * (8 + 8)
 
 
 # --------------------------------------------------------------------------------------
