@@ -28,12 +28,24 @@ from .base import (
 )
 from .cast import saturating_cast
 
-__all__ = ["TopK", "RandomK", "pack_gaps", "unpack_gaps", "call_counts", "topk_abs", "distinct_positions"]
+__all__ = [
+    "TopK",
+    "RandomK",
+    "pack_gaps",
+    "unpack_gaps",
+    "pack_ef",
+    "unpack_ef",
+    "ef_nbytes",
+    "call_counts",
+    "topk_abs",
+    "distinct_positions",
+]
 
 FMT_SPARSE = 4  # body: u8 bits, the index gaps packed at that width, then the values in vdtype
 FMT_SPARSE_MASK = 5  # body: a 1-bit mask of the sent positions (ceil(n / 8) bytes), then the values
 FMT_SPARSE_SIGN = 6  # body: the gaps as FMT_SPARSE, each with a sign bit; every value is +-scale
 FMT_SPARSE_SIGN2 = 7  # body: 2 bits per element, 0 -> 0, 1 -> +scale, 2 -> -scale
+FMT_SPARSE_EF = 8  # body: LEB128 count, the positions in Elias-Fano code (pack_ef), then the values
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _VALUES = (*_VALUE_DTYPES, "sign")
 _SCOPES = ("tensor", "call")
@@ -179,6 +191,119 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
     return idx, extra, body[pos + plen :]
 
 
+def _leb128(k: int) -> bytearray:
+    head = bytearray()
+    while True:
+        head.append((k & 0x7F) | (0x80 if k > 0x7F else 0))
+        k >>= 7
+        if not k:
+            return head
+
+
+def _read_leb128(body: torch.Tensor, what: str) -> tuple[int, int]:
+    """``(count, bytes it took)`` of the LEB128 count at the start of ``body``, refusing one cut
+    off or written in more bytes than it needs."""
+    head = body[:10].cpu().tolist()
+    k, shift, pos = 0, 0, 0
+    while True:
+        if pos >= len(head):
+            raise FrameError("body.count", f"corrupt {what} frame: the count is cut off")
+        k |= (head[pos] & 0x7F) << shift
+        shift += 7
+        pos += 1
+        if not head[pos - 1] & 0x80:
+            break
+    if pos > 1 and head[pos - 1] == 0:
+        raise FrameError(
+            "body.count", f"corrupt {what} frame: the count {k} in {pos} LEB128 bytes (a writer uses fewer)"
+        )
+    return k, pos
+
+
+def ef_low_bits(n: int, k: int) -> int:
+    """Low bits per position of the Elias-Fano code of ``k`` positions in ``[0, n)``:
+    ``floor(log2(n / k))``, at least 0."""
+    return (n // k).bit_length() - 1 if 0 < k <= n else 0
+
+
+def ef_nbytes(n: int, k: int) -> int:
+    """Bytes :func:`pack_ef` writes for ``k`` positions in ``[0, n)``: a function of ``n`` and
+    ``k`` alone (``k`` LEB128, ``k * L`` low bits, ``k + ((n - 1) >> L) + 1`` upper bits, each
+    part padded to a byte): fewer than ``L + 3`` bits a position (``n >> L < 2k``), plus the
+    count and the padding."""
+    low = ef_low_bits(n, k)
+    upper = k + ((n - 1) >> low) + 1 if n else 1
+    return len(_leb128(k)) + (k * low + 7) // 8 + (upper + 7) // 8
+
+
+def pack_ef(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Strictly ascending int64 positions in ``[0, n)`` in Elias-Fano code: their count as a
+    LEB128 varint; each position's ``L = floor(log2(n / k))`` low bits, bit-packed; then a
+    bitmap of ``k + ((n - 1) >> L) + 1`` bits with bit ``(idx[i] >> L) + i`` set for every
+    ``i`` (the high parts in unary). The length is :func:`ef_nbytes` ``(n, k)``: it does not
+    depend on where the positions lie, so every rank knows a frame's length from ``n`` and
+    ``k`` (TopK's ``fixed_frames``)."""
+    k = idx.numel()
+    low = ef_low_bits(n, k)
+    upper = k + ((n - 1) >> low) + 1
+    dev = idx.device
+    parts = [torch.frombuffer(_leb128(k), dtype=torch.uint8).to(dev)]
+    if low and k:
+        parts.append(bitpack.pack_uint(idx & ((1 << low) - 1), low))
+    bits = torch.zeros(upper, dtype=torch.int64, device=dev)
+    bits[(idx >> low) + torch.arange(k, device=dev)] = 1
+    parts.append(bitpack.pack_uint(bits, 1))
+    return torch.cat(parts)
+
+
+def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
+    """``(indices, the bytes after the positions)`` of a :func:`pack_ef` body followed by
+    ``value_bytes`` per position. Refuses (:class:`~gradzip.wire.FrameError`) what
+    :func:`pack_ef` would not have written: a count of 0 or above ``n``, or in more LEB128
+    bytes than it needs; a length other than :func:`ef_nbytes` plus the values; nonzero
+    padding bits after the low bits or after the bitmap; a bitmap with other than ``k`` bits
+    set; positions not strictly ascending or outside ``[0, n)``. One host sync for the checks."""
+    k, pos = _read_leb128(body, "Elias-Fano")
+    if not 0 < k <= n:
+        raise FrameError("body.count", f"corrupt Elias-Fano frame: {k} positions in a tensor of {n}")
+    low = ef_low_bits(n, k)
+    upper = k + ((n - 1) >> low) + 1
+    llen, ulen = (k * low + 7) // 8, (upper + 7) // 8
+    if pos + llen + ulen + k * value_bytes != body.numel():
+        raise FrameError(
+            "length",
+            f"corrupt Elias-Fano frame: {body.numel()} bytes for {k} positions in {n} "
+            f"(and {value_bytes} value bytes each)",
+        )
+    dev = body.device
+    lows = bitpack.unpack_uint(body[pos : pos + llen], k, low) if low else torch.zeros(k, dtype=torch.int64, device=dev)
+    ub = body[pos + llen : pos + llen + ulen]
+    bits = bitpack.unpack_uint(ub, upper, 1)
+    where = bits.nonzero().reshape(-1)
+    zero = torch.zeros((), dtype=torch.bool, device=dev)
+    lpad = (body[pos + llen - 1] >> ((k * low) % 8)).bool() if (k * low) % 8 else zero
+    upad = (ub[-1] >> (upper % 8)).bool() if upper % 8 else zero
+    count_ok = where.numel() == k
+    if count_ok:
+        idx = ((where - torch.arange(k, device=dev)) << low) | lows
+        order = (idx[1:] > idx[:-1]).all() if k > 1 else ~zero
+        top = idx[-1]
+    else:
+        idx, order, top = None, ~zero, torch.zeros((), dtype=torch.int64, device=dev)
+    bad_lpad, bad_upad, ascending, last = torch.stack([lpad.long(), upad.long(), order.long(), top.long()]).tolist()
+    if bad_lpad:
+        raise FrameError("body.padding", "corrupt Elias-Fano frame: nonzero padding bits after the low bits")
+    if bad_upad:
+        raise FrameError("body.padding", "corrupt Elias-Fano frame: bits set after the bitmap")
+    if not count_ok:
+        raise FrameError("body.upper", f"corrupt Elias-Fano frame: {where.numel()} bitmap bits set for {k} positions")
+    if not ascending:
+        raise FrameError("body.indices", "corrupt Elias-Fano frame: positions not strictly ascending")
+    if last >= n:
+        raise FrameError("body.indices", f"corrupt Elias-Fano frame: index {last} outside [0, {n})")
+    return idx, body[pos + llen + ulen :]
+
+
 class TopK(Codec):
     """Send the ``k = ceil(ratio * n)`` elements of largest magnitude, with their positions.
 
@@ -197,13 +322,17 @@ class TopK(Codec):
     sample that overestimated the threshold fall back to an exact top-k. Tensors of at
     most ``sample`` elements take the exact route in every mode.
 
-    Wire: ``FMT_SPARSE`` (the gaps between the ascending positions, bit-packed at the
-    width of the largest: about ``log2(n / k)`` bits each, then the values), or
-    ``FMT_SPARSE_MASK`` (a bit per element, then the values) where that is smaller, or
-    ``FMT_DENSE`` (the input as is) when no sparse form is. Values travel in the
-    gradient's dtype (or the input's, when a compensated value would overflow the
-    gradient's), or in ``values="fp16"``/``"bf16"``: finite values saturate, and error
-    feedback keeps what the rounding drops.
+    Wire, ``mode="exact"`` and ``scope="tensor"`` (``fixed_frames``): ``FMT_SPARSE_EF``
+    (the positions in Elias-Fano code, :func:`pack_ef`: ``floor(log2(n / k))`` low bits
+    each and a bitmap of about ``2k`` bits, a length set by ``n`` and ``k`` alone, then the
+    values), or ``FMT_SPARSE_MASK`` (a bit per element, then the values) where that is
+    smaller, or ``FMT_DENSE`` (the input as is) when no sparse form is; values travel in
+    the gradient's dtype or ``values``', saturating. Other modes and ``scope="call"`` (whose
+    counts vary): ``FMT_SPARSE`` (the gaps between the ascending positions, bit-packed at
+    the width of the largest: about ``log2(n / k)`` bits each, then the values) in place of
+    ``FMT_SPARSE_EF``, with values in the gradient's dtype (or the input's, when a
+    compensated value would overflow the gradient's), or in ``values="fp16"``/``"bf16"``:
+    finite values saturate, and error feedback keeps what the rounding drops.
 
     ``values="sign"`` is Sattler et al.'s sparse ternary compression (STC, 2019): every
     kept value is sent as ``+-mu``, ``mu`` the mean magnitude of the kept values (one
@@ -237,6 +366,7 @@ class TopK(Codec):
         "SPARSE_MASK": FMT_SPARSE_MASK,
         "SPARSE_SIGN": FMT_SPARSE_SIGN,
         "SPARSE_SIGN2": FMT_SPARSE_SIGN2,
+        "SPARSE_EF": FMT_SPARSE_EF,
     }
     sparse = True
 
@@ -258,6 +388,14 @@ class TopK(Codec):
         self.seed = args.integer("seed", seed)
         self.values = None if values is None else args.choice("values", values, _VALUES)
         self.scope = args.choice("scope", scope, _SCOPES)
+
+    @property
+    def fixed_frames(self) -> bool:  # type: ignore[override]
+        """Every frame's length follows from its tensor's shape (and the step's ratio): exactly
+        ``k`` positions per tensor (``mode="exact"``, ``scope="tensor"``), their Elias-Fano code
+        (whose length depends on ``n`` and ``k`` alone) or the mask, and values of one dtype.
+        Protocols then skip the size exchange (one round for AllGather, two for TwoPhase)."""
+        return self.mode == "exact" and self.scope == "tensor" and self.values != "sign"
 
     def allot(self, xs, ctxs) -> list:
         """``scope="call"``: each tensor's share of one top-k over the call (:func:`call_counts`)."""
@@ -297,14 +435,17 @@ class TopK(Codec):
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
         idx = self.select(v, k, ctx)
         vals = v[idx]
-        if self.values is not None:
+        fixed = self.fixed_frames
+        if self.values is not None or (fixed and vdtype != v.dtype):
+            # fixed frames: a compensated value beyond the gradient's dtype saturates too (error
+            # feedback keeps the rest), so that every frame of the tensor has one length
             sent = saturating_cast(vals, vdtype)
         else:
             sent = vals.to(vdtype)
             if vdtype != v.dtype and bool((sent.isinf() & vals.isfinite()).any()):
                 # A compensated value outgrew the gradient's dtype: send this frame in the input's.
                 vdtype, sent = v.dtype, vals
-        fmt, positions = FMT_SPARSE, pack_gaps(idx)
+        fmt, positions = (FMT_SPARSE_EF, pack_ef(idx, n)) if fixed else (FMT_SPARSE, pack_gaps(idx))
         if (n + 7) // 8 < positions.numel():  # a bit per element is smaller
             mask = torch.zeros(n, dtype=torch.int64, device=v.device)
             mask[idx] = 1
@@ -364,7 +505,7 @@ class TopK(Codec):
             return (FMT_EMPTY, FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2)
         # EMPTY also where a call-wide top-k allotted the tensor nothing
         empty = (FMT_EMPTY,) if self.scope == "call" else ()
-        return (*empty, FMT_DENSE, FMT_SPARSE, FMT_SPARSE_MASK)
+        return (*empty, FMT_DENSE, FMT_SPARSE_EF if self.fixed_frames else FMT_SPARSE, FMT_SPARSE_MASK)
 
     def _value_dtypes(self, payload: Payload) -> tuple:
         """The dtypes a sparse frame's values may travel in: ``values``', else the gradient's
@@ -372,6 +513,8 @@ class TopK(Codec):
         if self.values is not None:
             return (_VALUE_DTYPES[self.values],)
         if payload.grad_dtype is not None:
+            if self.fixed_frames:  # they saturate instead (one length per tensor)
+                return (payload.grad_dtype,)
             return tuple(dict.fromkeys((payload.grad_dtype, payload.dtype)))
         return (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # a frame not from a protocol
 
@@ -418,11 +561,15 @@ class TopK(Codec):
         if nbytes >= dense:
             raise FrameError("length", f"{nbytes} bytes of {fmt_name(fmt)} for a tensor of {dense} (DENSE is smaller)")
         mlen = (n + 7) // 8
-        if fmt == FMT_SPARSE:
-            idx, _, rest = unpack_gaps(payload.body, n, vsize)
+        if fmt in (FMT_SPARSE, FMT_SPARSE_EF):
+            if fmt == FMT_SPARSE:
+                idx, _, rest = unpack_gaps(payload.body, n, vsize)
+            else:
+                idx, rest = unpack_ef(payload.body, n, vsize)
             if nbytes - rest.numel() > mlen:
                 raise FrameError(
-                    "format", f"{nbytes - rest.numel()} bytes of gaps, where a SPARSE_MASK frame's mask takes {mlen}"
+                    "format",
+                    f"{nbytes - rest.numel()} bytes of positions, where a SPARSE_MASK frame's mask takes {mlen}",
                 )
         else:
             if nbytes < mlen or (nbytes - mlen) % vsize:
@@ -434,8 +581,9 @@ class TopK(Codec):
                 raise FrameError(
                     "length", f"corrupt sparse frame: {idx.numel()} positions for {nbytes - mlen} value bytes"
                 )
-            if gaps_nbytes(idx) <= mlen:
-                raise FrameError("format", f"a mask of {mlen} bytes, where the gaps take {gaps_nbytes(idx)}")
+            other = ef_nbytes(n, idx.numel()) if self.fixed_frames else gaps_nbytes(idx)
+            if other <= mlen:
+                raise FrameError("format", f"a mask of {mlen} bytes, where the positions' code takes {other}")
             rest = payload.body[mlen:]
         payload.parsed = (idx, from_bytes(rest, payload.vdtype))
 

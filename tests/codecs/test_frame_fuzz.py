@@ -47,9 +47,11 @@ from gradzip.codecs.base import TensorContext
 from gradzip.codecs.quant import qsgd_bits
 from gradzip.codecs.sparse import (
     FMT_SPARSE,
+    FMT_SPARSE_EF,
     FMT_SPARSE_MASK,
     FMT_SPARSE_SIGN,
     FMT_SPARSE_SIGN2,
+    ef_low_bits,
 )
 from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX
 from gradzip.wire import FMT_DENSE, FMT_EMPTY, FrameError, accum_dtype, pack_frames, unpack_frames
@@ -62,7 +64,8 @@ CODECS = [
     gz.Identity(),
     gz.FP16(),
     gz.BF16(),
-    gz.TopK(0.01),
+    gz.TopK(0.01),  # exact: Elias-Fano positions
+    gz.TopK(0.01, mode="sampled", sample=64),  # gap-coded positions
     gz.TopK(0.3),  # the mask form
     gz.TopK(1.0),  # DENSE
     gz.TopK(0.05, values="fp16"),
@@ -142,7 +145,7 @@ def _elements_of_byte(codec, p, b: int, n: int) -> torch.Tensor:
     fmt = p.fmt
     if fmt == FMT_DENSE:
         mask[b // p.vdtype.itemsize] = True
-    elif fmt in (FMT_SPARSE, FMT_SPARSE_MASK):
+    elif fmt in (FMT_SPARSE, FMT_SPARSE_MASK, FMT_SPARSE_EF):
         idx, vals = p.parsed
         vstart = p.body.numel() - vals.numel() * p.vdtype.itemsize
         if b >= vstart:
@@ -249,6 +252,37 @@ def _mutations(codec, msg, clean):
                     at(pos, body[pos] ^ (1 << bit), "gap bits", "positions")
             for j in range(pos + plen, min(e.nb, pos + plen + 6)):
                 value(j, body[j] ^ 0x5A, "value bytes")
+        elif p.fmt == FMT_SPARSE_EF:
+            k, pos = 0, 0
+            while True:  # the LEB128 count
+                k |= (body[pos] & 0x7F) << (7 * pos)
+                pos += 1
+                if not body[pos - 1] & 0x80:
+                    break
+            at(0, (body[0] + 1) & 0x7F | (body[0] & 0x80), "body.count", "positions")
+            at(0, (body[0] - 1) & 0x7F | (body[0] & 0x80), "body.count", "positions")
+            at(0, body[0] | 0x80, "body.count", "positions")
+            low = ef_low_bits(n, k)
+            llen = (k * low + 7) // 8
+            upper = k + ((n - 1) >> low) + 1
+            ulen = (upper + 7) // 8
+            if (k * low) % 8:
+                at(pos + llen - 1, body[pos + llen - 1] | 0x80, "body.padding")
+            if upper % 8:
+                at(pos + llen + ulen - 1, body[pos + llen + ulen - 1] | 0x80, "body.padding")
+            if llen:
+                for bit in (0, 3):
+                    at(pos, body[pos] ^ (1 << bit), "position bits", "positions")  # a low part
+            u0 = pos + llen
+            for j in range(u0, u0 + min(ulen, 3)):
+                at(j, body[j] ^ 0x01, "body.upper", "positions")  # one bit more or less: the count
+                b = body[j]
+                for bit in range(7):  # the first 10 / 01 pair: one position moves by one
+                    if ((b >> bit) & 1) != ((b >> (bit + 1)) & 1):
+                        at(j, b ^ (3 << bit), "position bits", "positions")
+                        break
+            for j in range(u0 + ulen, min(e.nb, u0 + ulen + 6)):
+                value(j, body[j] ^ 0x5A, "value bytes")
         elif p.fmt == FMT_SPARSE_MASK:
             mlen = (n + 7) // 8
             if n % 8:
@@ -352,13 +386,25 @@ def test_every_format_occurs_in_the_fuzzed_messages():
             msg, shapes, dtypes, grads = _message(codec, dtype, feedback)
             for p in unpack_frames(msg, shapes, dtypes, grad_dtypes=grads, check=codec):
                 seen.setdefault(type(codec).__name__, set()).add(p.fmt)
-    assert seen["TopK"] >= {FMT_EMPTY, FMT_DENSE, FMT_SPARSE, FMT_SPARSE_MASK, FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2}
+    assert seen["TopK"] >= {
+        FMT_EMPTY,
+        FMT_DENSE,
+        FMT_SPARSE,
+        FMT_SPARSE_EF,
+        FMT_SPARSE_MASK,
+        FMT_SPARSE_SIGN,
+        FMT_SPARSE_SIGN2,
+    }
     assert seen["Threshold"] == {FMT_EMPTY, FMT_SIGNED_INDEX, FMT_BITMAP2}
     for name in ("Identity", "FP16", "BF16"):
         assert seen[name] == {FMT_DENSE}
 
 
-@pytest.mark.parametrize("codec", [gz.TopK(0.01), gz.Threshold(tau=1.5), gz.Int8(block=5), gz.FP16()], ids=repr)
+@pytest.mark.parametrize(
+    "codec",
+    [gz.TopK(0.01), gz.TopK(0.01, mode="sampled", sample=64), gz.Threshold(tau=1.5), gz.Int8(block=5), gz.FP16()],
+    ids=repr,
+)
 def test_with_the_checksum_every_corruption_is_refused(codec):
     """``wire.set_checksum(True)``: a CRC-32 after the header; every corruption above, value
     bytes and positions included, is refused (the checksum, or a field checked before it)."""
@@ -374,7 +420,7 @@ def test_with_the_checksum_every_corruption_is_refused(codec):
         for _, _, bad, _ in cases:
             with pytest.raises(FrameError):
                 _decode(codec, bad, shapes, dtypes, grads)
-        value = [c for c in cases if c[0] in ("value bytes", "scale bytes", "code bytes", "gap bits")]
+        value = [c for c in cases if c[0] in ("value bytes", "scale bytes", "code bytes", "gap bits", "position bits")]
         for _, _, bad, _ in value:
             with pytest.raises(FrameError, match="field checksum"):
                 _decode(codec, bad, shapes, dtypes, grads)
@@ -415,8 +461,14 @@ def test_the_reported_corruptions_are_refused_naming_rank_frame_tensor_and_field
         raw, p, grad = _one(codec, x)
         raw[9] = {1: 2, 2: 1}[raw[9]]
         _refused(codec, raw, p, grad, "value dtype")
-    raw, p, grad = _one(gz.TopK(0.05), x.half(), feedback=True)  # float16 gradient, float32 frame
+    sampled = gz.TopK(0.05, mode="sampled", sample=64)
+    raw, p, grad = _one(sampled, x.half(), feedback=True)  # float16 gradient, float32 residual
+    assert raw[9] == 1
     raw[9] = 2
+    _refused(sampled, raw, p, grad, "value dtype")
+    raw, p, grad = _one(gz.TopK(0.05), x.half(), feedback=True)
+    assert raw[9] == 1
+    raw[9] = 0  # float32: what a sampled frame may travel in, never an exact one (it saturates)
     _refused(gz.TopK(0.05), raw, p, grad, "value dtype")
     # a Threshold frame's scale flag cleared (decoded +-2 tau off): its 4 scale bytes are then a body's
     raw, p, grad = _one(gz.Threshold(tau=5.5), x)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import gradzip as gz
 from gradzip import _names
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.sparse import pack_gaps
+from gradzip.codecs.sparse import FMT_SPARSE, FMT_SPARSE_EF, ef_nbytes, pack_gaps, unpack_ef
 from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX, exact_tau
 from gradzip.wire import ENTRY_BYTES, FMT_DENSE, FMT_EMPTY, HEADER_BYTES, pack_frames
 
@@ -241,8 +241,14 @@ def test_topk_exact_selects_exactly_k():
     p = comp.compress(x)
     y = comp.decompress(p)
     idx = (y != 0).nonzero().reshape(-1)
+    # exact mode: the positions in Elias-Fano code, 4 low bits each (floor(log2(1000 / 50))) and a
+    # bitmap of 50 + (999 >> 4) + 1 = 113 bits, after a one-byte count: 1 + 25 + 15 bytes
+    assert p.fmt == FMT_SPARSE_EF and p.body.numel() == ef_nbytes(1000, 50) + 50 * 4 == 41 + 200
+    assert torch.equal(unpack_ef(p.body, 1000, 4)[0], idx)
+    sampled = gz.TopK(ratio=0.05, mode="sampled", sample=64).compress(x)  # counts vary: the gaps
+    assert sampled.fmt == FMT_SPARSE and not gz.TopK(0.05, mode="sampled").fixed_frames
     gaps = pack_gaps(idx)  # width, count, the gaps at the width of the largest (< 1000: 10 bits at most)
-    assert p.body.numel() == gaps.numel() + 50 * 4 and gaps.numel() <= 2 + math.ceil(50 * 10 / 8)
+    assert gaps.numel() <= 2 + math.ceil(50 * 10 / 8)
     assert int((y != 0).sum()) == 50
     assert torch.equal(
         torch.sort(x.abs(), descending=True).values[:50], torch.sort(y.abs(), descending=True).values[:50]
@@ -266,13 +272,24 @@ def test_topk_falls_back_to_a_mask_then_to_dense():
 
 def test_topk_values_in_gradient_dtype_unless_they_overflow_it():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    # the counts of exact mode are fixed, and so is the frame: one value dtype, overflow saturating
     p = gz.TopK(ratio=0.01).compress(x, TensorContext(dtype=torch.float16))
-    gaps = pack_gaps((gz.TopK().decompress(p) != 0).nonzero().reshape(-1)).numel()
-    assert p.vdtype == torch.float16 and p.body.numel() == gaps + 10 * 2
+    assert p.vdtype == torch.float16 and p.body.numel() == ef_nbytes(1000, 10) + 10 * 2
     x[3] = 1e6  # a compensated float32 value beyond float16's range
-    p = gz.TopK(ratio=0.01).compress(x, TensorContext(dtype=torch.float16))
+    q, r = gz.TopK(ratio=0.01).encode(x, TensorContext(dtype=torch.float16), feedback=True)
+    assert q.vdtype == torch.float16 and q.body.numel() == p.body.numel()
+    d = gz.TopK().decompress(q)
+    assert float(d[3]) == 65504.0 and torch.equal(r.double() + d.double(), x.double())  # nothing lost
+    # sampled counts vary anyway: a frame whose value outgrew the gradient's dtype goes in the input's
+    x[3] = 1.0
+    sampled = gz.TopK(ratio=0.01, mode="sampled", sample=100)
+    p = sampled.compress(x, TensorContext(dtype=torch.float16))
+    gaps = pack_gaps((sampled.decompress(p) != 0).nonzero().reshape(-1)).numel()
+    assert p.vdtype == torch.float16 and p.fmt == FMT_SPARSE and p.body.numel() == gaps + p.parsed[0].numel() * 2
+    x[3] = 1e6
+    p = sampled.compress(x, TensorContext(dtype=torch.float16))
     assert p.vdtype == torch.float32 and p.body.numel() > 10 * 4
-    assert gz.TopK().decompress(p)[3] == 1e6
+    assert sampled.decompress(p)[3] == 1e6
     # values="fp16" asks for half values: finite ones saturate, error feedback keeps the rest
     q, r = gz.TopK(ratio=0.01, values="fp16").encode(x, feedback=True)
     assert q.vdtype == torch.float16

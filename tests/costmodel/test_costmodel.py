@@ -9,6 +9,7 @@ import torch
 from gradzip import plan
 from gradzip.codecs import FP16, Identity, TopK
 from gradzip.codecs.quant import Int8, SignSGD
+from gradzip.codecs.sparse import FMT_SPARSE_EF, ef_nbytes
 from gradzip.costmodel import (
     CodecFit,
     CodecProfile,
@@ -30,7 +31,7 @@ from gradzip.costmodel import (
 from gradzip.policy import Policy
 from gradzip.protocols import AllGather, Allreduce, TwoPhase
 from gradzip.protocols.powersgd import PowerSGD
-from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, message_nbytes
+from gradzip.wire import ENTRY_BYTES, HEADER_BYTES, message_capacity, message_nbytes
 
 MiB = 2**20
 
@@ -87,28 +88,44 @@ def test_link_and_unit_parsing():
 def test_dry_run_bytes_are_the_real_exchange():
     x = torch.randn(100, 100, generator=torch.Generator().manual_seed(0))
     before = x.clone()
-    d = dry_run(AllGather(TopK(0.01)), [x], world_size=4)
+    sampled = TopK(0.01, mode="sampled")  # counts that vary: frames of varying length
+    d = dry_run(AllGather(sampled), [x], world_size=4)
     # size exchange (one int64, and the engine's flag beside it), then one frame: header + 100
-    # int32 indices + 100 fp32 values
+    # gap-coded positions + 100 fp32 values
     assert d.collectives == [
         Collective("allreduce", 16, control=True),
-        Collective("allgather", message_nbytes([TopK(0.01).compress(x)])),
+        Collective("allgather", message_nbytes([sampled.compress(x)])),
     ]
     assert d.rounds == 2 and d.flag_carried
-    no_flag = dry_run(AllGather(TopK(0.01)), [x], world_size=4, flag=False)  # as a route of a sub-call runs
+    no_flag = dry_run(AllGather(sampled), [x], world_size=4, flag=False)  # as a route of a sub-call runs
     assert no_flag.collectives[0] == Collective("allreduce", 8, control=True) and not no_flag.flag_carried
+    # exact top-k: fixed frames (Elias-Fano positions), one all-gather of the message padded to
+    # room for the checksum, the engine's flag one byte after it
+    e = dry_run(AllGather(TopK(0.01)), [x], world_size=4)
+    frame = TopK(0.01).compress(x)
+    assert frame.fmt == FMT_SPARSE_EF and frame.body.numel() == ef_nbytes(10000, 100) + 400
+    assert e.collectives == [Collective("allgather", message_capacity([frame]) + 1)] and e.rounds == 1
+    assert e.flag_carried
     comp = TopK(0.01)
     # from 4 ranks a codec that is not summable travels in two phases: lengths, the pieces to
     # their owners (the engine's flag beside each length), the owners' message length, then the
     # owners' re-encoded pieces
-    t = dry_run(TopK(0.01), [x], world_size=4)
-    pieces = [message_nbytes([TopK(0.01).compress(p)]) for p in x.reshape(-1).split(2500)]  # 25 of 2,500 each
+    t = dry_run(sampled, [x], world_size=4)
+    pieces = [message_nbytes([sampled.compress(p)]) for p in x.reshape(-1).split(2500)]  # 25 of 2,500 each
     assert t.collectives == [
         Collective("alltoall", 64, control=True, offrank=48),
         Collective("alltoall", sum(pieces), offrank=sum(pieces[1:])),
         Collective("allreduce", 8, control=True),
         Collective("allgather", pieces[0]),
     ]
+    # exact: the pieces, each padded to its capacity and a flag byte, then the owners' pieces
+    f = dry_run(comp, [x], world_size=4)
+    cap = [message_capacity([comp.compress(p)]) for p in x.reshape(-1).split(2500)]
+    assert f.collectives == [
+        Collective("alltoall", sum(cap) + 4, offrank=sum(cap[1:]) + 3),
+        Collective("allgather", max(cap)),
+    ]
+    t = f
     own = x.reshape(-1)[:2500]  # rank 0's piece: the top-k of the piece, then of its average
     assert torch.allclose(t.out[:2500], comp.decompress(comp.compress(own)))
     # four identical ranks: the average is what one rank sends
@@ -119,6 +136,7 @@ def test_dry_run_bytes_are_the_real_exchange():
     # the engine's flag rule: only a call that sums its tensors as they are goes without one
     assert dry_run(Identity(), [x], world_size=4).plain and dry_run(Identity(), [x], world_size=4, decode=False).plain
     assert not dry_run(FP16(), [x], world_size=4).plain and not dry_run(TopK(0.01), [x], world_size=4).plain
+    d = e
     assert not dry_run(Identity(), [x], world_size=4, error_feedback=True).plain
     # PowerSGD rank 2 of a 100x100 matrix: P (100x2) and the engine's flag (one float32 it
     # carries), then Q (100x2), fp32; the engine then sends no flag of its own
@@ -286,12 +304,15 @@ def test_step_cost_hand_computed():
 
     topk = step_cost(AllGather(TopK(0.01)), layers, 4, link, 0.05, prof)
     # one message of two frames: a.bias (k = ceil(2.56) = 3) and a.weight (k = ceil(655.36) = 656),
-    # each its packed positions and fp32 values; the bucket's samples are seeded by its first index
+    # each its Elias-Fano positions and fp32 values; the bucket's samples are seeded by its first
+    # index. Fixed frames: one all-gather of the message padded to room for the checksum, and
+    # the engine's flag one byte after it
     frames = [TopK(0.01).compress(sample(s, seed=1 + j)) for j, s in enumerate([(256,), (256, 256)])]
-    msg = message_nbytes(frames)
-    assert msg == HEADER_BYTES + 2 * ENTRY_BYTES + sum(f.body.numel() for f in frames) and msg < 8 + 12 + 659 * 6
-    assert topk.bytes_per_rank == 16 + msg and topk.collectives == 2  # the engine's flag rides with the size
-    wire = (2 * 3 / 4 * 8 * 16 / 1e9 + 6e-4) + (3 * 8 * msg / 1e9 + 3e-4)
+    msg = message_capacity(frames) + 1
+    bodies = ef_nbytes(256, 3) + 3 * 4 + ef_nbytes(65536, 656) + 656 * 4
+    assert msg == HEADER_BYTES + 4 + 2 * ENTRY_BYTES + bodies + 1 and msg < 8 + 12 + 659 * 6
+    assert topk.bytes_per_rank == msg and topk.collectives == 1
+    wire = 3 * 8 * msg / 1e9 + 3e-4
     assert topk.wire_s == pytest.approx(wire, rel=1e-12)
     codec = (1e-4 + 1e-8 * 65536 + 3 * (2e-5 + 1e-9 * 65536)) + (1e-4 + 1e-8 * 256 + 3 * (2e-5 + 1e-9 * 256))
     assert topk.codec_s == pytest.approx(codec, rel=1e-12)

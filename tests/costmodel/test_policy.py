@@ -78,7 +78,8 @@ def test_config_bias_and_errors():
         Policy(TopK(), auto=True, link=Link(1e9), world_size=0)
     with pytest.raises(ValueError, match="auto must be True or False"):
         Policy(TopK(), auto="yes")
-    assert Allreduce(Identity()).rounds == 1 and AllGather(TopK()).rounds == 2
+    assert Allreduce(Identity()).rounds == 1 and AllGather(TopK(mode="sampled")).rounds == 2
+    assert AllGather(TopK()).rounds == 1  # exact: fixed frames, no size exchange
     assert PowerSGD().rounds is None and Filter(TopK()).rounds is None
 
 
@@ -166,7 +167,7 @@ def test_policy_exchange_equals_its_parts_in_a_dry_run():
     shapes = {"emb.weight": (30, 40), "l1.weight": (20, 20), "l1.bias": (20,), "tiny": (5, 5), "l2.weight": (16, 16)}
     names = list(shapes)
     xs = [torch.randn(s, generator=g) for s in shapes.values()]
-    pol = Policy(TopK(0.1), min_numel=50, skip=["bias"], per_layer={"emb": PowerSGD(rank=1)})
+    pol = Policy(TopK(0.1, mode="sampled"), min_numel=50, skip=["bias"], per_layer={"emb": PowerSGD(rank=1)})
     stores = {}
     whole = dry_run(pol, xs, names=names, world_size=3, stores=stores)
     # PowerSGD (2 rounds, unknown to the policy: starts first, and takes the engine's flag: one
@@ -183,7 +184,7 @@ def test_policy_exchange_equals_its_parts_in_a_dry_run():
     assert whole.rounds == 2
     for comp, group in (
         (PowerSGD(rank=1), ["emb.weight"]),
-        (TopK(0.1), ["l1.weight", "l2.weight"]),
+        (TopK(0.1, mode="sampled"), ["l1.weight", "l2.weight"]),
         (Identity(), ["l1.bias", "tiny"]),
     ):
         idx = [names.index(n) for n in group]

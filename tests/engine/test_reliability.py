@@ -171,15 +171,18 @@ def test_a_flag_carried_by_the_protocol_saves_its_allreduce_and_still_catches_no
 #: Every protocol path that carries the engine's flag in its first round, with the
 #: collectives of a call (tensors (12, 12) and (12,)) then.
 CARRIERS = {
-    "AllGather(TopK(0.2))": 2,  # size (and flag), payload
+    "AllGather(TopK(0.2, mode='sampled'))": 2,  # size (and flag), payload
+    "AllGather(TopK(0.2))": 1,  # payload (exact: fixed frames; one flag byte after each message)
     "AllGather(Int8())": 1,  # payload (and one flag byte per message)
-    "TwoPhase(TopK(0.2))": 4,  # lengths (and flags), pieces, owners' size, owners' payload
-    "TwoPhase(Int8())": 2,  # pieces (and one flag byte each), owners' payload
+    "TwoPhase(TopK(0.2, mode='sampled'))": 4,  # lengths (and flags), pieces, owners' size, owners' payload
+    "TwoPhase(TopK(0.2))": 2,  # pieces (and one flag byte each), owners' payload
+    "TwoPhase(Int8())": 2,
     "Allreduce(FP16())": 1,  # bodies (and one float16)
     "Int8(allreduce=True)": 2,  # scales (and flag), codes
     "PowerSGD(rank=1)": 2,  # [bias | P (and flag)], Q
-    "Filter(TopK(0.2), min_change=0.0)": 3,  # votes (and flag), size, payload
-    "Policy(TopK(0.2), min_numel=20)": 3,  # TopK's size (and flag), then its payload and the bias's allreduce
+    "Filter(TopK(0.2), min_change=0.0)": 2,  # votes (and flag), payload
+    # TopK's size (and flag), its payload and the bias's allreduce
+    "Policy(TopK(0.2, mode='sampled'), min_numel=20)": 3,
 }
 
 
