@@ -353,11 +353,11 @@ def _other_front_ends() -> list[tuple[str, str]]:
             f"`reduce_scatter=gz.Int8()` | {r['ratio_vs_plain_fsdp2']:.2f} of plain FSDP2's bytes on the wire",
         )
     )
-    lb = _load("linkbytes.json")
+    lb = _load("linkbytes_topk_ef.json")  # the TopK rows re-measured with Elias-Fano positions
     r = next(x for x in lb["rows"] if x["N"] == 8 and x["method"] == "TwoPhase(TopK(0.01))")
     out.append(
         (
-            "linkbytes.json",
+            "linkbytes_topk_ef.json",
             f"DDP hook, bytes read on the wire at {r['N']} ranks | `TwoPhase(TopK(0.01))` "
             f"| {100 * r['lo_fraction_of_ddp']:.2f}% of plain DDP's bytes",
         )
