@@ -13,15 +13,19 @@ owns the safety nets, all decided identically on every rank:
 * **Non-finite gradients.** Before the protocol runs, the engine reads the call's
   gradients for NaN/Inf (the protocol may reduce them in place); after the first
   round it reads the error-feedback state the protocol has built (new residuals
-  and compensated inputs, where ``gradient + residual`` may overflow). One
-  int32 allreduce(MAX) of "this rank saw one" rides in the first round (or one
-  the protocol's own first round, ``Call.take_flag``: PowerSGD, AllGather,
-  TwoPhase, and Allreduce where it builds a buffer), except for a call whose protocol sums every tensor as it is
-  (``Protocol.plain``): there a NaN/Inf on any rank shows in the average, which
-  every rank checks anyway. If
-  any rank saw one (or the average overflows the output dtype), the call's result
-  is all NaN (``on_nonfinite="skip"``: GradScaler then skips the step, as it would
-  without compression) or every rank raises ``FloatingPointError`` (``"raise"``).
+  and compensated inputs, where ``gradient + residual`` may overflow). One flag,
+  "this rank saw one", rides in the first round: in the protocol's own first
+  collective where it can carry it (``Call.take_flag``: PowerSGD, AllGather,
+  TwoPhase, Allreduce where it builds a buffer, ...), else as an int32
+  allreduce(MAX) of its own; none for a call whose protocol sums every tensor as
+  it is (``Protocol.plain``): there a NaN/Inf on any rank shows in the average,
+  which every rank checks anyway. If any rank saw one (or the average overflows
+  the output dtype), the call's result is all NaN (``on_nonfinite="skip"``:
+  GradScaler then skips the step, as it would without compression) or every rank
+  raises ``FloatingPointError`` (``"raise"``). An engine with no state at all
+  (``Identity`` without error feedback or momentum: every call a plain allreduce)
+  reads nothing with ``"skip"``: its average keeps the NaN/Inf where they arose,
+  as plain DDP's does, and GradScaler skips the step alike.
   Either way, when the step ends, the residuals and codec state of every tensor
   touched in that step are put back as they were before it
   (``ErrorFeedback.restore``): a skipped step never poisons the residual.
@@ -262,6 +266,15 @@ class Engine:
         self.memory = ErrorFeedback() if self.error_feedback else None
         self.momentum = momentum
         self.moments = ErrorFeedback() if momentum is not None else None  # its buffers, rolled back alike
+        # No state at all (Identity's plain allreduce, no error feedback, no momentum): a NaN/Inf
+        # shows in the average as under plain DDP and nothing needs rolling back, so with "skip"
+        # the average is left as summed, without a pass over it (see _run).
+        self._stateless = (
+            isinstance(self.protocol, Allreduce)
+            and self.protocol.codec.exact
+            and self.memory is None
+            and self.moments is None
+        )
         self.clip = args.optional(args.number, "clip", clip, 0.0, lo_open=True)
         self.tensor_state: dict[str, dict] = {}
         self.step = 0
@@ -444,8 +457,9 @@ class Engine:
             # Finite inputs can still average to more than the output dtype holds (an
             # overflowing float16 gradient). Every rank holds the same ``out``, so every
             # rank decides alike without talking.
-            with codec_time(self.stats_):
-                bad = bad or not all_finite([out])
+            if not (plain and self._stateless and self.on_nonfinite == "skip"):
+                with codec_time(self.stats_):
+                    bad = bad or not all_finite([out])
             if bad:
                 with self._lock:
                     self._nonfinite = True

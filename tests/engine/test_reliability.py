@@ -83,9 +83,9 @@ def test_nonfinite_gradient_raises_on_every_rank_with_raise_policy():
     assert "FloatingPointError" in res[1]["error"] and "on rank 1" in res[1]["error"]
 
 
-def _plain_call(rank, world, policy):
+def _plain_call(rank, world, policy, method="Identity()"):
     """Identity sums the gradient as it is: no flag collective, and a NaN still counts."""
-    eng = Engine(gz.Identity(), on_nonfinite=policy)
+    eng = Engine(gz.parse(method), on_nonfinite=policy)
     log = {}
 
     def step(t):
@@ -114,8 +114,9 @@ def test_plain_calls_send_no_flag_and_still_catch_nonfinite(policy):
     for r in range(2):
         assert res[r]["collectives"] == 1  # the gradients' allreduce alone
         assert torch.equal(res[r]["out"], torch.full((5,), 1.5))
-        if policy == "skip":
-            assert torch.isnan(res[r]["bad_out"]).all()  # all NaN on both ranks, not only element 2
+        if policy == "skip":  # no state to roll back: the average as plain DDP leaves it, read by no one
+            bad = res[r]["bad_out"]
+            assert torch.isnan(bad[2]) and torch.equal(bad[[0, 1, 3, 4]], torch.ones(4))
     if policy == "raise":
         assert "on another rank" in res[0]["error"]
         assert "on rank 1" in res[1]["error"] and "'w'" in res[1]["error"]
@@ -261,6 +262,14 @@ def _late_flag(rank, world):
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def test_a_plain_call_of_a_stateful_engine_is_still_made_all_nan():
+    """A policy's plain route in an engine with error feedback: the step's other calls have state
+    to roll back, so the plain call's NaN is seen and its whole average is NaN."""
+    res = run_ranks(_plain_call, 2, "skip", "Policy(TopK(0.5), min_numel=100)")
+    for r in range(2):
+        assert res[r]["collectives"] == 1 and torch.isnan(res[r]["bad_out"]).all()
 
 
 # -- 2. Config mismatch ----------------------------------------------------------------
