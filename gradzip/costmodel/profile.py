@@ -8,6 +8,7 @@ peer). :func:`measure_codec` fits it from dry runs (``docs/costmodel.md``).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -63,6 +64,24 @@ def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]
     return max(y0 - slope * x0, 0.0), slope
 
 
+#: Steps of a stateful codec (adaptive tau, warm-started factors) run on the small sample before
+#: it is timed, so that it is timed in its settled state: adaptive Threshold's default growth
+#: (1.035 a step) takes about 230 steps from tau = 1e-3 to the band on unit-scale samples.
+SETTLE_STEPS = 300
+
+
+def _settled(comp, x, world: int, error_feedback, sync) -> tuple[dict, int]:
+    """Per-tensor state of ``comp`` after :data:`SETTLE_STEPS` dry runs on ``x`` among ``world``
+    ranks, and the step to time at; ``({}, 0)`` for a codec that keeps no state (one dry run)."""
+    stores: dict = {}
+    dry_run(comp, [x], world_size=world, names=["sample"], error_feedback=error_feedback, stores=stores, sync=sync)
+    if not any(stores.values()):
+        return {}, 0
+    for step in range(1, SETTLE_STEPS):
+        dry_run(comp, [x], world_size=world, names=["sample"], error_feedback=error_feedback, stores=stores, step=step)
+    return stores, SETTLE_STEPS
+
+
 def measure_codec(
     comp,
     *,
@@ -80,7 +99,11 @@ def measure_codec(
     For each size ``n`` in ``sizes`` (a ``sample_shape(n)`` Gaussian tensor) and each
     world size ``W`` in ``worlds``, runs :func:`dry_run` once to warm up, then
     ``repeats`` times, and keeps the fastest codec seconds (the least disturbed by
-    other processes; a shared machine inflates the mean, not the minimum). The
+    other processes; a shared machine inflates the mean, not the minimum). A codec that
+    keeps per-tensor state (adaptive Threshold's tau, PowerSGD's warm-start Q) is first run
+    :data:`SETTLE_STEPS` steps on the small sample at each ``W`` (its state is keyed by name,
+    and TwoPhase's pieces by ``W``), and every timed run starts from a copy of that settled
+    state: timed at step 0, adaptive Threshold would send nearly everything. The
     line through the two sizes at ``worlds[0]`` gives ``encode_s`` and
     ``encode_s_per_elem``. If the exchange all-gathers, the extra seconds at
     ``worlds[1]`` per extra peer give ``peer_s`` and ``peer_s_per_elem``, and the base
@@ -116,12 +139,24 @@ def measure_codec(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        small = sample(sample_shape(n0), dtype, seed=n0).to(device)
+        settled = {w: _settled(comp, small, w, error_feedback, sync) for w in (w0, w1)}
         for n in (n0, n1):
             x = sample(sample_shape(n), dtype, seed=n).to(device)
             for w in (w0, w1):
                 times = []
+                stores, step = settled[w]
                 for r in range(repeats + 1):
-                    d = dry_run(comp, [x], world_size=w, names=["sample"], error_feedback=error_feedback, sync=sync)
+                    d = dry_run(
+                        comp,
+                        [x],
+                        world_size=w,
+                        names=["sample"],
+                        error_feedback=error_feedback,
+                        sync=sync,
+                        stores=copy.deepcopy(stores),
+                        step=step,
+                    )
                     gathers = gathers or any(c.kind == "allgather" for c in d.collectives)
                     if r:
                         times.append(max(d.wall_seconds - d.loopback_seconds, 0.0) if whole_call else d.codec_seconds)
