@@ -117,6 +117,34 @@ def call_counts(xs, ratio: float) -> list:
     return torch.bincount(torch.bucketize(top, ends, right=True), minlength=len(xs)).tolist()
 
 
+def _leb128(k: int) -> bytearray:
+    head = bytearray()
+    while True:
+        head.append((k & 0x7F) | (0x80 if k > 0x7F else 0))
+        k >>= 7
+        if not k:
+            return head
+
+
+def _read_leb128(head: list, what: str) -> tuple[int, int]:
+    """``(count, bytes it took)`` of the LEB128 count at the start of ``head`` (a frame's first
+    bytes, read to the host once), refusing one cut off or written in more bytes than it needs."""
+    k, shift, pos = 0, 0, 0
+    while True:
+        if pos >= len(head):
+            raise FrameError("body.count", f"corrupt {what} frame: the count is cut off")
+        k |= (head[pos] & 0x7F) << shift
+        shift += 7
+        pos += 1
+        if not head[pos - 1] & 0x80:
+            break
+    if pos > 1 and head[pos - 1] == 0:
+        raise FrameError(
+            "body.count", f"corrupt {what} frame: the count {k} in {pos} LEB128 bytes (a writer uses fewer)"
+        )
+    return k, pos
+
+
 def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: int = 0) -> torch.Tensor:
     """Ascending int64 indices as ``u8 width``, their count as a LEB128 varint, then their
     gaps (``idx[0]``, then ``idx[i] - idx[i-1] - 1``), each shifted left by ``extra_bits``
@@ -125,13 +153,7 @@ def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: 
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
     words = gaps if extra is None else (gaps << extra_bits) | extra.to(torch.int64)
     width = max(1, int(words.max()).bit_length()) if words.numel() else 1
-    head = bytearray([width])
-    k = idx.numel()
-    while True:
-        head.append((k & 0x7F) | (0x80 if k > 0x7F else 0))
-        k >>= 7
-        if not k:
-            break
+    head = bytearray([width]) + _leb128(idx.numel())
     return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), bitpack.pack_uint(words, width)])
 
 
@@ -149,22 +171,12 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
     written raises :class:`~gradzip.wire.FrameError`: a width other than the largest word's,
     a count in more LEB128 bytes than it needs, a length that disagrees with the count,
     nonzero padding bits, a position outside ``[0, n)``."""
-    head = body[:10].cpu().tolist()
+    head = body[:11].cpu().tolist()
     if len(head) < 2:
         raise FrameError("length", f"corrupt sparse frame: {len(head)} bytes hold no width and count")
-    width, k, shift, pos = head[0], 0, 0, 1
-    while True:
-        if pos >= len(head):
-            raise FrameError("body.count", "corrupt sparse frame: the count is cut off")
-        k |= (head[pos] & 0x7F) << shift
-        shift += 7
-        pos += 1
-        if not head[pos - 1] & 0x80:
-            break
-    if pos > 2 and head[pos - 1] == 0:
-        raise FrameError(
-            "body.count", f"corrupt sparse frame: the count {k} in {pos - 1} LEB128 bytes (a writer uses fewer)"
-        )
+    width = head[0]
+    k, pos = _read_leb128(head[1:], "sparse")
+    pos += 1
     if not max(extra_bits, 1) <= width <= 63:
         raise FrameError("body.width", f"corrupt sparse frame: gap width {width}")
     plen = (k * width + 7) // 8
@@ -189,35 +201,6 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
     if k and int(idx[-1]) >= n:
         raise FrameError("body.indices", f"corrupt sparse frame: index {int(idx[-1])} outside [0, {n})")
     return idx, extra, body[pos + plen :]
-
-
-def _leb128(k: int) -> bytearray:
-    head = bytearray()
-    while True:
-        head.append((k & 0x7F) | (0x80 if k > 0x7F else 0))
-        k >>= 7
-        if not k:
-            return head
-
-
-def _read_leb128(body: torch.Tensor, what: str) -> tuple[int, int]:
-    """``(count, bytes it took)`` of the LEB128 count at the start of ``body``, refusing one cut
-    off or written in more bytes than it needs."""
-    head = body[:10].cpu().tolist()
-    k, shift, pos = 0, 0, 0
-    while True:
-        if pos >= len(head):
-            raise FrameError("body.count", f"corrupt {what} frame: the count is cut off")
-        k |= (head[pos] & 0x7F) << shift
-        shift += 7
-        pos += 1
-        if not head[pos - 1] & 0x80:
-            break
-    if pos > 1 and head[pos - 1] == 0:
-        raise FrameError(
-            "body.count", f"corrupt {what} frame: the count {k} in {pos} LEB128 bytes (a writer uses fewer)"
-        )
-    return k, pos
 
 
 def ef_low_bits(n: int, k: int) -> int:
@@ -263,7 +246,7 @@ def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     bytes than it needs; a length other than :func:`ef_nbytes` plus the values; nonzero
     padding bits after the low bits or after the bitmap; a bitmap with other than ``k`` bits
     set; positions not strictly ascending or outside ``[0, n)``. One host sync for the checks."""
-    k, pos = _read_leb128(body, "Elias-Fano")
+    k, pos = _read_leb128(body[:10].cpu().tolist(), "Elias-Fano")
     if not 0 < k <= n:
         raise FrameError("body.count", f"corrupt Elias-Fano frame: {k} positions in a tensor of {n}")
     low = ef_low_bits(n, k)
