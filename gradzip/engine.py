@@ -491,7 +491,8 @@ class Engine:
             rnd = next(inner)
         except StopIteration as stop:
             rnd, out = None, stop.value
-        carried = call.flag_seen
+        # A protocol that took the flag but sent nothing carried it nowhere: it goes alone.
+        carried = call.flag_seen if rnd is not None else None
         call.flag_source = None  # past the first round: too late to carry it
         work, flagged = None, None
         if flag and carried is None:

@@ -219,7 +219,6 @@ class Call:
         return int(own.flag_source())
 
     # -- error feedback ------------------------------------------------------------------
-    # -- error feedback ------------------------------------------------------------------
     def x(self, i: int) -> torch.Tensor:
         """The tensor to compress: gradient plus residual with error feedback (in a buffer
         of its own), else the gradient. Computed once per call."""
