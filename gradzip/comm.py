@@ -278,23 +278,22 @@ def allgather_bytes(
     if flag:
         size[1] = call.take_flag(size[1:])
     yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX, control=True)])
-    return (yield from allgather_fixed(comm, pad_message(msg, int(size[0].item())), last=last, control=control))
+    return (yield from allgather_fixed(comm, msg, int(size[0].item()), last=last, control=control))
 
 
 def allgather_fixed(
-    comm: Communicator, msg: torch.Tensor, *, last: bool = True, control: bool = False, call=None
+    comm: Communicator, msg: torch.Tensor, size: int, *, last: bool = True, control: bool = False, call=None
 ) -> Generator[Round, None, torch.Tensor]:
-    """Protocol: all-gather uint8 messages of one length that every rank knows without asking
-    (``msg`` already padded to it): one round. Returns a ``(world_size, len)`` uint8 tensor.
-    ``call``: as for :func:`allgather_bytes`, when this round is the call's first: the flag
-    then rides as one more byte after every message (booked as control), not returned."""
+    """Protocol: all-gather uint8 messages of one length, ``size``, that every rank knows without
+    asking: ``msg`` is padded to it (:func:`~gradzip.wire.pad_message`), one round. Returns a
+    ``(world_size, size)`` uint8 tensor. ``call``: as for :func:`allgather_bytes`, when this
+    round is the call's first: the flag then rides as one more byte after every message
+    (booked as control), not returned."""
     flag = call is not None and call.wants_flag
-    n = msg.numel()
-    if flag:
-        msg = torch.cat([msg, msg.new_zeros(1)])
+    msg = pad_message(msg, size + 1 if flag else size)  # one copy: the padding and the flag's byte
     out = msg.new_empty(comm.world_size * msg.numel())
     if flag:
-        msg[n] = call.take_flag(out.view(comm.world_size, n + 1)[:, n])
+        msg[size] = call.take_flag(out.view(comm.world_size, size + 1)[:, size])
         comm.stats.add(bytes_control=1)
     yield Round([comm.allgather(out, msg, control=control)], last=last)
-    return out.view(comm.world_size, msg.numel())[:, :n]
+    return out.view(comm.world_size, msg.numel())[:, :size]

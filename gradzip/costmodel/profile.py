@@ -70,15 +70,18 @@ def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]
 SETTLE_STEPS = 300
 
 
-def _settled(comp, x, world: int, error_feedback, sync) -> tuple[dict, int]:
-    """Per-tensor state of ``comp`` after :data:`SETTLE_STEPS` dry runs on ``x`` among ``world``
-    ranks, and the step to time at; ``({}, 0)`` for a codec that keeps no state (one dry run)."""
+def settled_stores(comp, xs, *, names, world: int, error_feedback, **kw) -> tuple[dict | None, int]:
+    """``(stores, step)`` for a dry run of ``comp`` to start from: for a codec that keeps
+    per-tensor state under ``names``, that state after :data:`SETTLE_STEPS` dry runs on ``xs``
+    among ``world`` ranks, and the step after them; ``(None, 0)`` for a codec that keeps none
+    (one dry run). ``kw``: more :func:`dry_run` arguments (``flag``, ``decode``, ``sync``)."""
     stores: dict = {}
-    dry_run(comp, [x], world_size=world, names=["sample"], error_feedback=error_feedback, stores=stores, sync=sync)
+    kw = dict(world_size=world, names=names, error_feedback=error_feedback, stores=stores, **kw)
+    dry_run(comp, xs, **kw)
     if not any(stores.values()):
-        return {}, 0
+        return None, 0
     for step in range(1, SETTLE_STEPS):
-        dry_run(comp, [x], world_size=world, names=["sample"], error_feedback=error_feedback, stores=stores, step=step)
+        dry_run(comp, xs, step=step, **kw)
     return stores, SETTLE_STEPS
 
 
@@ -140,7 +143,10 @@ def measure_codec(
         torch.set_num_threads(threads)
     try:
         small = sample(sample_shape(n0), dtype, seed=n0).to(device)
-        settled = {w: _settled(comp, small, w, error_feedback, sync) for w in (w0, w1)}
+        settled = {
+            w: settled_stores(comp, [small], names=["sample"], world=w, error_feedback=error_feedback, sync=sync)
+            for w in (w0, w1)
+        }
         for n in (n0, n1):
             x = sample(sample_shape(n), dtype, seed=n).to(device)
             for w in (w0, w1):
@@ -154,7 +160,7 @@ def measure_codec(
                         names=["sample"],
                         error_feedback=error_feedback,
                         sync=sync,
-                        stores=copy.deepcopy(stores),
+                        stores=copy.deepcopy(stores) if stores is not None else None,
                         step=step,
                     )
                     gathers = gathers or any(c.kind == "allgather" for c in d.collectives)

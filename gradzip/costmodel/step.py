@@ -29,7 +29,7 @@ from ..protocols.base import Protocol, as_protocol
 from ..protocols.parallel import aligned_starts
 from .dryrun import dry_run
 from .link import Collective, Link, check_world, wire_time
-from .profile import SETTLE_STEPS, CodecProfile, sample
+from .profile import CodecProfile, sample, settled_stores
 
 __all__ = ["ddp_buckets", "StepCost", "WireCache", "step_cost"]
 
@@ -93,23 +93,6 @@ class StepCost:
 _SETTLE_NUMEL = 4096
 
 
-def _settled_stores(comp, shapes, names, dtype, world: int, ef: bool, seed: int, flag: bool) -> tuple:
-    """``(stores, step)`` a bucket's dry run starts from: for a codec that keeps per-tensor state
-    (adaptive Threshold's tau), the state after :data:`~gradzip.costmodel.profile.SETTLE_STEPS`
-    dry runs of the same names on small stand-ins (flat, at most 4096 elements each, the same
-    Gaussian samples), so that the bytes are those of its settled state (its first step's tau
-    sends nearly everything); ``(None, 0)`` for a codec without state."""
-    small = [sample((min(math.prod(s), _SETTLE_NUMEL),), dtype, seed=seed + j) for j, s in enumerate(shapes)]
-    stores: dict = {}
-    kw = dict(world_size=world, names=names, error_feedback=ef, decode=False, flag=flag, stores=stores)
-    dry_run(comp, small, **kw)
-    if not any(stores.values()):
-        return None, 0
-    for step in range(1, SETTLE_STEPS):
-        dry_run(comp, small, step=step, **kw)
-    return stores, SETTLE_STEPS
-
-
 class WireCache:
     """Collective logs of dry runs, keyed by (compressor, error feedback, shapes, dtype, world,
     whether the engine's flag is offered to the protocol).
@@ -131,7 +114,12 @@ class WireCache:
         if key not in self._logs:
             xs = [sample(s, dtype, seed=seed + j) for j, s in enumerate(shapes)]
             names = [f"p{seed + j}" for j in range(len(shapes))]
-            stores, step = _settled_stores(comp, shapes, names, dtype, world, ef, seed, flag)
+            # A stateful codec (adaptive Threshold's tau) is dry-run in its settled state: the same
+            # names first run on small stand-ins (its first step's tau sends nearly everything).
+            small = [sample((min(math.prod(s), _SETTLE_NUMEL),), dtype, seed=seed + j) for j, s in enumerate(shapes)]
+            stores, step = settled_stores(
+                comp, small, names=names, world=world, error_feedback=ef, decode=False, flag=flag
+            )
             run = dry_run(
                 comp,
                 xs,

@@ -22,7 +22,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_frames
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
@@ -57,7 +57,7 @@ class AllGather(Protocol):
             msg = pack_frames(payloads, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
         if codec.fixed_frames:  # the engine's flag rides in the first round (Call.take_flag)
-            gathered = yield from allgather_fixed(call.comm, pad_message(msg, message_capacity(payloads)), call=call)
+            gathered = yield from allgather_fixed(call.comm, msg, message_capacity(payloads), call=call)
         else:
             gathered = yield from allgather_bytes(call.comm, msg, call=call)
         with call.codec():

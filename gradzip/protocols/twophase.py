@@ -106,7 +106,7 @@ class TwoPhase(Protocol):
             msg = pack_frames(again, device=call.device)
             call.comm.stats.add(bytes_payload=msg.numel())
         if caps:  # fixed frames: every owner's message fits the largest phase-1 message to an owner
-            gathered = yield from allgather_fixed(call.comm, pad_message(msg, max(caps)))
+            gathered = yield from allgather_fixed(call.comm, msg, max(caps))
         else:
             gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():
@@ -155,18 +155,16 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         ]
         msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
         call.comm.stats.add(bytes_payload=sum(m.numel() for m in msgs))
-        if codec.fixed_frames:
-            fixed = [message_capacity([sent[i][j] for i in range(count)]) for j in range(world)]
-            msgs = [pad_message(m, c) for m, c in zip(msgs, fixed)]
-            if caps is not None:
-                caps[:] = fixed
         # The engine's non-finite flag rides in the first round (Call.take_flag): a second int64
         # beside each length, or, for fixed frames, one more byte after each message.
         flag = call.wants_flag
-        if codec.fixed_frames and flag:
-            msgs = [torch.cat([m, m.new_zeros(1)]) for m in msgs]
+        extra = 1 if codec.fixed_frames and flag else 0
+        if codec.fixed_frames:
+            fixed = [message_capacity([sent[i][j] for i in range(count)]) for j in range(world)]
+            msgs = [pad_message(m, c + extra) for m, c in zip(msgs, fixed)]
+            if caps is not None:
+                caps[:] = fixed
         send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
-    extra = 1 if codec.fixed_frames and flag else 0
     if codec.fixed_frames:
         in_splits, out_splits = [c + extra for c in fixed], [fixed[me] + extra] * world
     else:

@@ -470,3 +470,22 @@ def test_plan_command_end_to_end(tmp_path, capsys):
         == 2
     )
     assert "unknown method 'Zip'" in capsys.readouterr().err
+
+
+def test_a_stateful_codec_is_costed_in_its_settled_state():
+    """Adaptive Threshold starts at a tau that sends nearly all of a unit-scale sample; the plan
+    takes its bytes after SETTLE_STEPS steps (on small stand-ins), within its band; a codec
+    without state is dry-run once, as it is."""
+    from gradzip.codecs import Threshold
+    from gradzip.costmodel.profile import settled_stores
+    from gradzip.costmodel.step import WireCache
+
+    comp, shapes = Threshold(tau=1e-3, policy="adaptive"), [(1024, 1024)]
+    first = dry_run(comp, [sample(s, seed=0) for s in shapes], world_size=4, names=["p0"], decode=False).nbytes
+    settled = sum(c.nbytes for c in WireCache().collectives(comp, shapes, 4))
+    # the band's top (1% of the elements) against a 2-bit code for every element (1 MiB / 4)
+    assert settled < first / 10
+    x = [sample((4096,), seed=0)]
+    stores, step = settled_stores(comp, x, names=["p0"], world=4, error_feedback=True)
+    assert step > 0 and any(stores.values())  # tau per piece: TwoPhase at 4 ranks
+    assert settled_stores(TopK(0.01), x, names=["p0"], world=4, error_feedback=True) == (None, 0)
