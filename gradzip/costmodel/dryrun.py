@@ -151,6 +151,7 @@ def dry_run(
     step: int = 0,
     sync: Callable[[], None] | None = None,
     flag: bool = True,
+    memory: ErrorFeedback | None = None,
 ) -> DryRun:
     """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
 
@@ -165,6 +166,11 @@ def dry_run(
     called before the clocks are read (:attr:`DryRun.wall_seconds`). ``flag``: offer the
     protocol the engine's non-finite flag (``Call.take_flag``), as the engine does for a
     call that is not ``plain``; False for a route that runs in another protocol's sub-call.
+    ``memory``: the error-feedback memory to use with error feedback on (default a fresh one);
+    the run sets its residuals as a step does, so a caller that times repeated runs can
+    ``restore()`` it after each: every run then starts from the same residuals and writes
+    into the buffer the run before freed, as a steady-state step does (:mod:`gradzip.feedback`),
+    not into a fresh one.
     """
     sync = sync or (lambda: None)
     sync()
@@ -188,7 +194,7 @@ def dry_run(
             )
             for n, t in zip(names, tensors)
         ],
-        memory=ErrorFeedback() if ef else None,
+        memory=(memory if memory is not None else ErrorFeedback()) if ef else None,
         out_dtype=tensors[0].dtype if tensors else torch.float32,
         make_context=lambda k, d: TensorContext(
             name=k, step=step, dtype=d, store=stores.setdefault(k, {}), rank=0, world_size=world_size

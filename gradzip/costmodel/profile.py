@@ -14,10 +14,12 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 import gradzip.args as args
 
+from ..feedback import ErrorFeedback
 from ..machine import machine
 from .dryrun import dry_run
 
@@ -27,22 +29,42 @@ __all__ = ["CodecFit", "CodecProfile", "measure_codec", "as_profile", "sample", 
 @dataclass
 class CodecFit:
     """Codec seconds for one tensor of ``n`` elements on ``N`` ranks:
-    ``encode_s + encode_s_per_elem * n + (N - 1) * (peer_s + peer_s_per_elem * n)``."""
+    ``encode_s + encode_s_per_elem * n + (N - 1) * (peer_s + peer_s_per_elem * n)
+    + (owner_s + owner_s_per_elem * n) / N``.
+
+    The peer terms are the work per peer decoded (an all-gather's); the owner terms are work
+    on this rank's ``1/N`` share of the tensor (TwoPhase's owner re-encodes its piece)."""
 
     encode_s: float
     encode_s_per_elem: float
     peer_s: float = 0.0
     peer_s_per_elem: float = 0.0
+    owner_s: float = 0.0
+    owner_s_per_elem: float = 0.0
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
             setattr(self, k, args.number(k, v, 0.0))
+
+    @classmethod
+    def of(cls, e: dict, elem_scale: float = 1.0) -> CodecFit:
+        """The fit in a profile's entry (terms absent from older files are 0), per-element
+        terms times ``elem_scale``."""
+        return cls(
+            e["encode_s"],
+            elem_scale * e["encode_s_per_elem"],
+            e.get("peer_s", 0.0),
+            elem_scale * e.get("peer_s_per_elem", 0.0),
+            e.get("owner_s", 0.0),
+            elem_scale * e.get("owner_s_per_elem", 0.0),
+        )
 
     def seconds(self, numel: int, world: int) -> float:
         return (
             self.encode_s
             + self.encode_s_per_elem * numel
             + max(world - 1, 0) * (self.peer_s + self.peer_s_per_elem * numel)
+            + (self.owner_s + self.owner_s_per_elem * numel) / max(world, 1)
         )
 
 
@@ -62,6 +84,25 @@ def sample_shape(numel: int) -> tuple[int, int]:
 def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
     slope = max((y1 - y0) / (x1 - x0), 0.0)
     return max(y0 - slope * x0, 0.0), slope
+
+
+def _fit_worlds(worlds: tuple, times: list, peers: bool) -> tuple[float, float, float]:
+    """``(A, B, C) >= 0`` with ``times[i] ~ A + B (W_i - 1) + C / W_i`` in least squares over the
+    world sizes ``W_i`` (``B`` only if ``peers``; ``C`` only with three or more worlds): the
+    first of the term subsets, largest first, whose fit has no negative term."""
+    w = np.asarray(worlds, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    cols = {"A": np.ones_like(w), "B": w - 1, "C": 1 / w}
+    subsets = [("A", "B", "C"), ("A", "B"), ("A", "C"), ("A",)]
+    allowed = {"A", *(("B",) if peers else ()), *(("C",) if len(worlds) >= 3 else ())}
+    for sub in subsets:
+        if not set(sub) <= allowed:
+            continue
+        coef = np.linalg.lstsq(np.stack([cols[c] for c in sub], axis=1), t, rcond=None)[0]
+        if (coef >= 0).all() or sub == ("A",):
+            got = dict(zip(sub, coef.tolist()))
+            return max(got["A"], 0.0), got.get("B", 0.0), got.get("C", 0.0)
+    raise AssertionError("unreachable")
 
 
 #: Steps of a stateful codec (adaptive tau, warm-started factors) run on the small sample before
@@ -90,7 +131,7 @@ def measure_codec(
     *,
     error_feedback: bool | None = None,
     sizes: tuple[int, int] = (4096, 1 << 20),
-    worlds: tuple[int, int] = (2, 8),
+    worlds: tuple[int, ...] = (2, 4, 8),
     repeats: int = 5,
     threads: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -106,14 +147,22 @@ def measure_codec(
     keeps per-tensor state (adaptive Threshold's tau, PowerSGD's warm-start Q) is first run
     :data:`SETTLE_STEPS` steps on the small sample at each ``W`` (its state is keyed by name,
     and TwoPhase's pieces by ``W``), and every timed run starts from a copy of that settled
-    state: timed at step 0, adaptive Threshold would send nearly everything. The
-    line through the two sizes at ``worlds[0]`` gives ``encode_s`` and
-    ``encode_s_per_elem``. If the exchange all-gathers, the extra seconds at
-    ``worlds[1]`` per extra peer give ``peer_s`` and ``peer_s_per_elem``, and the base
-    terms are that line in ``N`` taken back to one rank; an exchange that only allreduces
-    decodes once (0 per peer). ``worlds`` default to ``(2, 8)``: on one rank a protocol
-    that splits tensors among the ranks does what it never does in use (TwoPhase's owner
-    re-encodes whole tensors: a line from ``N = 1`` read twice TopK's cost at 4 ranks). Negative intercepts or
+    state: timed at step 0, adaptive Threshold would send nearly everything. With error
+    feedback, the warm-up and the timed runs share one memory, rolled back after each
+    (``ErrorFeedback.restore``): every run starts with no residual, as the settling did, and
+    writes its residuals into the buffers the run before freed, as a steady-state step does.
+    With a fresh memory per run, every run paged in new residual buffers, which no step after
+    the first does.
+
+    The terms in ``N``: at each size, the seconds at the worlds are fitted as
+    ``A + B (N - 1) + C / N`` (least squares, every term ``>= 0``, :func:`_fit_worlds`): ``A``
+    this rank's own work, ``B`` per peer decoded (only for an exchange that all-gathers; one
+    that only allreduces decodes once), ``C`` the work on the ``1/N`` share this rank owns
+    (only with three or more worlds). The lines through the two sizes give ``encode_*``,
+    ``peer_*`` and ``owner_*``. ``worlds`` default to ``(2, 4, 8)``: TwoPhase's owner
+    re-encodes ``1/N`` of every tensor, so its seconds fall with ``N``, which a line in
+    ``N - 1`` alone cannot follow; on one rank (``N = 1``) a protocol that splits tensors among the ranks does what
+    it never does in use. Negative intercepts or
     slopes (timing noise) are clipped to 0. ``threads`` sets torch's intra-op
     threads while timing (``None``: leave them as they are); CPU codecs run one
     rank per core or so, and more threads than free cores makes timings erratic.
@@ -126,11 +175,11 @@ def measure_codec(
     real step pays it. A CUDA ``device`` implies ``whole_call``.
     """
     n0, n1 = sizes
-    w0, w1 = worlds
+    worlds = tuple(worlds)
     if not (4 <= n0 < n1):
         raise ValueError(f"sizes must be two integers 4 <= n0 < n1, got {sizes!r}")
-    if not (1 <= w0 < w1):
-        raise ValueError(f"worlds must be two integers 1 <= w0 < w1, got {worlds!r}")
+    if len(worlds) < 2 or worlds[0] < 1 or any(a >= b for a, b in zip(worlds, worlds[1:])):
+        raise ValueError(f"worlds must be two or more increasing integers >= 1, got {worlds!r}")
     repeats = args.integer("repeats", repeats, 1)
     threads = args.optional(args.integer, "threads", threads, 1)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -145,13 +194,18 @@ def measure_codec(
         small = sample(sample_shape(n0), dtype, seed=n0).to(device)
         settled = {
             w: settled_stores(comp, [small], names=["sample"], world=w, error_feedback=error_feedback, sync=sync)
-            for w in (w0, w1)
+            for w in worlds
         }
         for n in (n0, n1):
             x = sample(sample_shape(n), dtype, seed=n).to(device)
-            for w in (w0, w1):
+            for w in worlds:
                 times = []
                 stores, step = settled[w]
+                # One memory for the warm-up and the timed runs, rolled back after each (the
+                # engine's restore): every run starts with no residual, as the settled state was
+                # reached, and writes into the buffer the run before freed, as a steady-state step
+                # does (gradzip.feedback), instead of paging in a new one.
+                memory = ErrorFeedback()
                 for r in range(repeats + 1):
                     d = dry_run(
                         comp,
@@ -162,23 +216,23 @@ def measure_codec(
                         sync=sync,
                         stores=copy.deepcopy(stores) if stores is not None else None,
                         step=step,
+                        memory=memory,
                     )
+                    memory.restore()
                     gathers = gathers or any(c.kind == "allgather" for c in d.collectives)
                     if r:
                         times.append(max(d.wall_seconds - d.loopback_seconds, 0.0) if whole_call else d.codec_seconds)
                 raw[f"n={n},W={w}"] = min(times)
     finally:
         torch.set_num_threads(saved)
-    c = d_ = 0.0
-    base = {n: raw[f"n={n},W={w0}"] for n in (n0, n1)}
-    if gathers:
-        peer = {n: max((raw[f"n={n},W={w1}"] - raw[f"n={n},W={w0}"]) / (w1 - w0), 0.0) for n in (n0, n1)}
-        c, d_ = _fit_line(n0, peer[n0], n1, peer[n1])
-        # CodecFit counts peers from one rank: the line in N through the two worlds, taken back
-        # to N = 1 (at worlds (1, ...) the measured base itself)
-        base = {n: max(base[n] - (w0 - 1) * (c + d_ * n), 0.0) for n in (n0, n1)}
-    a, b = _fit_line(n0, base[n0], n1, base[n1])
-    return CodecFit(a, b, c, d_), raw
+    # Per size, the terms in N (all >= 0): A (this rank's own encode), B per peer decoded (an
+    # exchange that all-gathers; one that only allreduces decodes once), C for the 1/N share it
+    # owns (TwoPhase's owner re-encodes its piece: at 4 ranks half its cost at 2).
+    terms = {n: _fit_worlds(worlds, [raw[f"n={n},W={w}"] for w in worlds], gathers) for n in (n0, n1)}
+    a, b = _fit_line(n0, terms[n0][0], n1, terms[n1][0])
+    c, d_ = _fit_line(n0, terms[n0][1], n1, terms[n1][1])
+    e, f = _fit_line(n0, terms[n0][2], n1, terms[n1][2])
+    return CodecFit(a, b, c, d_, e, f), raw
 
 
 PROFILE_KIND = "gradzip-codec-profile"
@@ -207,7 +261,7 @@ class CodecProfile:
         machine: dict | None = None,
         measure_missing: bool = True,
         sizes: tuple[int, int] = (4096, 1 << 20),
-        worlds: tuple[int, int] = (2, 8),
+        worlds: tuple[int, ...] = (2, 4, 8),
         repeats: int = 5,
         threads: int | None = None,
         classes: list | None = None,
@@ -327,10 +381,7 @@ class CodecProfile:
             self._here.add(id(e))
         if id(e) in self._here:
             self.fallbacks.append(repr(comp))
-        s = self.elem_scale
-        return CodecFit(
-            e["encode_s"], s * e["encode_s_per_elem"], e.get("peer_s", 0.0), s * e.get("peer_s_per_elem", 0.0)
-        )
+        return CodecFit.of(e, self.elem_scale)
 
     def to_dict(self) -> dict:
         return {
@@ -377,13 +428,13 @@ class CodecProfile:
             raise ValueError(f"codec profile dtype {prof.dtype!r} is not a torch dtype")
         for e in prof.classes:
             try:
-                CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+                CodecFit.of(e)
                 e["class"], e["error_feedback"]
             except (KeyError, TypeError) as exc:
                 raise ValueError(f"codec profile class fit {e.get('class')!r} is incomplete: {exc}") from None
         for k, e in prof.entries.items():  # validate every fit now, not deep inside a step
             try:
-                CodecFit(e["encode_s"], e["encode_s_per_elem"], e.get("peer_s", 0.0), e.get("peer_s_per_elem", 0.0))
+                CodecFit.of(e)
             except (KeyError, TypeError) as exc:
                 raise ValueError(f"codec profile entry {e.get('method', k)!r} is incomplete: {exc}") from None
         return prof

@@ -35,6 +35,14 @@ def test_structured_tensors_defeat_the_sample_but_not_the_answer():
     spike = torch.zeros(n)
     spike[12345] = 5.0
     check(spike, 10)  # the sample misses the only large element: the threshold is 0
+    sparse = torch.zeros(n)  # 1% dense, k of them (TwoPhase's owner where the ranks agree)
+    pos = torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 100]
+    sparse[pos] = torch.randn(pos.numel(), generator=torch.Generator().manual_seed(4))
+    check(sparse, n // 100)
+    check(sparse, n // 200)
+    idx, vals = topk_abs(sparse, n // 50)  # fewer nonzeros than k: all of them, then zeros
+    assert idx.unique().numel() == n // 50 and set(pos.tolist()) <= set(idx.tolist())
+    assert int((vals > 0).sum()) == int((sparse != 0).sum()) and torch.equal(vals, sparse.abs()[idx])
     comb = torch.zeros(n)
     comb[1::64] = torch.arange(1, n // 64 + 1, dtype=torch.float32)  # nothing on the sample's stride
     check(comb, 500)

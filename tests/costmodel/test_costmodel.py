@@ -248,6 +248,49 @@ def test_measure_codec_times_this_machine():
         measure_codec(TopK(0.05), sizes=(4096, 256))
 
 
+def test_fit_in_n_separates_own_peer_and_owned_work():
+    from gradzip.costmodel.profile import _fit_worlds
+
+    worlds = (2, 4, 8)
+    exact = [0.05 + 0.01 * (w - 1) + 0.4 / w for w in worlds]
+    assert _fit_worlds(worlds, exact, True) == pytest.approx((0.05, 0.01, 0.4))
+    assert _fit_worlds(worlds, exact, False)[1] == 0.0  # no peers decoded: no peer term
+    # TwoPhase-like: falling with N and no peer work; the peer term would come out negative
+    falling = [0.24, 0.16, 0.105]
+    a, b, c = _fit_worlds(worlds, falling, True)
+    assert b == 0.0 and a >= 0 and c > 0
+    assert a + c / 4 == pytest.approx(0.16, rel=0.05)  # 4 ranks: not the 2 ranks' 0.24
+    # two worlds: the line in N - 1 (no owned term can be told apart)
+    assert _fit_worlds((2, 8), [0.1, 0.16], True) == pytest.approx((0.09, 0.01, 0.0))
+    assert _fit_worlds((2, 8), [0.2, 0.1], True) == pytest.approx((0.15, 0.0, 0.0))  # falling: the mean
+    fit = CodecFit(1e-4, 0.0, 0.0, 0.0, 2e-4, 1e-8)
+    assert fit.seconds(1000, 4) == pytest.approx(1e-4 + (2e-4 + 1e-5) / 4)
+    # profiles written before the owned terms load with them at 0
+    entry = {"encode_s": 1e-4, "encode_s_per_elem": 2e-9, "peer_s": 3e-5, "peer_s_per_elem": 4e-10}
+    assert CodecFit.of(entry) == CodecFit(1e-4, 2e-9, 3e-5, 4e-10, 0.0, 0.0)
+    assert CodecFit.of({**entry, "owner_s_per_elem": 1e-9}, elem_scale=2.0).owner_s_per_elem == 2e-9
+
+
+def test_timed_dry_runs_reuse_the_residual_buffers_of_a_steady_step():
+    """A memory rolled back after each run (as measure_codec times them) hands the run the
+    buffers of the run before: no fresh residual is paged in, and every run starts from the
+    same residual."""
+    from gradzip.feedback import ErrorFeedback
+
+    x = torch.randn(64, 64)
+    memory = ErrorFeedback()
+    dry_run(TopK(0.05), [x], world_size=2, names=["w"], memory=memory)
+    memory.release()
+    start = memory.residual("w").clone()
+    buffers = set()
+    for _ in range(3):
+        dry_run(TopK(0.05), [x], world_size=2, names=["w"], memory=memory)
+        buffers.add(memory.residual("w").data_ptr())
+        memory.restore()
+        assert torch.equal(memory.residual("w"), start)
+    assert len(buffers) == 1  # the spare, each time
+
+
 def test_profile_without_a_fit_measures_raises_or_omits():
     fit = CodecFit(1e-4, 2e-9)
     prof = CodecProfile(machine={"cpu": "elsewhere"}, missing="omit")
