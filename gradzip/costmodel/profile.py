@@ -89,20 +89,19 @@ def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]
 def _fit_worlds(worlds: tuple, times: list, peers: bool) -> tuple[float, float, float]:
     """``(A, B, C) >= 0`` with ``times[i] ~ A + B (W_i - 1) + C / W_i`` in least squares over the
     world sizes ``W_i`` (``B`` only if ``peers``; ``C`` only with three or more worlds): the
-    first of the term subsets, largest first, whose fit has no negative term."""
+    first of the term subsets, largest first, whose fit has no negative term; else ``A`` alone,
+    the mean (clipped to 0)."""
     w = np.asarray(worlds, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
-    cols = {"A": np.ones_like(w), "B": w - 1, "C": 1 / w}
-    subsets = [("A", "B", "C"), ("A", "B"), ("A", "C"), ("A",)]
-    allowed = {"A", *(("B",) if peers else ()), *(("C",) if len(worlds) >= 3 else ())}
-    for sub in subsets:
-        if not set(sub) <= allowed:
-            continue
-        coef = np.linalg.lstsq(np.stack([cols[c] for c in sub], axis=1), t, rcond=None)[0]
-        if (coef >= 0).all() or sub == ("A",):
-            got = dict(zip(sub, coef.tolist()))
-            return max(got["A"], 0.0), got.get("B", 0.0), got.get("C", 0.0)
-    raise AssertionError("unreachable")
+    cols = {"B": w - 1, "C": 1 / w}
+    allowed = {*(("B",) if peers else ()), *(("C",) if len(worlds) >= 3 else ())}
+    for sub in (("B", "C"), ("B",), ("C",)):
+        if set(sub) <= allowed:
+            coef = np.linalg.lstsq(np.stack([np.ones_like(w)] + [cols[c] for c in sub], axis=1), t, rcond=None)[0]
+            if (coef >= 0).all():
+                got = dict(zip(("A", *sub), coef.tolist()))
+                return got["A"], got.get("B", 0.0), got.get("C", 0.0)
+    return max(float(t.mean()), 0.0), 0.0, 0.0
 
 
 #: Steps of a stateful codec (adaptive tau, warm-started factors) run on the small sample before

@@ -291,6 +291,27 @@ def test_timed_dry_runs_reuse_the_residual_buffers_of_a_steady_step():
     assert len(buffers) == 1  # the spare, each time
 
 
+def test_measure_codec_times_every_run_from_one_rolled_back_memory(monkeypatch):
+    """The timed runs of a size and world share one memory, and each starts with its residuals
+    rolled back: no run pages in a residual buffer of its own (a steady-state step does not)."""
+    import gradzip.costmodel.profile as profile_mod
+
+    real, seen = profile_mod.dry_run, []
+
+    def spy(comp, xs, **kw):
+        memory = kw.get("memory")
+        if memory is not None:
+            assert memory.residual("sample") is None  # rolled back after the run before
+            seen.append((xs[0].numel(), kw["world_size"], id(memory)))
+        return real(comp, xs, **kw)
+
+    monkeypatch.setattr(profile_mod, "dry_run", spy)
+    measure_codec(TopK(0.05), sizes=(256, 4096), worlds=(2, 3), repeats=2, threads=1)
+    assert len(seen) == 2 * 2 * 3  # sizes x worlds x (warm-up + repeats)
+    for key in {s[:2] for s in seen}:
+        assert len({m for *k, m in seen if tuple(k) == key}) == 1
+
+
 def test_profile_without_a_fit_measures_raises_or_omits():
     fit = CodecFit(1e-4, 2e-9)
     prof = CodecProfile(machine={"cpu": "elsewhere"}, missing="omit")
