@@ -2,15 +2,16 @@
 
     sudo .venv/bin/python -m benchmarks.hierarchy [--rate 1gbit] [--steps 8]
 
-Four ranks as two "nodes" of two: each node is a network namespace (``benchmarks/netns.py``)
-holding two ranks, which talk to each other over the namespace's loopback (fast, not
-shaped); the nodes are joined by veth links shaped with tc tbf to ``--rate`` (1 Gbit/s),
-one per node, which the node's two ranks share, as two GPUs share a NIC. Every method
+``--world`` ranks (4) as "nodes" of ``--local`` (2): each node is a network namespace
+(``benchmarks/netns.py``) holding ``--local`` ranks, which talk to each other over the
+namespace's loopback (fast, not shaped); the nodes are joined by veth links shaped with tc
+tbf to ``--rate`` (1 Gbit/s), one per node, which the node's ranks share, as GPUs share a
+NIC. ``--world 8 --local 4`` is 8 ranks as 2 nodes of 4 (``hierarchy_8ranks.json``). Every method
 trains the same MLP through the gradzip DDP hook; per method the median step time after
 warm-up is compared with the cost model:
 
     step = compute + codec + wire(collectives of a dry run on the model's DDP buckets,
-                                  world 4, local_size 2, inter link --rate, intra link measured)
+                                  world, local_size, inter link --rate, intra link measured)
 
 ``compute`` is the whole step with a hook that does not communicate (timed on every rank
 just before each timed step; the slowest rank's), ``codec`` gradzip's own seconds per step
@@ -37,13 +38,12 @@ METHODS = [
     "DDP",
     "TopK(0.01)",
     "AllGather(TopK(0.01))",
-    "Hierarchical(TopK(0.01), local_size=2)",
+    "Hierarchical(TopK(0.01), local_size={local})",
     "SignSGD()",
-    "Hierarchical(SignSGD(), local_size=2)",
+    "Hierarchical(SignSGD(), local_size={local})",
     "PowerSGD(rank=4)",
-    "Hierarchical(PowerSGD(rank=4), local_size=2)",
+    "Hierarchical(PowerSGD(rank=4), local_size={local})",
 ]
-WORLD, LOCAL = 4, 2
 
 
 def worker(a) -> None:
@@ -61,11 +61,11 @@ def worker(a) -> None:
         "gloo",
         init_method=f"tcp://{a.master}:{a.port}",
         rank=a.rank,
-        world_size=WORLD,
+        world_size=a.world,
         timeout=datetime.timedelta(seconds=300),
     )
-    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    node = nodes[a.rank // LOCAL]
+    nodes = [dist.new_group(list(range(i, i + a.local))) for i in range(0, a.world, a.local)]
+    node = nodes[a.rank // a.local]
     model = build_model(a.width, a.depth)
     g = torch.Generator().manual_seed(a.rank)
     x, y = torch.randn(a.batch, 1024, generator=g), torch.randn(a.batch, 1024, generator=g)
@@ -96,7 +96,7 @@ def worker(a) -> None:
     t0 = time.perf_counter()
     dist.all_reduce(buf, group=node)
     dt = time.perf_counter() - t0
-    intra_bps = buf.numel() * 4 * 8 * 2 * (LOCAL - 1) / LOCAL / dt
+    intra_bps = buf.numel() * 4 * 8 * 2 * (a.local - 1) / a.local / dt
 
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     state = register_hook(ddp, gz.parse(a.method)) if a.method != "DDP" else None
@@ -148,18 +148,18 @@ def predicted(r: dict, a) -> dict:
 
     shapes = [tuple(p.shape) for p in build_model(a.width, a.depth).parameters()]
     buckets = ddp_buckets([math.prod(s) * 4 for s in shapes])
-    inter = Link(netns_rate(a.rate), r["latency_world_s"] / (2 * (WORLD - 1)))  # a ring allreduce: 2(N-1) hops
-    intra = Link(r["intra_bps"], r["latency_node_s"] / (2 * (LOCAL - 1)))
+    inter = Link(netns_rate(a.rate), r["latency_world_s"] / (2 * (a.world - 1)))  # a ring allreduce: 2(N-1) hops
+    intra = Link(r["intra_bps"], r["latency_node_s"] / (2 * (a.local - 1)))
     colls = []
     for b in buckets:
         if r["method"] == "DDP":
             colls.append(Collective("allreduce", sum(math.prod(shapes[i]) * 4 for i in b)))
             continue
-        d = dry_run(gz.parse(r["method"]), [sample(shapes[i], seed=i) for i in b], world_size=WORLD, decode=False)
+        d = dry_run(gz.parse(r["method"]), [sample(shapes[i], seed=i) for i in b], world_size=a.world, decode=False)
         colls += d.collectives
         if not (d.plain or d.flag_carried):  # the engine's own flag
             colls.append(Collective("allreduce", FLAG_BYTES, control=True))
-    wire = wire_time(colls, WORLD, inter, local_size=LOCAL, intra=intra)
+    wire = wire_time(colls, a.world, inter, local_size=a.local, intra=intra)
     codec = r.get("codec_seconds_per_step", 0.0)
     return {"compute": r["compute_s"], "codec": codec, "wire": wire, "total": r["compute_s"] + codec + wire}
 
@@ -179,7 +179,9 @@ def main() -> int:
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--method", default="DDP", help=argparse.SUPPRESS)
     p.add_argument("--rate", default="1gbit", help="the inter-node link (tc tbf rate), default 1gbit")
-    p.add_argument("--methods", default=";".join(METHODS), help="';'-separated method specs")
+    p.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--local", type=int, default=2, help="ranks per emulated node (default 2)")
+    p.add_argument("--methods", default=None, help="';'-separated method specs (default: the list above, at --local)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
@@ -187,6 +189,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS / "hierarchy.json"))
     a = p.parse_args()
+    if a.world < 2 or a.local < 2 or a.world % a.local or a.world == a.local:
+        p.error(f"--world {a.world} must be two or more nodes of --local {a.local} (at least 2) ranks")
+    if a.methods is None:
+        a.methods = ";".join(m.format(local=a.local) for m in METHODS)
     if a.worker:
         worker(a)
         return 0
@@ -194,7 +200,7 @@ def main() -> int:
     if why:
         print(f"hierarchy.py: {why}", file=sys.stderr)
         return 2
-    netns.up(2, a.rate)
+    netns.up(a.world // a.local, a.rate)
     rows = []
     try:
         for method in a.methods.split(";"):
@@ -222,8 +228,12 @@ def main() -> int:
                 str(a.steps),
                 "--warmup",
                 str(a.warmup),
+                "--world",
+                str(a.world),
+                "--local",
+                str(a.local),
             ]
-            launch(_Nodes(), WORLD, argv, 1800, method)
+            launch(_Nodes(a.local), a.world, argv, 1800, method)
             with open(result) as f:
                 r = json.load(f)
             os.unlink(result)
@@ -244,8 +254,8 @@ def main() -> int:
         "command": command("hierarchy", python="sudo .venv/bin/python"),
         "machine": machine(),
         "rate": a.rate,
-        "world": WORLD,
-        "local_size": LOCAL,
+        "world": a.world,
+        "local_size": a.local,
         "width": a.width,
         "depth": a.depth,
         "batch": a.batch,
@@ -261,11 +271,13 @@ def main() -> int:
 
 
 class _Nodes:
-    """Rank i runs in node i // 2 (two ranks a namespace), with gloo on the node's veth."""
+    """Rank i runs in node i // local (``local`` ranks a namespace), with gloo on the node's veth."""
 
-    @staticmethod
-    def command(i: int, argv: list, env: dict) -> list:
-        return netns.command(i // LOCAL, argv, {**env, "LOCAL_WORLD_SIZE": str(LOCAL)})
+    def __init__(self, local: int) -> None:
+        self.local = local
+
+    def command(self, i: int, argv: list, env: dict) -> list:
+        return netns.command(i // self.local, argv, {**env, "LOCAL_WORLD_SIZE": str(self.local)})
 
 
 if __name__ == "__main__":
