@@ -423,12 +423,14 @@ def error_band() -> dict:
 
 def format_band(b: dict) -> str:
     m = b["machine"]
+    ranks = [str(r) for r in b["ranks"]]
+    said = ", ".join(ranks[:-1]) + " and " + ranks[-1] if len(ranks) > 1 else "".join(ranks)
     return (
-        f"error band: on {b['rows']} measured steps ({' and '.join(map(str, b['ranks']))} gloo ranks, "
+        f"error band: on {b['rows']} measured steps ({said} gloo ranks, "
         f"{m['cores']}-core {m['cpu']} CPU, torch {m['torch']}; {b['source']}) the plan was off by a median "
         f"{100 * b['median_abs_error']:.0f}%, 8 in 10 steps within {100 * b['p10']:+.0f}%..{100 * b['p90']:+.0f}% "
         f"(negative: the plan too fast; worst {100 * b['min']:+.0f}% and {100 * b['max']:+.0f}%); "
-        "not validated on GPUs nor beyond 4 ranks"
+        f"not validated on GPUs nor beyond {max(b['ranks'])} ranks"
     )
 
 
