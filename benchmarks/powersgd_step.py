@@ -41,10 +41,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks._common import RESULTS, free_port
 from gradzip import PowerSGD
+from gradzip.costmodel import ddp_buckets
 from gradzip.hooks import register_hook
 from gradzip.machine import machine as bench_machine
 
 METHODS = ("ddp", "torch_powersgd", "gradzip_powersgd")
+#: With --default-buckets: gradzip's PowerSGD again, on a DDP with torch's default bucket caps
+#: (25 MB, the first 1 MB): P3's "no slower with default buckets than with one".
+BUCKETS = "gradzip_powersgd_default_buckets"
 
 
 def machine(device: str) -> dict:
@@ -90,12 +94,14 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         )
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         rows = []
+        methods = (*METHODS, BUCKETS) if args.default_buckets else METHODS
         for width in args.widths:
             replicas, torch_state, ours_state = {}, None, None
-            for method in METHODS:
+            for method in methods:
                 model = make_mlp(width, args.depth, args.inputs, args.classes, args.seed).to(dev)
                 kw = {"device_ids": [rank]} if dev.type == "cuda" else {}
-                ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb, **kw)
+                cap = {} if method == BUCKETS else {"bucket_cap_mb": args.bucket_cap_mb}
+                ddp = DDP(model, **cap, **kw)
                 if method == "torch_powersgd":
                     torch_state = tph.PowerSGDState(
                         process_group=None,
@@ -111,6 +117,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                     ours_state = register_hook(
                         ddp, PowerSGD(rank=args.rank, seed=args.seed), start_iter=args.start_iter
                     )
+                elif method == BUCKETS:
+                    register_hook(ddp, PowerSGD(rank=args.rank, seed=args.seed), start_iter=args.start_iter)
                 opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
                 replicas[method] = (ddp, opt)
             g = torch.Generator().manual_seed(1000 + rank)
@@ -121,7 +129,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 )
                 for _ in range(8)
             ]
-            counter = {m: 0 for m in METHODS}
+            counter = {m: 0 for m in methods}
 
             def run(method, n, times=None, cpu=None):
                 ddp, opt = replicas[method]
@@ -139,15 +147,15 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                         times.append(time.perf_counter() - t0)
                         cpu.append(time.process_time() - c0)
 
-            for method in METHODS:  # warm-up: start_iter plain steps, then compressed ones
+            for method in methods:  # warm-up: start_iter plain steps, then compressed ones
                 run(method, args.start_iter + args.warmup)
-            times = {m: [] for m in METHODS}
-            cpu = {m: [] for m in METHODS}
+            times = {m: [] for m in methods}
+            cpu = {m: [] for m in methods}
             steps_before = ours_state.stats()["steps"]
             sent_before = ours_state.stats()["bytes_sent"]
             t_before = torch_state.compression_stats()
             for r in range(args.rounds):
-                order = METHODS[r % 3 :] + METHODS[: r % 3]
+                order = methods[r % len(methods) :] + methods[: r % len(methods)]
                 for method in order:
                     run(method, args.steps, times[method], cpu[method])
             st = ours_state.stats()
@@ -155,7 +163,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             timed_steps = st["steps"] - steps_before
             nparams = sum(p.numel() for p in replicas["ddp"][0].module.parameters())
             row = {"width": width, "depth": args.depth, "params": nparams, "timed_steps_per_method": timed_steps}
-            for m in METHODS:
+            for m in methods:
                 ms = sorted(1000 * t for t in times[m])
                 row[m] = {
                     "median_ms": statistics.median(ms),
@@ -168,11 +176,15 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             row["cpu_ratio_gradzip_over_torch"] = (
                 row["gradzip_powersgd"]["cpu_median_ms"] / row["torch_powersgd"]["cpu_median_ms"]
             )
+            if args.default_buckets:
+                row["ratio_default_buckets_over_one"] = row[BUCKETS]["median_ms"] / row["gradzip_powersgd"]["median_ms"]
+                params = list(replicas[BUCKETS][0].module.parameters())
+                row["default_buckets"] = len(ddp_buckets([q.numel() * q.element_size() for q in params]))
             row["gradzip_bytes_per_step"] = (st["bytes_sent"] - sent_before) / timed_steps
             row["torch_bytes_per_step"] = 4 * (t_after[2] - t_before[2]) / timed_steps
             row["raw_bytes_per_step"] = 4 * nparams
             rows.append(row)
-            for m in METHODS:
+            for m in methods:
                 replicas[m][0].module.zero_grad(set_to_none=True)
             replicas = None  # free the models before the next width
         if rank == 0:
@@ -199,6 +211,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per turn")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--bucket-cap-mb", type=float, default=1024.0, help="large: one bucket")
+    p.add_argument(
+        "--default-buckets",
+        action="store_true",
+        help="also time gradzip's PowerSGD on a DDP with torch's default bucket caps (25 MB, the first 1 MB)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
@@ -246,6 +263,12 @@ def main(argv=None) -> int:
             f"{r['width']:>6}{r['params']:>11,}{cells[0]:>16}{cells[1]:>16}{cells[2]:>16}{ratio:>14}"
             f"{r['torch_bytes_per_step']:>9,.0f}{r['gradzip_bytes_per_step']:>11,.0f}"
         )
+    for r in rows:
+        if "ratio_default_buckets_over_one" in r:
+            print(
+                f"width {r['width']}: gradzip with DDP's default buckets ({r['default_buckets']}) "
+                f"{r[BUCKETS]['median_ms']:.2f} ms, {r['ratio_default_buckets_over_one']:.3f}x one bucket"
+            )
     out = args.out or str(RESULTS / f"powersgd_{args.device}_{backend}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
