@@ -538,20 +538,20 @@ def overlap(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def powersgd_runs(*names: str) -> str:
-    """gradzip PowerSGD over torch's powerSGD_hook in several runs of ``powersgd_step.py``: each
-    run's ratio per width, their median and spread."""
+def powersgd_runs(*names: str, key: str = "ratio_gradzip_over_torch", what: str = "gradzip / torch") -> str:
+    """gradzip PowerSGD over torch's powerSGD_hook (or another ratio of each row, ``key``) in
+    several runs of ``powersgd_step.py``: each run's ratio per width, their median and spread."""
     docs = [_load(n) for n in names]
     widths = [r["width"] for r in docs[0]["rows"]]
     lines = [
-        f"gradzip / torch step time in {len(docs)} runs of `benchmarks/powersgd_step.py` (same options; machine: "
+        f"{what} step time in {len(docs)} runs of `benchmarks/powersgd_step.py` (same options; machine: "
         f"{_machine(docs[0]['machine'])})",
         "",
         "| width | " + " | ".join(f"run {i + 1}" for i in range(len(docs))) + " | median | spread |",
         "|---|" + "---:|" * (len(docs) + 2),
     ]
     for w in widths:
-        ratios = [next(r["ratio_gradzip_over_torch"] for r in d["rows"] if r["width"] == w) for d in docs]
+        ratios = [next(r[key] for r in d["rows"] if r["width"] == w) for d in docs]
         lines.append(
             f"| {w} | "
             + " | ".join(f"{x:.3f}" for x in ratios)
@@ -786,6 +786,11 @@ RENDERERS = {
     "plan_check": _with_files(plan_check),
     "powersgd": _with_files(powersgd),
     "powersgd_runs": powersgd_runs,
+    "powersgd_bucket_runs": lambda *names: powersgd_runs(
+        *names,
+        key="ratio_default_buckets_over_one",
+        what="gradzip PowerSGD with DDP's default buckets / with one bucket,",
+    ),
     "cpu_codec_cost": _with_files(cpu_codec_cost),
     "overlap": _with_files(overlap),
     "kernels": _with_files(kernels),
