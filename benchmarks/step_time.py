@@ -125,7 +125,6 @@ def worker(a) -> None:
         world_size=a.world,
         timeout=datetime.timedelta(seconds=a.pg_timeout),
     )
-    comp = methods(a.bps, a.world)[a.method]
     ddp_kw = {"gradient_as_bucket_view": a.bucket_view}
     model = build_model(a.width, a.depth)
     nparams = sum(p.numel() for p in model.parameters())
@@ -155,6 +154,7 @@ def worker(a) -> None:
     latency = statistics.median(lat)
 
     bw = calibrate_bps(a.world) if a.calibrate else None
+    comp = methods(a.bps or bw, a.world)[a.method]  # after the calibration: Policy(auto) needs the link
 
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kw)
     state = register_hook(ddp, comp) if comp is not None else None
@@ -343,7 +343,7 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def parse_methods(p: argparse.ArgumentParser, text: str, ranks: int) -> list:
-    """Method names from ``--methods``, allreduce first (it calibrates the unshaped link).
+    """Method names from ``--methods``, allreduce first (the first calibrates the unshaped link).
     Commas inside parentheses belong to the name: ``Policy(auto,TopK)``."""
     known = list(methods(1e9, ranks))
     names = [m for m in re.split(r",(?![^()]*\))", text) if m]

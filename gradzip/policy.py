@@ -66,6 +66,10 @@ from .wire import accum_dtype
 __all__ = ["Policy"]
 
 DECISION = "policy.fallback"
+#: Elements: the largest size a profile measured by the policy itself reaches at least, and at
+#: most (beyond it a codec's seconds per element no longer change: its tensors are out of cache).
+PROFILE_TOP = 1 << 20
+PROFILE_TOP_MAX = 1 << 24
 
 
 def _patterns(name: str, value) -> tuple[str, ...]:
@@ -152,6 +156,7 @@ class Policy(Protocol):
         self.link = link
         self.world_size = args.optional(args.integer, "world_size", world_size, 1)
         self._profile = as_profile(profile) if profile is not None else None
+        self._profile_given = profile is not None
         self._shape_cache: dict = {}
         cands: list = []
         for c in [*self.per_layer.values(), default, fallback]:
@@ -218,10 +223,19 @@ class Policy(Protocol):
             why = "auto: " + ("fallback is cheaper" if int(d) else "default is cheaper")
         return m, why, as_protocol(m, world_size, feedback=feedback and not _exact(m))
 
-    def profile(self) -> CodecProfile:
-        """The codec profile ``auto`` uses (measured on this machine at first use unless given)."""
-        if self._profile is None:
-            self._profile = CodecProfile()
+    def profile(self, numel: int = 0) -> CodecProfile:
+        """The codec profile ``auto`` uses: the one given, else one measured on this machine at
+        first use, through sizes that reach the largest tensor costed so far (``numel``, rounded
+        up to a power of two, from :data:`PROFILE_TOP` to :data:`PROFILE_TOP_MAX` elements). A
+        larger tensor gets a new profile, measured through its size. A codec's seconds per element
+        grow once its tensors leave the cache, so a line through 1M elements reads a 16M tensor's
+        codec short, and ``Policy(auto)`` would choose a compressor where plain allreduce is
+        faster (``docs/costmodel.md``, validation)."""
+        if self._profile is not None and (self._profile_given or numel <= self._profile.sizes[1]):
+            return self._profile
+        top = min(max(PROFILE_TOP, 1 << max(int(numel) - 1, 0).bit_length()), PROFILE_TOP_MAX)
+        if self._profile is None or top > self._profile.sizes[1]:
+            self._profile = CodecProfile(sizes=(4096, top))
         return self._profile
 
     def costs(self, x: torch.Tensor, world_size: int, *, compensated: bool = False, latency_share: float = 1.0):
@@ -229,7 +243,7 @@ class Policy(Protocol):
         (:func:`gradzip.costmodel.layer_cost`; ``latency_share``: ``x``'s part of its bucket)."""
         if self.link is None:
             raise ValueError("costs() needs a policy with auto=True and a link")
-        prof = self.profile()
+        prof = self.profile(x.numel() if isinstance(x, torch.Tensor) else 0)
         return tuple(
             layer_cost(
                 as_protocol(m, world_size, feedback=self.biased and not _exact(m)),

@@ -152,6 +152,7 @@ def dry_run(
     sync: Callable[[], None] | None = None,
     flag: bool = True,
     memory: ErrorFeedback | None = None,
+    bucket: bool = False,
 ) -> DryRun:
     """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
 
@@ -171,12 +172,26 @@ def dry_run(
     ``restore()`` it after each: every run then starts from the same residuals and writes
     into the buffer the run before freed, as a steady-state step does (:mod:`gradzip.feedback`),
     not into a fresh one.
+    ``bucket``: lay the tensors out as DDP hands the engine a bucket: copied (before the clock
+    starts) into one flat buffer, the call's tensors its views and the buffer its ``dest``. A
+    plain protocol (Identity) then sums that buffer as it is, as in a real step, instead of
+    copying the tensors into a new one. Needs tensors of one dtype.
     """
     sync = sync or (lambda: None)
+    tensors = list(tensors)
+    dest = None
+    if bucket and tensors:
+        if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
+            raise ValueError("dry_run(bucket=True) needs tensors of one dtype on one device, as in a DDP bucket")
+        dest = torch.cat([t.reshape(-1) for t in tensors])
+        views, pos = [], 0
+        for t in tensors:
+            views.append(dest[pos : pos + t.numel()].view(t.shape))
+            pos += t.numel()
+        tensors = views
     sync()
     t_start = time.perf_counter()
     loopback = 0.0
-    tensors = list(tensors)
     names = [f"t{i}" for i in range(len(tensors))] if names is None else list(names)
     if len(names) != len(tensors):
         raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
@@ -200,6 +215,7 @@ def dry_run(
             name=k, step=step, dtype=d, store=stores.setdefault(k, {}), rank=0, world_size=world_size
         ),
         bytes_only=not decode,
+        dest=dest,
     )
     plain = protocol.plain(call)
     if flag and not plain:  # as the engine asks: the protocol may carry the flag (its bytes are counted)

@@ -151,7 +151,13 @@ def measure_codec(
     (``ErrorFeedback.restore``): every run starts with no residual, as the settling did, and
     writes its residuals into the buffers the run before freed, as a steady-state step does.
     With a fresh memory per run, every run paged in new residual buffers, which no step after
-    the first does.
+    the first does. A plain protocol (Identity: the tensors summed as they are; the warm-up's
+    :attr:`DryRun.plain`) is timed on the sample laid out as DDP's bucket (``dry_run(bucket=True)``):
+    in a step it sends the bucket as it is, and timed on a loose tensor it would be charged a
+    copy into a new buffer that no step makes. Other protocols keep the loose tensor and write
+    into a new output: in the plan check (``docs/costmodel.md``) the bucket layout for them read
+    every compressed method's step short, the new output standing in for what ranks sharing the
+    cores and memory pay and a one-process profile does not see.
 
     The terms in ``N``: at each size, the seconds at the worlds are fitted as
     ``A + B (N - 1) + C / N`` (least squares, every term ``>= 0``, :func:`_fit_worlds`): ``A``
@@ -205,6 +211,7 @@ def measure_codec(
                 # reached, and writes into the buffer the run before freed, as a steady-state step
                 # does (gradzip.feedback), instead of paging in a new one.
                 memory = ErrorFeedback()
+                plain = False
                 for r in range(repeats + 1):
                     d = dry_run(
                         comp,
@@ -216,8 +223,10 @@ def measure_codec(
                         stores=copy.deepcopy(stores) if stores is not None else None,
                         step=step,
                         memory=memory,
+                        bucket=plain,
                     )
                     memory.restore()
+                    plain = plain or d.plain  # the warm-up says: the timed runs get a bucket
                     gathers = gathers or any(c.kind == "allgather" for c in d.collectives)
                     if r:
                         times.append(max(d.wall_seconds - d.loopback_seconds, 0.0) if whole_call else d.codec_seconds)

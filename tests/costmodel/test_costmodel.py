@@ -553,3 +553,47 @@ def test_a_stateful_codec_is_costed_in_its_settled_state():
     stores, step = settled_stores(comp, x, names=["p0"], world=4, error_feedback=True)
     assert step > 0 and any(stores.values())  # tau per piece: TwoPhase at 4 ranks
     assert settled_stores(TopK(0.01), x, names=["p0"], world=4, error_feedback=True) == (None, 0)
+
+
+def test_dry_run_bucket_layout_sums_a_plain_call_in_place(monkeypatch):
+    """``bucket=True`` lays the tensors out as DDP's bucket: Identity then sums that buffer as it is
+    (no copy into a new one), the inputs are untouched, and the result is the same as with loose
+    tensors."""
+    import gradzip.protocols.allreduce as allreduce_mod
+
+    real, used = allreduce_mod.back_to_back, []
+    monkeypatch.setattr(allreduce_mod, "back_to_back", lambda b, d: used.append(real(b, d)) or used[-1])
+    xs = [sample((3, 5), seed=1), sample((7,), seed=2)]
+    before = [x.clone() for x in xs]
+    loose = dry_run(Identity(), xs, world_size=4)
+    assert used.pop() is None  # loose tensors: concatenated into a new buffer
+    inplace = dry_run(Identity(), xs, world_size=4, bucket=True)
+    assert used.pop().data_ptr() == inplace.out.data_ptr()  # the bucket, summed as it is
+    assert inplace.plain and loose.plain
+    assert all(torch.equal(x, b) for x, b in zip(xs, before))
+    assert torch.equal(inplace.out, loose.out)
+    assert [c.nbytes for c in inplace.collectives] == [c.nbytes for c in loose.collectives]
+    cast = dry_run(FP16(), xs, world_size=4, bucket=True)
+    assert not cast.plain and torch.equal(cast.out, dry_run(FP16(), xs, world_size=4).out)
+    with pytest.raises(ValueError, match="one dtype"):
+        dry_run(Identity(), [xs[0], xs[1].double()], world_size=2, bucket=True)
+
+
+def test_measure_codec_times_a_plain_protocol_on_a_bucket(monkeypatch):
+    """The warm-up says whether the protocol is plain; then (and only then) the timed runs get the
+    bucket layout, so Identity is not charged a copy that no step makes."""
+    import gradzip.costmodel.profile as profile_mod
+
+    real, seen = profile_mod.dry_run, []
+
+    def spy(comp, xs, **kw):
+        if kw.get("memory") is not None:
+            seen.append((type(comp).__name__, kw.get("bucket", False)))
+        return real(comp, xs, **kw)
+
+    monkeypatch.setattr(profile_mod, "dry_run", spy)
+    measure_codec(Identity(), sizes=(256, 4096), worlds=(2, 3), repeats=2, threads=1)
+    measure_codec(TopK(0.05), sizes=(256, 4096), worlds=(2, 3), repeats=2, threads=1)
+    ident = [b for n, b in seen if n == "Identity"]
+    assert ident == [False, True, True] * 4  # per size and world: warm-up loose, timed on a bucket
+    assert not any(b for n, b in seen if n == "TopK")

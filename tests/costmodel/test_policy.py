@@ -432,3 +432,19 @@ def test_ddp_hook_with_a_policy_many_buckets_matches_reference():
     for a, b in zip(res[0]["params2"], res[1]["params2"]):  # the second mix: replicas agree, finite
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
     assert res[0]["stats2"]["steps"] == steps
+
+
+def test_auto_profiles_through_the_largest_tensor_it_costs():
+    """A policy's own profile reaches the largest tensor costed so far (a power of two, 1M to
+    16M elements): a line through 1M elements reads an out-of-cache tensor's codec short. A
+    profile the user gave is kept as it is."""
+    pol = Policy(TopK(0.01), auto=True, link=Link(1e9))
+    first = pol.profile()
+    assert first.sizes == (4096, 1 << 20) and pol.profile(1000) is first and pol.profile(1 << 20) is first
+    assert pol.profile(3_000_000).sizes == (4096, 1 << 22)
+    bigger = pol.profile(5_000_000)
+    assert bigger.sizes == (4096, 1 << 23) and pol.profile(3_000_000) is bigger
+    assert pol.profile(1 << 30).sizes == (4096, 1 << 24) and pol.profile(1 << 31).sizes == (4096, 1 << 24)
+    mine = CodecProfile(sizes=(256, 4096))
+    given = Policy(TopK(0.01), auto=True, link=Link(1e9), profile=mine)
+    assert given.profile(1 << 24) is mine
