@@ -34,7 +34,9 @@ def main() -> int:
     p.add_argument("results", nargs="+", help="step_time.py JSON files")
     p.add_argument("--cpu-share", default="auto", help="'auto' (max(1, ranks / cores)) or a number")
     p.add_argument("--cores", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3, help="profile: fastest of this many timings")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="profile: fastest of this many timings (measure_codec's default)"
+    )
     p.add_argument(
         "--sizes",
         type=int,

@@ -60,7 +60,7 @@ from .costmodel.link import Link
 from .costmodel.profile import CodecProfile, as_profile, sample
 from .protocols.allreduce import Allreduce
 from .protocols.base import Call, Exchange, Protocol, as_protocol
-from .protocols.parallel import aligned_starts, parallel, scatter_routes
+from .protocols.parallel import aligned_starts, contiguous_run, parallel, scatter_routes
 from .wire import accum_dtype
 
 __all__ = ["Policy"]
@@ -380,10 +380,15 @@ class Policy(Protocol):
                 choice[i] = self.index_of(self.fallback if f else self.default)
         order, groups, subs = self._groups(call, choice)
         whole = len(order) == 1  # one route for the whole call: it may write the call's destination
-        key = None if whole else (tuple(call.names), call.out_dtype, call.device)
-        scratch = None if whole else self._scratch_for(key, call)
+        # A route whose tensors sit back to back in the call's destination (DDP's bucket: a layer's
+        # weight and bias, say) writes its result there; only the others need the scratch buffer,
+        # from which scatter_routes copies them.
+        dest = None if whole else call.fitting_dest()
+        runs = [None if dest is None else contiguous_run(call, groups[g]) for g in order]
+        key = None if whole or all(r is not None for r in runs) else (tuple(call.names), call.out_dtype, call.device)
+        scratch = None if key is None else self._scratch_for(key, call)
         try:
-            return (yield from self._run_routes(call, groups, order, subs, whole, scratch))
+            return (yield from self._run_routes(call, groups, order, subs, whole, scratch, dest, runs))
         finally:
             if scratch is not None:  # only the call that holds the buffer frees it
                 self._scratch_busy.discard(key)
@@ -399,11 +404,16 @@ class Policy(Protocol):
         self._scratch_busy.add(key)
         return buf
 
-    def _run_routes(self, call: Call, groups, order, subs, whole, scratch):
+    def _run_routes(self, call: Call, groups, order, subs, whole, scratch, dest=None, runs=None):
         pos = 0
-        for g, sub in zip(order, subs):
+        for k, (g, sub) in enumerate(zip(order, subs)):
             n = sum(call.tensors[i].numel() for i in groups[g])
-            sub.dest = call.dest if whole else None if scratch is None else scratch[pos : pos + n]
+            if whole:
+                sub.dest = call.dest
+            elif runs and runs[k] is not None:
+                sub.dest = dest[runs[k]]
+            else:
+                sub.dest = None if scratch is None else scratch[pos : pos + n]
             pos += n
         protocols = [
             as_protocol(self.candidates[g], call.world_size, feedback=s.memory is not None) for g, s in zip(order, subs)

@@ -177,12 +177,19 @@ class Call:
     def slice(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
 
+    def fitting_dest(self) -> torch.Tensor | None:
+        """``dest`` as a flat tensor when it fits this call's result (its dtype, its length,
+        contiguous), else None."""
+        d = self.dest
+        if d is not None and d.dtype == self.out_dtype and d.numel() == self.numel and d.is_contiguous():
+            return d.view(-1)
+        return None
+
     def output(self, zero: bool = False) -> torch.Tensor:
         """The flat ``out_dtype`` tensor to write this call's result into: ``dest`` when
         the front end gave one that fits, else a new tensor."""
-        d = self.dest
-        if d is not None and d.dtype == self.out_dtype and d.numel() == self.numel and d.is_contiguous():
-            d = d.view(-1)
+        d = self.fitting_dest()
+        if d is not None:
             return d.zero_() if zero else d
         make = torch.zeros if zero else torch.empty
         return make(self.numel, dtype=self.out_dtype, device=self.device)

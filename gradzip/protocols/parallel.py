@@ -6,7 +6,7 @@ from collections.abc import Generator, Sequence
 
 from ..comm import Round
 
-__all__ = ["parallel", "aligned_starts"]
+__all__ = ["parallel", "aligned_starts", "scatter_routes", "contiguous_run"]
 
 
 def parallel(protocols: Sequence[Generator], start: Sequence[int] | None = None) -> Generator[Round, None, list]:
@@ -90,10 +90,23 @@ def scatter_routes(call, order, groups, subs, results):
     """One call's output from its routes' results: route ``order[k]`` carried the tensors
     ``groups[order[k]]`` (indices into ``call``) as the sub-call ``subs[k]`` and returned
     ``results[k]``; each tensor's slice of ``results[k]`` lands at its place in ``call``'s output
-    (Policy's and Adaptive's routes, run side by side by :func:`parallel`)."""
+    (Policy's and Adaptive's routes, run side by side by :func:`parallel`). A slice a route
+    already wrote at its place (its sub-call's ``dest`` was that range of the call's) is not
+    copied again."""
     with call.codec():
         out = call.output()
         for key, sub, got in zip(order, subs, results):
             for j, i in enumerate(groups[key]):
-                out[call.slice(i)] = got[sub.slice(j)]
+                src, dst = got[sub.slice(j)], out[call.slice(i)]
+                if src.numel() and src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype:
+                    continue
+                dst.copy_(src)
     return out
+
+
+def contiguous_run(call, idx: list) -> slice | None:
+    """The range of ``call``'s flat result that the tensors ``idx`` fill, in that order and
+    back to back (a route's tensors that sit together in a DDP bucket), or None."""
+    if not idx or any(b != a + 1 for a, b in zip(idx, idx[1:])):
+        return None
+    return slice(call.offsets[idx[0]], call.offsets[idx[-1] + 1])

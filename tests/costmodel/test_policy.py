@@ -448,3 +448,24 @@ def test_auto_profiles_through_the_largest_tensor_it_costs():
     mine = CodecProfile(sizes=(256, 4096))
     given = Policy(TopK(0.01), auto=True, link=Link(1e9), profile=mine)
     assert given.profile(1 << 24) is mine
+
+
+@pytest.mark.parametrize("layout", ["together", "interleaved"])
+def test_routes_write_into_the_bucket_where_their_tensors_sit_together(layout):
+    """A route whose tensors lie back to back in the call's destination (DDP's bucket) writes its
+    result there; only routes whose tensors are interleaved with another route's go through the
+    policy's scratch buffer. The result is the same either way, and the same as on loose tensors."""
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(16, 12, generator=g), torch.randn(8, 12, generator=g)
+    b1, b2 = torch.randn(12, generator=g), torch.randn(8, generator=g)
+    xs = [b1, b2, w1, w2] if layout == "together" else [w1, b1, w2, b2]
+    names = [f"t{i}" for i in range(4)]
+
+    def run(bucket):
+        pol = Policy(PowerSGD(rank=1), min_numel=20)  # the biases go to the fallback, Identity
+        return pol, dry_run(pol, xs, world_size=2, names=names, bucket=bucket).out
+
+    pol, inplace = run(True)
+    assert (len(pol._scratch) == 0) == (layout == "together")
+    _, loose = run(False)
+    assert torch.equal(inplace, loose)
