@@ -14,7 +14,9 @@ optimizer.step``, timed on rank 0 (after ``torch.cuda.synchronize`` on CUDA);
 the ranks meet at a barrier before each turn. Reported: the median, mean and
 10th/90th percentiles of step time per method and size, the median CPU time
 of rank 0's process per step (all its threads; steadier than wall time on a
-shared machine), and ``ratio = median(gradzip) / median(torch)`` for both.
+shared machine), and ``ratio = median(gradzip) / median(torch)`` for both. Before the models,
+the round trip of one small allreduce (``allreduce_roundtrip``, every rank idle): each round of a
+protocol after the backward pass adds about that much to the step.
 
 Wire bytes per step: gradzip's from ``stats()`` (counted at the collectives,
 including its 4-byte non-finite flag); torch's from its own element counts
@@ -93,6 +95,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             timeout=_dt.timedelta(seconds=600),
         )
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        roundtrip = _roundtrip_ms(dev, sync)
         rows = []
         methods = (*METHODS, BUCKETS) if args.default_buckets else METHODS
         for width in args.widths:
@@ -188,12 +191,31 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 replicas[m][0].module.zero_grad(set_to_none=True)
             replicas = None  # free the models before the next width
         if rank == 0:
-            queue.put(("ok", rows))
+            queue.put(("ok", (rows, roundtrip)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then fail
         queue.put(("error", f"rank {rank}: {exc!r}"))
         raise
+
+
+def _roundtrip_ms(dev, sync, n: int = 200) -> dict:
+    """Median milliseconds of one allreduce of a small tensor (1024 float32, about a PowerSGD
+    factor's size), launched and waited for, after a barrier: the latency each round of a
+    protocol puts on the step's critical path (medians of ``n``, every rank idle)."""
+    t = torch.zeros(1024, device=dev)
+    for _ in range(20):
+        dist.all_reduce(t)
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = sorted(1000 * x for x in times)
+    return {"median_ms": statistics.median(ms), "p10_ms": ms[len(ms) // 10], "p90_ms": ms[(9 * len(ms)) // 10]}
 
 
 def main(argv=None) -> int:
@@ -238,15 +260,16 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.start()
     try:
-        kind, rows = queue.get(timeout=3600)
+        kind, got = queue.get(timeout=3600)
     finally:
         for proc in procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
     if kind != "ok":
-        print(rows, file=sys.stderr)
+        print(got, file=sys.stderr)
         return 1
+    rows, roundtrip = got
     print(
         f"{world} {backend} ranks, PowerSGD rank {args.rank}, depth {args.depth}, batch {args.batch}/rank, "
         f"{args.rounds} rounds x {args.steps} steps per method ({time.time() - t0:.0f} s)"
@@ -269,6 +292,10 @@ def main(argv=None) -> int:
                 f"width {r['width']}: gradzip with DDP's default buckets ({r['default_buckets']}) "
                 f"{r[BUCKETS]['median_ms']:.2f} ms, {r['ratio_default_buckets_over_one']:.3f}x one bucket"
             )
+    print(
+        f"one allreduce of 1024 float32, launched and waited for, every rank idle: median "
+        f"{roundtrip['median_ms']:.3f} ms (p10 {roundtrip['p10_ms']:.3f}, p90 {roundtrip['p90_ms']:.3f})"
+    )
     out = args.out or str(RESULTS / f"powersgd_{args.device}_{backend}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
@@ -276,7 +303,8 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         if hasattr(os, "getloadavg"):
             info["load_avg_1_5_15_min_at_end"] = [round(x, 2) for x in os.getloadavg()]
-        json.dump({"machine": info, "config": cfg, "seconds": round(time.time() - t0, 1), "rows": rows}, f, indent=2)
+        doc = {"machine": info, "config": cfg, "seconds": round(time.time() - t0, 1), "allreduce_roundtrip": roundtrip}
+        json.dump({**doc, "rows": rows}, f, indent=2)
     print(f"wrote {out}")
     return 0
 
