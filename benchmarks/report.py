@@ -538,6 +538,23 @@ def overlap(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def collectives(doc: dict) -> str:
+    """gloo's collectives per link byte (benchmarks/collectives.py)."""
+    lines = [
+        f"`{_cmd(doc['command'])}` (ranks on 127.0.0.1, unshaped, one torch thread each; fastest of the "
+        f"repeats on rank 0; machine: {_machine(doc['machine'])})",
+        "",
+        "| ranks | collective | dtype | MB per rank | ms | Gbit/s of link bytes | × allreduce's rate |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['ranks']} | {r['collective']} | {r['dtype']} | {r['bytes_per_rank'] / 2**20:.1f} "
+            f"| {1e3 * r['seconds']:.1f} | {r['link_gbit_s']:.2f} | {r['rate_over_allreduce']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def powersgd_runs(*names: str, key: str = "ratio_gradzip_over_torch", what: str = "gradzip / torch") -> str:
     """gradzip PowerSGD over torch's powerSGD_hook (or another ratio of each row, ``key``) in
     several runs of ``powersgd_step.py``: each run's ratio per width, their median and spread."""
@@ -792,6 +809,7 @@ RENDERERS = {
         what="gradzip PowerSGD with DDP's default buckets / with one bucket,",
     ),
     "cpu_codec_cost": _with_files(cpu_codec_cost),
+    "collectives": _with_files(collectives),
     "overlap": _with_files(overlap),
     "kernels": _with_files(kernels),
     "explore": _explore,
