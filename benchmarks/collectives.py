@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks._common import RESULTS, command, free_port
+from gradzip.comm import _all_gather_single
 from gradzip.costmodel.link import link_bytes
 from gradzip.machine import machine
 
@@ -58,8 +59,14 @@ def _worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue) 
     for dtype in (torch.float32, torch.uint8):
         inp = torch.ones(nbytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
         out = torch.empty(world * inp.numel(), dtype=dtype)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as gradzip.comm
-        rows.append(("allgather", str(dtype).split(".")[1], nbytes, _time(lambda: gather(out, inp), repeats)))
+        rows.append(
+            (
+                "allgather",
+                str(dtype).split(".")[1],
+                nbytes,
+                _time(lambda: _all_gather_single(out, inp, None).wait(), repeats),  # gradzip.comm's all-gather
+            )
+        )
         # the same gather as an all-to-all of this rank's part repeated once per rank: the same
         # link bytes, (N-1) * S (tried as gradzip.comm's all-gather on gloo; not kept, see below)
         rep = torch.empty(world * inp.numel(), dtype=dtype)

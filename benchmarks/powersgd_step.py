@@ -15,8 +15,8 @@ the ranks meet at a barrier before each turn. Reported: the median, mean and
 10th/90th percentiles of step time per method and size, the median CPU time
 of rank 0's process per step (all its threads; steadier than wall time on a
 shared machine), and ``ratio = median(gradzip) / median(torch)`` for both. Before the models,
-the round trip of one small allreduce (``allreduce_roundtrip``, every rank idle): each round of a
-protocol after the backward pass adds about that much to the step.
+the round trip of one small allreduce between the idle ranks (``allreduce_roundtrip``): the
+latency of one collective that a protocol's next round must wait for.
 
 Wire bytes per step: gradzip's from ``stats()`` (counted at the collectives,
 including its 4-byte non-finite flag); torch's from its own element counts
@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks._common import RESULTS, free_port
 from gradzip import PowerSGD
-from gradzip.costmodel import ddp_buckets
 from gradzip.hooks import register_hook
 from gradzip.machine import machine as bench_machine
 
@@ -181,8 +180,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             )
             if args.default_buckets:
                 row["ratio_default_buckets_over_one"] = row[BUCKETS]["median_ms"] / row["gradzip_powersgd"]["median_ms"]
-                params = list(replicas[BUCKETS][0].module.parameters())
-                row["default_buckets"] = len(ddp_buckets([q.numel() * q.element_size() for q in params]))
+                # DDP's own count, after its rebuild at the first step (not a model of its bucketing)
+                sizes = replicas[BUCKETS][0]._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+                row["default_buckets"] = len(str(sizes).split(","))
             row["gradzip_bytes_per_step"] = (st["bytes_sent"] - sent_before) / timed_steps
             row["torch_bytes_per_step"] = 4 * (t_after[2] - t_before[2]) / timed_steps
             row["raw_bytes_per_step"] = 4 * nparams
@@ -200,9 +200,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def _roundtrip_ms(dev, sync, n: int = 200) -> dict:
-    """Median milliseconds of one allreduce of a small tensor (1024 float32, about a PowerSGD
-    factor's size), launched and waited for, after a barrier: the latency each round of a
-    protocol puts on the step's critical path (medians of ``n``, every rank idle)."""
+    """Milliseconds of one allreduce of a small tensor (1024 float32, about a PowerSGD factor's
+    size), launched and waited for, ``n`` times after a barrier with every rank idle: the
+    median and the 10th and 90th percentiles."""
     t = torch.zeros(1024, device=dev)
     for _ in range(20):
         dist.all_reduce(t)

@@ -206,11 +206,7 @@ def measure_codec(
             for w in worlds:
                 times = []
                 stores, step = settled[w]
-                # One memory for the warm-up and the timed runs, rolled back after each (the
-                # engine's restore): every run starts with no residual, as the settled state was
-                # reached, and writes into the buffer the run before freed, as a steady-state step
-                # does (gradzip.feedback), instead of paging in a new one.
-                memory = ErrorFeedback()
+                memory = ErrorFeedback()  # one for every run, rolled back after each (docstring)
                 plain = False
                 for r in range(repeats + 1):
                     d = dry_run(
