@@ -116,7 +116,7 @@ ENCODERS = (
     ("sign_ef_nores", "one-pass", "SignSGD, no residual (block 1024)"),
     ("qsgd_encode", "one-pass", "QSGD (s = 7, block 64)"),
     ("terngrad_encode", "one-pass", "TernGrad (block 1024)"),
-    ("int8_encode", None, "Int8 (block 1024; torch, no kernel)"),
+    ("int8_encode", "one-pass", "Int8 (block 1024)"),
     ("sampled_topk_approx", None, "TopK values, mode='approx' (one pass over x)"),
 )
 DECODERS = (

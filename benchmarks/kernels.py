@@ -48,8 +48,8 @@ Minimal bytes per op, for n elements of B bytes, P peers, k selected per peer:
     B n + n / 2 + 4 nb (two-pass: another B n)
   - terngrad_encode (block 1024 one-pass): read x, write 2-bit codes and scales:
     B n + n / 4 + 4 nb (two-pass: another B n)
-  - int8_encode (block 1024; no kernel: torch on the device, so its reference column is itself):
-    read x, write the codes and scales: B n + n + 4 nb
+  - int8_encode (block 1024 one-pass): read x, write the codes and scales: B n + n + 4 nb
+    (two-pass: another B n)
 
   (``nb`` the number of blocks: ``ceil(n / block)``, 1 for the whole tensor.)
 * decode_add_quant (P peers' frames: QSGD 4-bit, sign, TernGrad 2-bit, Int8): read and write
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         scatter_add_signed_triton,
         scatter_add_sparse_triton,
     )
+    from gradzip.kernels.triton.int8 import int8_encode_triton
     from gradzip.kernels.triton.sign import sign_ef_triton
     from gradzip.kernels.triton.stochastic import qsgd_encode_triton, terngrad_encode_triton
     from gradzip.kernels.triton.threshold import threshold_ef_triton
@@ -423,7 +424,7 @@ def main(argv=None) -> int:
             )
 
     def quant_rows(n, x, g, dt):
-        """The quantizer encoders by both routes, Int8's encoder, and (float32 only) the decoders."""
+        """The quantizer encoders (Int8's too) by both routes, and (float32 only) the decoders."""
         B = x.element_size()
         # the one-pass route (blocks that fit a program) and the two-pass route (the whole
         # tensor as one block), timed separately
@@ -464,6 +465,14 @@ def main(argv=None) -> int:
                 B * n + triton.cdiv(n, 4),
                 B * n,
             ),
+            (
+                "int8_encode",
+                iblk,
+                partial(int8_encode_triton, x),
+                partial(R.int8_encode_reference, x),
+                B * n + n,
+                B * n,
+            ),
         )
         for name, blk, ker, ref, fixed, second in encoders:
             for route, b in (("one-pass", blk), ("two-pass", None)):
@@ -472,9 +481,6 @@ def main(argv=None) -> int:
                 nbytes = fixed + 4 * (triton.cdiv(n, b) if b is not None else 1)  # + the float32 scales
                 moved = nbytes + (second if b is None else 0)
                 record(name, n, "triton", ker_ms, ref_ms, nbytes, dt, route=route, block=b, moved_bytes=moved)
-        # Int8 (block-wise absmax) has no kernel: its encoder is torch on the device
-        ms = bench(lambda: R.int8_encode_reference(x, block=iblk))
-        record("int8_encode", n, "torch", ms, ms, B * n + n + 4 * triton.cdiv(n, iblk), dt, block=iblk)
         r = encoders = None
         if dt != "float32":
             return

@@ -160,7 +160,10 @@ _OPS = {
         terngrad_encode_reference,
         {"numba": (".numba_ops", "terngrad_encode_numba"), "triton": (".triton.stochastic", "terngrad_encode_triton")},
     ),
-    "int8_encode": (int8_encode_reference, {"numba": (".numba_ops", "int8_encode_numba")}),
+    "int8_encode": (
+        int8_encode_reference,
+        {"numba": (".numba_ops", "int8_encode_numba"), "triton": (".triton.int8", "int8_encode_triton")},
+    ),
     "int8_apply_": (int8_apply_reference, {"numba": (".numba_ops", "int8_apply_numba")}),
     "decode_add_quant": (
         decode_add_quant_reference,
@@ -391,7 +394,7 @@ def terngrad_encode(x: torch.Tensor, seed: int, *, block: int | None = None, cli
 
 def int8_encode(x: torch.Tensor, *, block: int | None = 1024, scales: torch.Tensor | None = None):
     """Block-wise absmax int8: ``(float32 scales, int8 codes)`` (``scales`` given: used as
-    they are). A Numba kernel on the CPU, the reference elsewhere. See
+    they are). A Numba kernel on the CPU, a Triton one on CUDA. See
     :func:`~gradzip.kernels.quant.int8_encode_reference`."""
     _check_float("x", x)
     block = _check_block(block)

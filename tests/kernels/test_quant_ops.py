@@ -516,6 +516,56 @@ def test_encoder_kernels_on_extreme_values(dtype):
     assert bool(torch.isfinite(norms).all()) and (dtype == torch.float16 or norms[0] == 0)  # float16's max is 65504
 
 
+def _int8_kernel():
+    from gradzip.kernels.triton.int8 import int8_encode_triton
+
+    return int8_encode_triton
+
+
+def _check_int8(x, blocks, routes=("auto", "two"), tile=None):
+    enc = _int8_kernel()
+    for route in routes:
+        for block in blocks:
+            got, want = enc(x, block=block, route=route, tile=tile), Q.int8_encode_reference(x, block=block)
+            assert same(got[0], want[0]) and torch.equal(got[1], want[1]), (block, route, tile)
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_int8_kernel_matches_reference(dtype, n):
+    """Scales and codes bit for bit on both routes (one pass: blocks of at most the tile), with
+    blocks that share a program, span programs (tile 512) and end ragged."""
+    x = data(n, dtype, n + 11) * 3
+    _check_int8(x, (None, 32, 96, 100, 1024))
+    _check_int8(x, (None, 96, 1024), tile=512)
+
+
+@interp
+@quiet[0]
+@quiet[1]
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_kernel_on_ties_and_extreme_values(dtype):
+    """Quotients exactly halfway (ties to even), values near float32's maximum, the smallest
+    subnormal (its scale clamped up), zero blocks, and blocks holding NaN (scale 0, codes 0)
+    or an infinity (the other codes 0; inf / inf sent as 0, as the reference's cast gives here)."""
+    ties = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 3.5, -3.5, 4.5, 0.0, -0.0, 1e-3, -127.0, 64.5]
+    rows = ties + [float("nan"), 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0] + [float("inf"), 1.0, -2.0, 3.0, 1.0, 2.0, 3.0, 4.0]
+    x = torch.cat([torch.tensor(rows), extremes(torch.float32, subnormal=dtype != torch.bfloat16)]).to(dtype)
+    _check_int8(x, (8, 16, None))
+
+
+def test_int8_one_pass_route_is_refused_where_it_does_not_apply():
+    if triton is None:
+        pytest.skip("needs triton")
+    from gradzip.kernels.triton.int8 import one_pass_rows
+
+    assert one_pass_rows(4097, 1024, 4096) == (4, 1024)
+    assert one_pass_rows(100, 1024, 4096) == (1, 128)  # one block of 100
+    assert one_pass_rows(5000, None, 4096) is None  # one block of 5000 > the tile
+    assert one_pass_rows(0, 1024, 4096) is None
+
+
 @interp
 def test_kernels_on_sums_that_are_not_exact():
     """Values over ~90 binades: the float64 block sums depend on the order. A scale is within
@@ -750,11 +800,30 @@ def test_compiled_kernels_on_extreme_values():
 
 
 @gpu
+@compiled
+@pytest.mark.parametrize("n", [1, 4097, (1 << 20) + 3])
+def test_compiled_int8_kernel_matches_reference(n):
+    enc = _int8_kernel()
+    for dtype in DTYPES:
+        x = data(n, dtype, n + 5) * 3
+        for block, route in ((1024, "one"), (1024, "two"), (64, "auto"), (None, "auto")):
+            got = [t.cpu() for t in enc(x.cuda(), block=block, route=route)]
+            want = Q.int8_encode_reference(x, block=block)
+            assert same(got[0], want[0]) and torch.equal(got[1], want[1]), (dtype, block, route)
+    x = torch.cat([torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 64.5]), extremes(torch.float32)])
+    got = [t.cpu() for t in enc(x.cuda(), block=8)]
+    want = Q.int8_encode_reference(x, block=8)
+    assert same(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@gpu
 def test_cuda_tensors_dispatch_to_triton(monkeypatch):
     monkeypatch.delenv(K.ENV_VAR, raising=False)
     x = data(4099, torch.float32, 1).cuda()
     K.sign_ef(x, torch.zeros_like(x), block=256)
-    assert K.backend_report()["ops"]["sign_ef"]["chosen"]["cuda"]["backend"] == "triton"
+    K.int8_encode(x, block=256)
+    for op in ("sign_ef", "int8_encode"):
+        assert K.backend_report()["ops"][op]["chosen"]["cuda"]["backend"] == "triton", op
 
 
 def _int8_codes_f64(v: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:

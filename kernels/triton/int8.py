@@ -1,0 +1,167 @@
+"""Block-wise absmax int8 in Triton: :func:`int8_encode_triton`.
+
+Per block ``S_b`` by :func:`gradzip.kernels.quant.int8_scales` of ``max |v|`` (float32
+``amax / 127`` rounded once from float64, one float32 step down where ``127 * S_b`` would pass
+``amax``, at least the smallest subnormal, 0 where ``amax`` is 0 or NaN); each code is
+``v / S_b`` in float64, rounded to nearest with ties to even, clamped to ``[-127, 127]``, 0
+where ``S_b`` is 0 (and where the quotient is NaN: ``inf / inf`` in a block holding an
+infinity, where the reference's float-to-int8 cast is undefined).
+
+One pass (:func:`_int8_onepass_kernel`) where a program can own whole blocks (a block of at
+most the tile, ``TILE_GPU`` elements): each program loads ``ROWS`` blocks once, reduces their
+``max |v|`` as float bits (NaN wins, as in ``torch.amax``), computes the scales on the device,
+writes them and the codes from the same registers: ``B + 1 + 4/b`` bytes per element, the
+minimum. Elsewhere (a longer block, ``block=None`` on a large tensor, ``scales`` given) two:
+:func:`~.blocks.block_stats_triton` for the maxima, the scales by the reference's own
+function, then :func:`_int8_codes_kernel`.
+
+Reference: :func:`gradzip.kernels.quant.int8_encode_reference` (bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import KERNEL_DTYPES
+from ..quant import int8_scales, quant_layout
+from . import LAUNCH, check, spec
+from .blocks import NUM_WARPS, STAT_MAX_ABS, TILE_GPU, block_stats_triton, tile_size
+
+__all__ = ["int8_encode_triton"]
+
+
+@triton.jit
+def _int8_codes(v, s):
+    """The codes of float32 values ``v`` under float32 scales ``s`` (broadcast to ``v``)."""
+    s64 = s.to(tl.float64)
+    q = tl.where(s > 0, v.to(tl.float64) / tl.where(s > 0, s64, 1.0), 0.0)
+    # Round half to even: |q| < 2^8 here or clamped, so q + 0.5 is exact in float64.
+    r = tl.floor(q + 0.5)
+    odd = (r.to(tl.int64) & 1) != 0
+    r = tl.where((r - q == 0.5) & odd, r - 1.0, r)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where(q == q, r, 0.0)  # NaN (inf / inf): 0
+    return r.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def _int8_scales(amax_bits):
+    """:func:`gradzip.kernels.quant.int8_scales` of ``max |v|`` given as float32 bits (int32)."""
+    a = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    s = (a / 127.0).to(tl.float32)
+    over = s.to(tl.float64) * 127.0 > a
+    sb = s.to(tl.int32, bitcast=True)
+    sb = tl.where(over & (sb > 0), sb - 1, sb)  # nextafter toward 0 (s >= 0)
+    sb = tl.maximum(sb, 1)  # at least the smallest subnormal, in bits (no denormal flush)
+    return tl.where(a > 0, sb, 0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_onepass_kernel(x_ptr, scales_ptr, codes_ptr, n, b, nb, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * ROWS + tl.arange(0, ROWS)
+    within = tl.arange(0, WIDTH)
+    offs = blk[:, None] * b + within[None, :]
+    mask = (blk[:, None] < nb) & (within[None, :] < b) & (offs < n)
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    s = _int8_scales(amax)
+    tl.store(scales_ptr + blk, s, mask=blk < nb)
+    tl.store(codes_ptr + offs, _int8_codes(v, s[:, None]), mask=mask)
+
+
+@triton.jit
+def _int8_codes_kernel(x_ptr, scales_ptr, codes_ptr, n, b, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scales_ptr + offs // b, mask=mask, other=0.0)
+    tl.store(codes_ptr + offs, _int8_codes(v, s), mask=mask)
+
+
+def one_pass_rows(n: int, block: int | None, tile: int | None = None) -> tuple[int, int] | None:
+    """``(ROWS, WIDTH)`` of the one-pass tile (``WIDTH`` the block length rounded up to a power
+    of two, ``ROWS`` blocks a program), or None where a block is longer than the tile."""
+    nb, b = quant_layout(n, block)
+    if n == 0:
+        return None
+    width = triton.next_power_of_2(b)
+    T = tile_size(tile)
+    if width > T:
+        return None
+    return max(1, min(T // width, triton.next_power_of_2(nb))), width
+
+
+def int8_encode_triton(
+    x: torch.Tensor,
+    *,
+    block: int | None = 1024,
+    scales: torch.Tensor | None = None,
+    tile: int | None = None,
+    route: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`~gradzip.kernels.quant.int8_encode_reference`: ``(float32
+    scales, int8 codes)``. ``route``: ``"auto"``, or ``"one"`` / ``"two"`` to force one (tests,
+    benchmarks; ``"one"`` raises ValueError where it does not apply)."""
+    check("x", x, KERNEL_DTYPES)
+    if route not in ("auto", "one", "two"):
+        raise ValueError(f"route must be 'auto', 'one' or 'two', got {route!r}")
+    n, dev = x.numel(), x.device
+    nb, b = quant_layout(n, block)
+    codes = torch.empty(n, dtype=torch.int8, device=dev)
+    xf = x.reshape(-1)
+    flags = {"num_warps": NUM_WARPS, **LAUNCH}
+    shape = None if (route == "two" or scales is not None) else one_pass_rows(n, block, tile)
+    if route == "one" and shape is None:
+        raise ValueError(f"no one-pass route for n={n}, block={block} (tile {tile_size(tile)})")
+    if shape is not None:
+        rows, width = shape
+        out = torch.empty(nb, dtype=torch.float32, device=dev)
+        _int8_onepass_kernel[(triton.cdiv(nb, rows),)](xf, out, codes, n, b, nb, ROWS=rows, WIDTH=width, **flags)
+        return out, codes
+    if scales is not None:
+        out = scales.to(device=dev, dtype=torch.float32).contiguous()
+    elif n:
+        _, amax = block_stats_triton(x, None, b, STAT_MAX_ABS, tile=tile)
+        out = int8_scales(amax)
+    else:
+        out = torch.empty(0, dtype=torch.float32, device=dev)
+    if n:
+        T = tile_size(tile)
+        _int8_codes_kernel[(triton.cdiv(n, T),)](xf, out, codes, n, b, BLOCK=T, **flags)
+    return out, codes
+
+
+def _sig(xp, ni="i32"):
+    return {"x_ptr": xp, "scales_ptr": "*fp32", "codes_ptr": "*i8", "n": ni, "b": ni}
+
+
+AOT_SPECS = [
+    # One pass at TILE_GPU: blocks of 1024, four to a program; one block of 4096 (fp16, int64 sizes).
+    spec(
+        _int8_onepass_kernel,
+        dict(_sig("*fp32"), nb="i32"),
+        {"ROWS": TILE_GPU // 1024, "WIDTH": 1024},
+        num_warps=NUM_WARPS,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _int8_onepass_kernel,
+        dict(_sig("*bf16"), nb="i32"),
+        {"ROWS": TILE_GPU // 1024, "WIDTH": 1024},
+        num_warps=NUM_WARPS,
+        divisible=("n", "b"),
+    ),
+    spec(
+        _int8_onepass_kernel,
+        dict(_sig("*fp16", "i64"), nb="i64"),
+        {"ROWS": 1, "WIDTH": TILE_GPU},
+        num_warps=NUM_WARPS,
+        divisible=(),
+    ),
+    spec(_int8_codes_kernel, _sig("*fp32"), {"BLOCK": TILE_GPU}, num_warps=NUM_WARPS),
+    spec(_int8_codes_kernel, _sig("*bf16", "i64"), {"BLOCK": TILE_GPU}, num_warps=NUM_WARPS, divisible=()),
+]
