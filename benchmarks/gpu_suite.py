@@ -1,6 +1,6 @@
 """Every GPU measurement in one call, within a time budget, with one summary against the goals.
 
-    python -m benchmarks.gpu_suite                        # CUDA: every part, within 450 s
+    python -m benchmarks.gpu_suite                        # CUDA: every part, within 570 s
     python -m benchmarks.gpu_suite --out DIR --budget 420 # write into DIR (the device tool: $OUT)
     python -m benchmarks.gpu_suite --parts tests --budget 200           # rerun one part
     python -m benchmarks.gpu_suite --smoke [--out DIR]    # the same code paths on the CPU, tiny sizes
@@ -12,7 +12,7 @@ its cap, and the least worth starting with):
 part        cap   least what it runs and writes (``SLUG``: the device's name, e.g.
                         ``nvidia-h100-80gb-hbm3``)
 =========== ===== ===== =====================================================================
-profile     45    20    whole calls of every codec and protocol of the grammar
+profile     60    20    whole calls of every codec and protocol of the grammar
                         (:data:`PROFILE_METHODS`; ``measure_codec(device="cuda")`` at 1M and
                         16M float32 elements, 2 and 8 ranks, fastest of 3), the profile
                         ``gradzip plan --device`` reads once ``benchmarks/h100_profile.py``
@@ -20,10 +20,11 @@ profile     45    20    whole calls of every codec and protocol of the grammar
 kernels     90    30    ``benchmarks/kernels.py --sizes 16M,64M,256M --dtypes fp32,bf16
                         --topk-sizes 100M``: every encoder and decoder, TopK exact, sampled
                         and approximate against ``torch.topk``: ``kernels_SLUG.json``
-gpu_step    110   30    ``benchmarks/gpu_step.py`` on ResNet-50 and GPT-2 small (8 timed steps,
+gpu_step    140   30    ``benchmarks/gpu_step.py`` on ResNet-50 and GPT-2 small (8 timed steps,
                         3 for a method slower than 1 s a step), the goals' methods on both
                         models first: ``gpu_step_SLUG.json``
-tests       200   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt``
+tests       270   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt`` (the ranks of a multi-rank
+                        test print their stacks after 75 s: ``GRADZIP_RANK_STACKS_AFTER``)
 =========== ===== ===== =====================================================================
 
 A part gets ``min(cap, budget left - 10 s)``; it is skipped when that is under its least.
@@ -102,8 +103,10 @@ COMPOSITE = ("Policy",)
 STEP_GOAL_METHODS = ("Identity()", "TopK(0.01)", "SignSGD()", "Int8()", "PowerSGD(rank=4)")
 
 #: part -> (cap in seconds, the least worth starting it with)
-PARTS = {"profile": (45, 20), "kernels": (90, 30), "gpu_step": (110, 30), "tests": (200, 40)}
-DEFAULT_BUDGET = 450
+PARTS = {"profile": (60, 20), "kernels": (90, 30), "gpu_step": (140, 30), "tests": (270, 40)}
+DEFAULT_BUDGET = 570
+#: The tests part's ranks print their stacks after this many seconds (a hang shows where it waits).
+RANK_STACKS_AFTER = 75
 RESERVE = 10  # seconds kept for the summary and the files
 SOFT_MARGIN = 25  # a child's soft budget ends this much before its share (a block in flight finishes)
 
@@ -563,7 +566,8 @@ def main(argv=None) -> int:
                         f"$ {' '.join(['python', *argv_part[1:]])}\n"
                     )
                     f.flush()
-                    rc, secs = run_part(argv_part, share, f, env)
+                    stacks = {"GRADZIP_RANK_STACKS_AFTER": str(RANK_STACKS_AFTER)}
+                    rc, secs = run_part(argv_part, share, f, {**env, **stacks})
                 text = target.read_text()
                 log.write(text)
             else:

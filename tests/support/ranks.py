@@ -17,7 +17,9 @@ test whose function leaves state behind in a process (or must see a pristine one
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
+import os
 import queue as _queue
 import traceback
 
@@ -49,10 +51,25 @@ def _context():
     return ctx
 
 
+#: Seconds after which every rank prints its threads' stacks to stderr (and runs on), for a
+#: hang that only a device shows: ``GRADZIP_RANK_STACKS_AFTER=60`` (unset: never).
+STACKS_ENV = "GRADZIP_RANK_STACKS_AFTER"
+
+
+def _stacks_after() -> float | None:
+    value = os.environ.get(STACKS_ENV, "").strip()
+    return float(value) if value else None
+
+
 def _run(fn, rank, world, port, args, q, timeout_s):
+    after = _stacks_after()
+    if after is not None:
+        faulthandler.dump_traceback_later(after, exit=False)
     try:
         init_worker(rank, world, port, threads=1, timeout_s=timeout_s)
         out = fn(rank, world, *args)
+        if after is not None:
+            faulthandler.cancel_dump_traceback_later()
         buf = io.BytesIO()
         torch.save(out, buf)
         q.put((rank, "ok", buf.getvalue()))
