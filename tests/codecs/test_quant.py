@@ -21,9 +21,11 @@ from gradzip.codecs.quant import (
     Int8,
     SignSGD,
     TernGrad,
+    _joined,
     qsgd_bits,
 )
 from gradzip.engine import Engine
+from gradzip.kernels import quant_layout
 from gradzip.kernels.bitpack import pack_bits, pack_nbit, packed_nbytes, unpack_bits, unpack_nbit
 from gradzip.kernels.reference import pack_2bit
 from gradzip.protocols.int8_allreduce import int8_lanes
@@ -575,3 +577,79 @@ def test_wire_bytes_dtypes_and_ddp_hook_on_two_ranks():
         for p, q in zip(a["params"], b["params"]):
             assert p.dtype == torch.bfloat16 and torch.equal(p, q) and bool(p.isfinite().all()), label
         assert a["stats"]["steps"] == 4 and a["stats"]["ratio"] > 1.0, (label, a["stats"])
+
+
+# -- the message-wide frame check (_Quantizer._clean) ------------------------------------------
+
+
+def _message(codec, sizes, seed=0):
+    """A message of one frame per size, packed as a protocol sends it, and its unpacked frames."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g) for n in sizes]
+    msg = pack_frames([codec.compress(x) for x in xs])
+    return msg, xs
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [SignSGD(block=7), QSGD(1, block=5), QSGD(7, block=5), QSGD(100, block=5), TernGrad(block=6), Int8(block=5)],
+    ids=repr,
+)
+def test_a_message_is_checked_in_one_pass_and_a_bad_frame_is_still_named(codec):
+    """Every frame of a message in one pass (its bodies are views of the message: no copy) and
+    one host sync; a negative scale or a code no encoder writes in any frame, found there, is
+    then named by the frame-by-frame pass as before; set padding bits are not codes."""
+    from gradzip.wire import FrameError
+
+    sizes = [13, 1, 30, 7, 22]
+    msg, xs = _message(codec, sizes)
+    shapes, dtypes = [x.shape for x in xs], [x.dtype for x in xs]
+
+    def frames(m):
+        return unpack_frames(m, shapes, dtypes)
+
+    good = [(p, quant_layout(p.numel, codec.block)[0]) for p in frames(msg)]
+    assert codec._clean(good)
+    # consecutive views of the message: the joined body is a view, not a copy
+    joined = _joined([p.body for p, _ in good])
+    assert joined.data_ptr() == good[0][0].body.data_ptr()
+    codec.check_frames(frames(msg))
+    bits = codec._bits
+    for frame in (0, 3, 4):
+        p, nb = good[frame]
+        start = p.body.data_ptr() - msg.data_ptr()
+        # a negative scale
+        bad = msg.clone()
+        bad[start + 3] |= 0x80
+        with pytest.raises(FrameError, match="negative block scale") as e:
+            codec.check_frames(frames(bad))
+        assert e.value.frame == frame
+        if codec._kind == "sign1":
+            continue
+        # a code no encoder writes, in the frame's first code byte
+        bad = msg.clone()
+        top = {"int8": 0x80, "tern2": 0x3, "qsgd": (1 << bits) - 1}[codec._kind]
+        if codec._kind == "qsgd" and top <= 2 * codec.levels:
+            continue  # every code of this width is one an encoder writes
+        bad[start + 4 * nb] = (bad[start + 4 * nb] & ~((1 << bits) - 1) & 0xFF) | top
+        with pytest.raises(FrameError, match="corrupt") as e:
+            codec.check_frames(frames(bad))
+        assert e.value.frame == frame
+    # padding bits of a frame's last code byte are not codes: the message stays clean
+    per = 8 // bits if bits <= 8 else 1
+    for p, _ in good:
+        if p.numel % per:
+            start = p.body.data_ptr() - msg.data_ptr()
+            pad = msg.clone()
+            pad[start + p.body.numel() - 1] |= (0xFF << ((p.numel % per) * bits)) & 0xFF
+            codec.check_frames(frames(pad))
+            assert codec._clean([(q, n) for q, (_, n) in zip(frames(pad), good)])
+
+
+def test_frames_apart_are_joined_by_a_copy():
+    a, b = torch.arange(5, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8)
+    got = _joined([a, b])
+    assert torch.equal(got, torch.cat([a, b])) and got.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    codec = Int8(block=4)
+    ps = [codec.compress(torch.randn(9)), codec.compress(torch.randn(4))]
+    assert codec._clean([(p, quant_layout(p.numel, 4)[0]) for p in ps])
