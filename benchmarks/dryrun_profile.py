@@ -14,6 +14,14 @@ is spent in kernels, in Python, or in launches and synchronizations (time spent 
 the device shows up under the call that synchronized: ``tolist``, ``item``, ``cpu``).
 Gradients are random normal (seed 0), float32. Prints the report and writes it to ``--out``
 when given.
+
+``--count``: no cProfile; per method the median of ``--steps`` timed steps and the number of
+top-level ATen operations one step issues (``torch.profiler``, CPU activity: each is a trip
+through torch's dispatcher, and on a GPU a launch where it computes anything), into the JSON
+file ``--json`` when given. The step's host-side work is what a launch-bound GPU step pays, so
+this tracks that cost on any machine:
+
+    python -m benchmarks.dryrun_profile --device cpu --count --methods "Int8();SignSGD()" --json x.json
 """
 
 from __future__ import annotations
@@ -63,6 +71,41 @@ def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
     return "\n".join(lines)
 
 
+def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dict:
+    """Median seconds of ``steps`` timed steps, and the top-level ATen operations of one more."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    import gradzip as gz
+    from gradzip.costmodel import dry_run
+
+    meth = gz.parse(spec)
+    stores: dict = {}
+
+    def run(s):
+        for b in buckets:
+            dry_run(meth, [grads[i] for i in b], world_size=world, names=[names[i] for i in b], stores=stores, step=s)
+        sync()
+
+    for s in range(2):
+        run(s)
+    times = []
+    for s in range(2, 2 + steps):
+        t = time.perf_counter()
+        run(s)
+        times.append(time.perf_counter() - t)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(2 + steps)
+
+    def top(e):
+        return e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+    ops = sum(1 for e in prof.events() if top(e))
+    return {"ms_per_step": statistics.median(times) * 1e3, "ms_all": [t * 1e3 for t in times], "aten_ops": ops}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -75,6 +118,9 @@ def main(argv=None) -> int:
         help="ResNet-50's 161 tensors (default) or step_time.py's MLP (6 tensors, 25.2M parameters)",
     )
     ap.add_argument("--out", default=None, help="also write the report to this file")
+    ap.add_argument("--count", action="store_true", help="time steps and count ATen operations, no cProfile")
+    ap.add_argument("--steps", type=int, default=5, help="--count: timed steps a method (default 5)")
+    ap.add_argument("--json", default=None, help="--count: write the figures to this JSON file")
     args = ap.parse_args(argv)
     from gradzip.costmodel import ddp_buckets
 
@@ -97,7 +143,36 @@ def main(argv=None) -> int:
         f"{args.world} ranks"
     ]
     print(report[0], flush=True)
-    for spec in [s.strip() for s in args.methods.split(";") if s.strip()]:
+    specs = [s.strip() for s in args.methods.split(";") if s.strip()]
+    if args.count:
+        rows = {}
+        for spec in specs:
+            rows[spec] = count(spec, grads, names, buckets, args.world, sync, args.steps)
+            row = rows[spec]
+            print(f"{spec:30s} {row['ms_per_step']:9.1f} ms a step  {row['aten_ops']:8d} ATen ops", flush=True)
+        if args.json:
+            from benchmarks._common import write_result
+            from gradzip.machine import machine
+
+            write_result(
+                args.json,
+                {
+                    "benchmark": "benchmarks/dryrun_profile.py --count",
+                    "argv": list(argv if argv is not None else sys.argv[1:]),
+                    "device": label,
+                    "machine": machine(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "model": args.model,
+                    "tensors": len(grads),
+                    "buckets": len(buckets),
+                    "world": args.world,
+                    "steps": args.steps,
+                    "methods": rows,
+                },
+            )
+        return 0
+    for spec in specs:
         report.append(profile(spec, grads, names, buckets, args.world, sync))
         print(report[-1], flush=True)
     if args.out:
