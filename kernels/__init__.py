@@ -164,7 +164,10 @@ _OPS = {
         int8_encode_reference,
         {"numba": (".numba_ops", "int8_encode_numba"), "triton": (".triton.int8", "int8_encode_triton")},
     ),
-    "int8_apply_": (int8_apply_reference, {"numba": (".numba_ops", "int8_apply_numba")}),
+    "int8_apply_": (
+        int8_apply_reference,
+        {"numba": (".numba_ops", "int8_apply_numba"), "triton": (".triton.decode", "int8_apply_triton")},
+    ),
     "decode_add_quant": (
         decode_add_quant_reference,
         {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
@@ -407,7 +410,8 @@ def int8_encode(x: torch.Tensor, *, block: int | None = 1024, scales: torch.Tens
 
 def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
     """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order, ``out``
-    a flat contiguous float32 or float64 CPU tensor: :func:`~gradzip.kernels.quant.int8_apply_`."""
+    a flat contiguous float32 or float64 tensor (Numba on the CPU; Triton for float32 on CUDA):
+    :func:`~gradzip.kernels.quant.int8_apply_`."""
     if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"out must be float32 or float64, got {getattr(out, 'dtype', type(out))}")
     bodies, _ = _check_bodies(bodies, out.numel(), "int8", block, 0, None)

@@ -40,6 +40,7 @@ from . import LAUNCH, check, row_tile, size, spec
 __all__ = [
     "decode_add_bitmap2_triton",
     "decode_add_quant_triton",
+    "int8_apply_triton",
     "scatter_add_signed_triton",
     "scatter_add_sparse_triton",
 ]
@@ -83,6 +84,7 @@ def _decode_add_quant_kernel(
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +113,10 @@ def _decode_add_quant_kernel(
             byte = tl.load(base_ptr + co + offs, mask=mask, other=0).to(tl.int32)
             q = tl.where(byte >= 128, byte - 256, byte)
             val = q.to(tl.float32) * sc
-        acc = acc + val
+        if SUB:  # acc - val is acc + (-val) bit for bit: the reference's out.sub_(decode)
+            acc = acc - val
+        else:
+            acc = acc + val
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
@@ -191,8 +196,10 @@ def decode_add_quant_triton(
     levels: int = 0,
     bits: int | None = None,
     tile: int | None = None,
+    subtract: bool = False,
 ) -> None:
-    """Triton version of :func:`~gradzip.kernels.quant.decode_add_quant_reference` (float32 ``out``)."""
+    """Triton version of :func:`~gradzip.kernels.quant.decode_add_quant_reference` (float32 ``out``);
+    ``subtract``: ``out -= decode`` instead, peer by peer in order."""
     _check_decode(out, bodies)
     if kind not in KIND_CODE:
         raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
@@ -214,9 +221,16 @@ def decode_add_quant_triton(
         KIND=KIND_CODE[kind],
         BITS=int(bits or 8),
         BLOCK=B,
+        SUB=bool(subtract),
         num_warps=NUM_WARPS,
         **LAUNCH,
     )
+
+
+def int8_apply_triton(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
+    """Triton version of :func:`~gradzip.kernels.quant.int8_apply_` (float32 ``out``): Int8's
+    decode-add, and (``subtract``) its error feedback's subtraction, in one launch."""
+    decode_add_quant_triton(out, bodies, "int8", block=block, subtract=subtract)
 
 
 def scatter_add_signed_triton(out: torch.Tensor, words: torch.Tensor, tau: float, *, block: int | None = None) -> None:
@@ -289,9 +303,17 @@ AOT_SPECS = (
         spec(
             _decode_add_quant_kernel,
             _DEC_SIG,
-            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU},
+            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU, "SUB": False},
             num_warps=NUM_WARPS,
         )
         for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
+    ]
+    + [  # Int8's error-feedback subtraction (int8_apply_triton)
+        spec(
+            _decode_add_quant_kernel,
+            _DEC_SIG,
+            {"KIND": KIND_CODE["int8"], "BITS": 8, "BLOCK": TILE_GPU, "SUB": True},
+            num_warps=NUM_WARPS,
+        )
     ]
 )

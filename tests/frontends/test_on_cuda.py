@@ -74,7 +74,7 @@ KERNELS = {
     "SignSGD": ["sign_ef", "decode_add_quant"],
     "QSGD": ["qsgd_encode", "decode_add_quant"],
     "TernGrad": ["terngrad_encode", "decode_add_quant"],
-    "Int8": ["int8_encode", "decode_add_quant"],
+    "Int8": ["int8_encode", "decode_add_quant", "int8_apply_"],
 }
 # The CPU interpreter run (slow: 0.03-0.13 s a kernel call on these sizes) covers each kernel
 # family once, spread over the front ends, for INTERPRETED_STEPS steps.

@@ -659,6 +659,22 @@ def test_decode_add_quant_kernel_matches_reference(kind):
 
 
 @interp
+@pytest.mark.parametrize("subtract", [False, True])
+def test_int8_apply_kernel_matches_reference(subtract):
+    """Int8's decode-add and its error feedback's subtraction (``out -= decode``, peer by peer):
+    one launch of the decode kernel, bit for bit with ``int8_apply_``'s reference."""
+    from gradzip.kernels.triton.decode import int8_apply_triton
+
+    for n in SIZES:
+        bodies, kw = _frames("int8", n)
+        out0 = torch.randn(n, generator=gen(9)) * 4
+        want, got = out0.clone(), out0.clone()
+        Q.int8_apply_(want, bodies, block=kw["block"], subtract=subtract)
+        int8_apply_triton(got, bodies, block=kw["block"], subtract=subtract)
+        assert same(got, want), (n, subtract)
+
+
+@interp
 @quiet[0]
 @quiet[1]
 def test_decode_kernel_caps_qsgd_values_at_the_norm():
@@ -821,8 +837,13 @@ def test_cuda_tensors_dispatch_to_triton(monkeypatch):
     monkeypatch.delenv(K.ENV_VAR, raising=False)
     x = data(4099, torch.float32, 1).cuda()
     K.sign_ef(x, torch.zeros_like(x), block=256)
-    K.int8_encode(x, block=256)
-    for op in ("sign_ef", "int8_encode"):
+    scales, codes = K.int8_encode(x, block=256)
+    out = torch.zeros_like(x)
+    K.int8_apply_(out, [body(scales, codes)], block=256, subtract=True)
+    want = torch.zeros(x.numel())
+    Q.int8_apply_(want, [body(scales.cpu(), codes.cpu())], block=256, subtract=True)
+    assert same(out.cpu(), want)
+    for op in ("sign_ef", "int8_encode", "int8_apply_"):
         assert K.backend_report()["ops"][op]["chosen"]["cuda"]["backend"] == "triton", op
 
 
