@@ -38,7 +38,9 @@ import torch
 from benchmarks.gpu_step import ResNet
 
 
-def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
+def stepper(spec: str, grads, names, buckets, world: int, sync):
+    """``run(step)``: one step of ``spec``'s dry runs over the buckets (state kept between
+    steps), after two untimed ones."""
     import gradzip as gz
     from gradzip.costmodel import dry_run
 
@@ -52,6 +54,11 @@ def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
 
     for s in range(2):
         run(s)
+    return run
+
+
+def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
+    run = stepper(spec, grads, names, buckets, world, sync)
     t = time.perf_counter()
     run(2)
     wall = time.perf_counter() - t
@@ -78,19 +85,7 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    import gradzip as gz
-    from gradzip.costmodel import dry_run
-
-    meth = gz.parse(spec)
-    stores: dict = {}
-
-    def run(s):
-        for b in buckets:
-            dry_run(meth, [grads[i] for i in b], world_size=world, names=[names[i] for i in b], stores=stores, step=s)
-        sync()
-
-    for s in range(2):
-        run(s)
+    run = stepper(spec, grads, names, buckets, world, sync)
     times = []
     for s in range(2, 2 + steps):
         t = time.perf_counter()
@@ -114,8 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--model",
         default="resnet50",
-        choices=["resnet50", "mlp"],
-        help="ResNet-50's 161 tensors (default) or step_time.py's MLP (6 tensors, 25.2M parameters)",
+        choices=["resnet50", "mlp", "tiny"],
+        help="ResNet-50's 161 tensors (default), step_time.py's MLP (6 tensors, 25.2M parameters) or "
+        "gpu_step.py's tiny ResNet (the tests' smoke run)",
     )
     ap.add_argument("--out", default=None, help="also write the report to this file")
     ap.add_argument("--count", action="store_true", help="time steps and count ATen operations, no cProfile")
@@ -129,6 +125,8 @@ def main(argv=None) -> int:
         from benchmarks.step_time import build_model
 
         model = build_model(4096, 1)
+    elif args.model == "tiny":
+        model = ResNet(blocks=(1, 1, 1, 1), base=8, classes=16)
     else:
         model = ResNet()
     named = list(model.named_parameters())

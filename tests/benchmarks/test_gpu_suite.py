@@ -192,3 +192,21 @@ def test_summary_reads_the_goals_from_the_files():
         "not measured"
     )
     assert "not measured" in gpu_suite.format_summary(list(rows.values()), "NVIDIA H200")
+
+
+def test_dryrun_profile_counts_and_profiles_a_step_on_the_cpu(tmp_path):
+    """benchmarks/dryrun_profile.py on the tiny ResNet: --count writes each method's step time
+    and ATen operations; the cProfile report names the method and its step time."""
+    import json
+
+    from benchmarks import dryrun_profile
+
+    out = tmp_path / "ops.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--world", "4", "--methods", "Int8();SignSGD()"]
+    assert dryrun_profile.main([*argv, "--count", "--steps", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["world"] == 4 and set(doc["methods"]) == {"Int8()", "SignSGD()"}
+    assert all(r["aten_ops"] > 0 and r["ms_per_step"] > 0 for r in doc["methods"].values())
+    report = tmp_path / "report.txt"
+    assert dryrun_profile.main([*argv[:-1], "Int8()", "--out", str(report)]) == 0
+    assert "===== Int8():" in report.read_text()
