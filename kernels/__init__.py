@@ -48,6 +48,7 @@ from .philox import philox_uniform
 from .quant import (
     QUANT_KINDS,
     decode_add_quant_reference,
+    decode_add_quant_segments_reference,
     int8_encode_reference,
     int8_scales,
     qsgd_bits,
@@ -105,6 +106,7 @@ __all__ = [
     "int8_encode",
     "int8_apply_",
     "decode_add_quant",
+    "decode_add_quant_segments",
     "decode_quant",
     "philox_uniform",
     "QUANT_KINDS",
@@ -167,6 +169,13 @@ _OPS = {
     "int8_apply_": (
         int8_apply_reference,
         {"numba": (".numba_ops", "int8_apply_numba"), "triton": (".triton.decode", "int8_apply_triton")},
+    ),
+    "decode_add_quant_segments": (
+        decode_add_quant_segments_reference,
+        {
+            "numba": (".numba_ops", "decode_add_quant_segments_numba"),
+            "triton": (".triton.decode", "decode_add_quant_segments_triton"),
+        },
     ),
     "decode_add_quant": (
         decode_add_quant_reference,
@@ -460,6 +469,45 @@ def decode_add_quant(
     if not bodies or n == 0:
         return
     _run("decode_add_quant", out, out, bodies, kind, block=block, levels=int(levels), bits=bits)
+
+
+def decode_add_quant_segments(
+    out: torch.Tensor,
+    bodies: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    numels: Sequence[int],
+    kind: str,
+    *,
+    block: int | None = None,
+    levels: int = 0,
+    bits: int | None = None,
+) -> None:
+    """``out[starts[s] : starts[s] + numels[s]] += decode(bodies[s])`` for every segment: one
+    quantizer frame per range of a flat contiguous float32 or float64 ``out``, the ranges
+    disjoint (TwoPhase's owners' pieces of a call), in one call (on CUDA, one launch). Body
+    lengths and the ranges are checked here; code values are not (callers validate frames)."""
+    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"out must be float32 or float64, got {getattr(out, 'dtype', type(out))}")
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("out must be flat and contiguous")
+    bodies, starts, numels = list(bodies), [int(v) for v in starts], [int(v) for v in numels]
+    if not (len(bodies) == len(starts) == len(numels)):
+        raise ValueError(f"{len(bodies)} bodies, {len(starts)} starts and {len(numels)} numels")
+    end = 0
+    for st, n in sorted(zip(starts, numels)):
+        if st < end or n < 0 or st + n > out.numel():
+            raise ValueError(f"segment [{st}, {st + n}) overlaps another or leaves out's {out.numel()} elements")
+        end = st + n
+    checked = []
+    for body, n in zip(bodies, numels):
+        got, bits_ = _check_bodies([body], n, kind, block, levels, bits)
+        checked += got
+    if not checked:
+        return
+    bits = bits_ if kind == "qsgd" else bits
+    _run(
+        "decode_add_quant_segments", out, out, checked, starts, numels, kind, block=block, levels=int(levels), bits=bits
+    )
 
 
 def decode_quant(

@@ -534,6 +534,20 @@ def decode_add_quant_numba(out, bodies, kind, *, block=None, levels=0, bits=None
             _tern_add(acc, sc, cd, b)
 
 
+def decode_add_quant_segments_numba(out, bodies, starts, numels, kind, *, block=None, levels=0, bits=None):
+    """:func:`~gradzip.kernels.quant.decode_add_quant_segments_reference` by the compiled
+    decoders, a segment at a time (QSGD, TernGrad and Int8 frames)."""
+    if kind not in ("qsgd", "tern2", "int8"):
+        raise Unsupported(f"{kind} frames decode by the reference's CPU path")
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != torch.float32:
+        raise Unsupported("Numba decoders take a contiguous float32 CPU tensor")
+    flat = out.view(-1)
+    for body, st, n in zip(bodies, starts, numels):
+        if n:
+            body = body if body.storage_offset() % 4 == 0 else body.clone()  # the scales' float32 view
+            decode_add_quant_numba(flat[st : st + n], [body], kind, block=block, levels=levels, bits=bits)
+
+
 def int8_apply_numba(out, bodies, *, block, subtract=False):
     """:func:`~gradzip.kernels.quant.int8_apply_`: ``out += decode(body_p)`` (``subtract``:
     ``-=``) for every int8 frame in order, ``out`` a contiguous float32 or float64 CPU tensor."""

@@ -424,6 +424,26 @@ def decode_quant_reference(
     return code.view(torch.int8).to(acc) * se
 
 
+def decode_add_quant_segments_reference(
+    out: torch.Tensor,
+    bodies: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    numels: Sequence[int],
+    kind: str,
+    *,
+    block: int | None = None,
+    levels: int = 0,
+    bits: int | None = None,
+) -> None:
+    """``out[starts[s] : starts[s] + numels[s]] += decode(bodies[s])`` for every segment ``s``
+    (flat contiguous float32 or float64 ``out``, disjoint ranges): one frame per range, as
+    TwoPhase's owners' pieces of a call decode into it."""
+    for body, st, n in zip(bodies, starts, numels):
+        if n:
+            body = body if body.storage_offset() % 4 == 0 else body.clone()  # the scales' float32 view
+            decode_add_quant_reference(out[st : st + n], [body], kind, block=block, levels=levels, bits=bits)
+
+
 def decode_add_quant_reference(
     out: torch.Tensor,
     bodies: Sequence[torch.Tensor],

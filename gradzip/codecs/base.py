@@ -153,6 +153,13 @@ class Codec(Registered, register=False):
         for p in payloads:
             self.accumulate(p, out)
 
+    def accumulate_segments(self, payloads, out: torch.Tensor, starts) -> None:
+        """``accumulate`` payload ``i`` into ``out[starts[i] : starts[i] + payloads[i].numel]``
+        of a flat ``out``, the ranges disjoint (TwoPhase's owners' pieces of a call); override
+        to decode them together."""
+        for p, st in zip(payloads, starts):
+            self.accumulate(p, out[st : st + p.numel])
+
     def sent_mask(self, payload: Payload, n: int) -> torch.Tensor:
         """Bool mask of the ``n`` elements the payload sends (for momentum factor masking)."""
         return self.decompress(payload).reshape(-1) != 0

@@ -291,6 +291,18 @@ class _Quantizer(Codec):
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         self.accumulate_many([payload], out)
 
+    def accumulate_segments(self, payloads, out: torch.Tensor, starts) -> None:
+        """Every payload into its own range of a flat ``out`` by one ``kernels.decode_add_quant_segments``
+        (one launch on CUDA), where the protocol checked them; else one at a time."""
+        payloads = list(payloads)
+        flat = out.dim() == 1 and out.is_contiguous() and out.dtype in (torch.float32, torch.float64)
+        if not (flat and payloads and all(p.checked for p in payloads)):
+            super().accumulate_segments(payloads, out, starts)
+            return
+        K.decode_add_quant_segments(
+            out, [p.body for p in payloads], starts, [p.numel for p in payloads], self._kind, **self._decode_kw()
+        )
+
     def accumulate_many(self, payloads, out: torch.Tensor) -> None:
         """``out += decode(p)`` for every peer's payload in rank order, in one pass over ``out``."""
         payloads = list(payloads)

@@ -112,9 +112,10 @@ class TwoPhase(Protocol):
         with call.codec():
             out = call.output(zero=acc_dtype == call.out_dtype)
             acc = out if acc_dtype == call.out_dtype else torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
+            frames, starts = [], []
             for j in range(world):
                 pieces = [torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)]
-                fr = unpack_frames(
+                frames += unpack_frames(
                     gathered[j],
                     pieces,
                     [again[i].dtype for i in range(count)],
@@ -123,9 +124,9 @@ class TwoPhase(Protocol):
                     names=[owner_key(call.names[i], j, world) for i in range(count)],
                     rank=j,
                 )
-                for i in range(count):
-                    lo = call.offsets[i]
-                    codec.accumulate(fr[i], acc[lo + bounds[i][j] : lo + bounds[i][j + 1]])
+                starts += [call.offsets[i] + bounds[i][j] for i in range(count)]
+            # Every owner's piece of every tensor into its own range: together (one launch on CUDA).
+            codec.accumulate_segments(frames, acc, starts)
             if acc is not out:
                 out.copy_(narrow(acc, out.dtype))
         return out

@@ -41,6 +41,7 @@ __all__ = [
     "decode_add_bitmap2_triton",
     "decode_add_quant_triton",
     "int8_apply_triton",
+    "decode_add_quant_segments_triton",
     "scatter_add_signed_triton",
     "scatter_add_sparse_triton",
 ]
@@ -72,6 +73,31 @@ def _decode_add_bitmap2_kernel(out_ptr, base_ptr, offs_ptr, taus_ptr, n, npeers,
 
 
 @triton.jit
+def _quant_value(base_ptr, co, offs, mask, sc, levels, KIND: tl.constexpr, BITS: tl.constexpr):
+    """The decoded float32 value of elements ``offs`` of a frame whose codes start at byte
+    ``co`` of ``base_ptr``, ``sc`` their block scales: the reference's expression per kind."""
+    if KIND == 0:  # sign1: bit i % 8 of byte i // 8 (the int32 words' little-endian bytes)
+        byte = tl.load(base_ptr + co + offs // 8, mask=mask, other=0).to(tl.int32)
+        bit = (byte >> (offs % 8).to(tl.int32)) & 1
+        val = tl.where(bit != 0, -sc, sc)
+    elif KIND == 1:  # qsgd: (c - s) * (N_b / s), its magnitude capped at N_b
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(base_ptr + co + offs // PER, mask=mask, other=0).to(tl.int32)
+        c = (byte >> ((offs % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
+        val = (c.to(tl.float32) - levels) * tl.div_rn(sc, levels)
+        val = tl.where(tl.abs(val) > sc, tl.where(val < 0, -sc, sc), val)
+    elif KIND == 2:  # tern2: (c == 1) * S - (c == 2) * S
+        byte = tl.load(base_ptr + co + offs // 4, mask=mask, other=0).to(tl.int32)
+        c = (byte >> ((offs % 4).to(tl.int32) * 2)) & 3
+        val = (c == 1).to(tl.float32) * sc - (c == 2).to(tl.float32) * sc
+    else:  # int8: q * S
+        byte = tl.load(base_ptr + co + offs, mask=mask, other=0).to(tl.int32)
+        q = tl.where(byte >= 128, byte - 256, byte)
+        val = q.to(tl.float32) * sc
+    return val
+
+
+@triton.jit
 def _decode_add_quant_kernel(
     out_ptr,
     base_ptr,
@@ -95,29 +121,47 @@ def _decode_add_quant_kernel(
         so = tl.load(soffs_ptr + p)
         co = tl.load(coffs_ptr + p)
         sc = tl.load((base_ptr + so).to(tl.pointer_type(tl.float32)) + blk, mask=mask, other=0.0)
-        if KIND == 0:  # sign1: bit i % 8 of byte i // 8 (the int32 words' little-endian bytes)
-            byte = tl.load(base_ptr + co + offs // 8, mask=mask, other=0).to(tl.int32)
-            bit = (byte >> (offs % 8).to(tl.int32)) & 1
-            val = tl.where(bit != 0, -sc, sc)
-        elif KIND == 1:  # qsgd: (c - s) * (N_b / s), its magnitude capped at N_b
-            PER: tl.constexpr = 8 // BITS
-            byte = tl.load(base_ptr + co + offs // PER, mask=mask, other=0).to(tl.int32)
-            c = (byte >> ((offs % PER).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
-            val = (c.to(tl.float32) - levels) * tl.div_rn(sc, levels)
-            val = tl.where(tl.abs(val) > sc, tl.where(val < 0, -sc, sc), val)
-        elif KIND == 2:  # tern2: (c == 1) * S - (c == 2) * S
-            byte = tl.load(base_ptr + co + offs // 4, mask=mask, other=0).to(tl.int32)
-            c = (byte >> ((offs % 4).to(tl.int32) * 2)) & 3
-            val = (c == 1).to(tl.float32) * sc - (c == 2).to(tl.float32) * sc
-        else:  # int8: q * S
-            byte = tl.load(base_ptr + co + offs, mask=mask, other=0).to(tl.int32)
-            q = tl.where(byte >= 128, byte - 256, byte)
-            val = q.to(tl.float32) * sc
+        val = _quant_value(base_ptr, co, offs, mask, sc, levels, KIND, BITS)
         if SUB:  # acc - val is acc + (-val) bit for bit: the reference's out.sub_(decode)
             acc = acc - val
         else:
             acc = acc + val
     tl.store(out_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _decode_segments_kernel(
+    out_ptr,
+    base_ptr,
+    prog_seg_ptr,
+    prog_first_ptr,
+    seg_ptr,
+    levels,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program ``pid`` decodes elements ``[first, first + BLOCK)`` of segment ``prog_seg[pid]``
+    into its own range of ``out``. A segment's row of ``seg_ptr`` (int64): its first element in
+    ``out``, its length, its block length, the byte offsets of its scales and of its codes in
+    ``base_ptr``. The scales are read a byte at a time: frames lie back to back in a message,
+    so a body's scales need not be 4-byte aligned."""
+    pid = tl.program_id(0)
+    seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
+    first = tl.load(prog_first_ptr + pid).to(tl.int64)
+    row = seg_ptr + seg * 5
+    o, n, b, so, co = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    offs = first + tl.arange(0, BLOCK)
+    mask = offs < n
+    sb = base_ptr + so + (offs // b) * 4
+    bits = tl.load(sb, mask=mask, other=0).to(tl.int32)
+    bits = bits | (tl.load(sb + 1, mask=mask, other=0).to(tl.int32) << 8)
+    bits = bits | (tl.load(sb + 2, mask=mask, other=0).to(tl.int32) << 16)
+    bits = bits | (tl.load(sb + 3, mask=mask, other=0).to(tl.int32) << 24)
+    sc = bits.to(tl.float32, bitcast=True)
+    acc = tl.load(out_ptr + o + offs, mask=mask, other=0.0)
+    acc = acc + _quant_value(base_ptr, co, offs, mask, sc, levels, KIND, BITS)
+    tl.store(out_ptr + o + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -227,6 +271,83 @@ def decode_add_quant_triton(
     )
 
 
+#: Launch tables of the segment layouts decoded so far (a TwoPhase call's layout recurs every step).
+_SEGMENT_TABLES: dict = {}
+_SEGMENT_TABLES_MAX = 256
+
+
+def _segment_base(bodies: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 tensor holding every body, and each body's byte offset in it: the bodies' own
+    storage where they all lie in one (a message's frames), else one concatenated copy."""
+    st = bodies[0].untyped_storage()
+    if all(b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() for b in bodies):
+        base = torch.empty(0, dtype=torch.uint8, device=bodies[0].device).set_(st, 0, (st.nbytes(),))
+        return base, [b.storage_offset() for b in bodies]
+    offsets, pos = [], 0
+    for b in bodies:
+        offsets.append(pos)
+        pos += b.numel()
+    return torch.cat([b.reshape(-1) for b in bodies]), offsets
+
+
+def decode_add_quant_segments_triton(
+    out: torch.Tensor,
+    bodies: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    numels: Sequence[int],
+    kind: str,
+    *,
+    block: int | None = None,
+    levels: int = 0,
+    bits: int | None = None,
+    tile: int | None = None,
+) -> None:
+    """Triton version of :func:`~gradzip.kernels.quant.decode_add_quant_segments_reference`
+    (flat float32 ``out``): every segment in one launch, a program per ``tile`` elements of a
+    segment."""
+    _check_decode(out, bodies)
+    if kind not in KIND_CODE:
+        raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
+    if not bodies:
+        return
+    B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
+    base, offs = _segment_base(bodies)
+    key = (tuple(starts), tuple(numels), tuple(offs), block, B, str(out.device))
+    tables = _SEGMENT_TABLES.get(key)
+    if tables is None:
+        rows, prog_seg, prog_first = [], [], []
+        for s, (st, n, off) in enumerate(zip(starts, numels, offs)):
+            nb, b = quant_layout(n, block)
+            rows.append([st, n, max(b, 1), off, off + 4 * nb])
+            for first in range(0, n, B):
+                prog_seg.append(s)
+                prog_first.append(first)
+        dev = out.device
+        tables = (
+            torch.tensor(prog_seg, dtype=torch.int32).to(dev),
+            torch.tensor(prog_first, dtype=torch.int64).to(dev),
+            torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(dev),
+        )
+        if len(_SEGMENT_TABLES) >= _SEGMENT_TABLES_MAX:
+            _SEGMENT_TABLES.clear()
+        _SEGMENT_TABLES[key] = tables
+    prog_seg, prog_first, seg = tables
+    if prog_seg.numel():
+        _decode_segments_kernel[(prog_seg.numel(),)](
+            out,
+            base,
+            prog_seg,
+            prog_first,
+            seg,
+            float(levels),
+            KIND=KIND_CODE[kind],
+            BITS=int(bits or 8),
+            BLOCK=B,
+            num_warps=NUM_WARPS,
+            **LAUNCH,
+        )
+
+
 def int8_apply_triton(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
     """Triton version of :func:`~gradzip.kernels.quant.int8_apply_` (float32 ``out``): Int8's
     decode-add, and (``subtract``) its error feedback's subtraction, in one launch."""
@@ -307,6 +428,23 @@ AOT_SPECS = (
             num_warps=NUM_WARPS,
         )
         for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
+    ]
+    + [
+        spec(
+            _decode_segments_kernel,
+            {
+                "out_ptr": "*fp32",
+                "base_ptr": "*u8",
+                "prog_seg_ptr": "*i32",
+                "prog_first_ptr": "*i64",
+                "seg_ptr": "*i64",
+                "levels": "fp32",
+            },
+            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU},
+            num_warps=NUM_WARPS,
+            divisible=(),
+        )
+        for k, bits in (("sign1", 8), ("qsgd", 4), ("tern2", 8), ("int8", 8))
     ]
     + [  # Int8's error-feedback subtraction (int8_apply_triton)
         spec(

@@ -658,6 +658,64 @@ def test_decode_add_quant_kernel_matches_reference(kind):
         assert same(got, want), n
 
 
+def _segments(kind, sizes, shared: bool):
+    """Frames of ``kind`` for pieces of ``sizes`` elements, back to back in one message buffer
+    (``shared``: the bodies are views of it at unaligned offsets) or apart; their ranges in a
+    flat output with gaps between them; the decode keywords."""
+    bodies, kw = [], None
+    for n in sizes:
+        got, kw = _frames(kind, n, peers=1)
+        bodies.append(got[0])
+    if shared:
+        msg = torch.zeros(3 + sum(b.numel() + 1 for b in bodies), dtype=torch.uint8)
+        views, pos = [], 3
+        for b in bodies:
+            msg[pos : pos + b.numel()] = b
+            views.append(msg[pos : pos + b.numel()])
+            pos += b.numel() + 1
+        bodies = views
+    starts, pos = [], 0
+    for n in reversed(sizes):  # ranges in another order than the bodies
+        starts.insert(0, pos)
+        pos += n + 2
+    return bodies, starts, pos, kw
+
+
+@pytest.mark.parametrize("kind", QKINDS)
+@pytest.mark.parametrize("shared", [True, False])
+def test_decode_add_quant_segments_is_a_decode_per_range(kind, shared):
+    """Every backend that runs here (the reference; Numba; Triton under the interpreter) gives
+    each range of ``out`` the decode-add of its own frame, bit for bit, and leaves the rest."""
+    k = kind[:4] if kind.startswith("qsgd") else kind
+    sizes = [1, 4097, 0, 33, 130]
+    bodies, starts, total, kw = _segments(kind, sizes, shared)
+    out0 = torch.randn(total, generator=gen(2))
+    want = out0.clone()
+    for b, st, n in zip(bodies, starts, sizes):
+        if n:
+            Q.decode_add_quant_reference(want[st : st + n], [b.clone()], k, **kw)
+    got = out0.clone()
+    K.decode_add_quant_segments(got, bodies, starts, sizes, k, **kw)
+    assert same(got, want)
+    if INTERPRETING and triton is not None:
+        from gradzip.kernels.triton.decode import decode_add_quant_segments_triton
+
+        got = out0.clone()
+        decode_add_quant_segments_triton(got, bodies, starts, sizes, k, tile=1024, **kw)
+        assert same(got, want)
+
+
+def test_decode_add_quant_segments_refuses_overlaps_and_wrong_lengths():
+    bodies, starts, total, kw = _segments("int8", [10, 20], True)
+    out = torch.zeros(total)
+    with pytest.raises(ValueError, match="overlaps"):
+        K.decode_add_quant_segments(out, bodies, [0, 5], [10, 20], "int8", **kw)
+    with pytest.raises(ValueError, match="leaves"):
+        K.decode_add_quant_segments(out, bodies, [0, total - 5], [10, 20], "int8", **kw)
+    with pytest.raises(ValueError, match="corrupt int8 body"):
+        K.decode_add_quant_segments(out, bodies, starts, [10, 21], "int8", **kw)
+
+
 @interp
 @pytest.mark.parametrize("subtract", [False, True])
 def test_int8_apply_kernel_matches_reference(subtract):
