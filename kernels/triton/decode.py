@@ -8,6 +8,10 @@
   scales, then codes: sign1, qsgd, tern2 or int8) the same way, each element
   adding each peer's value with the reference's expression. Code values are not
   checked (callers validate frames first).
+* :func:`_decode_segments_kernel`: one quantizer frame per range of ``out`` (TwoPhase's
+  owners' pieces of a call), every range in one launch (:func:`decode_add_quant_segments_triton`);
+  :func:`_decode_add_quant_kernel` with ``SUB`` subtracts instead (Int8's error feedback,
+  :func:`int8_apply_triton`).
 * :func:`_scatter_add_signed_kernel`: one peer's signed index words.
 * :func:`_scatter_add_sparse_kernel`: one peer's top-k frame (int32/int64
   indices, float32/16/bf16 values).
