@@ -498,16 +498,12 @@ def decode_add_quant_segments(
         if st < end or n < 0 or st + n > out.numel():
             raise ValueError(f"segment [{st}, {st + n}) overlaps another or leaves out's {out.numel()} elements")
         end = st + n
-    checked = []
+    _, bits = _check_bodies([], 0, kind, block, levels, bits)  # the kind, levels and code width
     for body, n in zip(bodies, numels):
-        got, bits_ = _check_bodies([body], n, kind, block, levels, bits)
-        checked += got
-    if not checked:
-        return
-    bits = bits_ if kind == "qsgd" else bits
-    _run(
-        "decode_add_quant_segments", out, out, checked, starts, numels, kind, block=block, levels=int(levels), bits=bits
-    )
+        _check_bodies([body], n, kind, block, levels, bits)
+    if bodies:
+        kw = {"block": block, "levels": int(levels), "bits": bits}
+        _run("decode_add_quant_segments", out, out, bodies, starts, numels, kind, **kw)
 
 
 def decode_quant(

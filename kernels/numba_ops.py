@@ -32,6 +32,7 @@ import torch
 from .dispatch import Unsupported
 from .quant import (
     _split_body,
+    each_segment,
     int8_encode_reference,
     qsgd_bits,
     qsgd_encode_reference,
@@ -541,11 +542,7 @@ def decode_add_quant_segments_numba(out, bodies, starts, numels, kind, *, block=
         raise Unsupported(f"{kind} frames decode by the reference's CPU path")
     if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != torch.float32:
         raise Unsupported("Numba decoders take a contiguous float32 CPU tensor")
-    flat = out.view(-1)
-    for body, st, n in zip(bodies, starts, numels):
-        if n:
-            body = body if body.storage_offset() % 4 == 0 else body.clone()  # the scales' float32 view
-            decode_add_quant_numba(flat[st : st + n], [body], kind, block=block, levels=levels, bits=bits)
+    each_segment(decode_add_quant_numba, out, bodies, starts, numels, kind, block=block, levels=levels, bits=bits)
 
 
 def int8_apply_numba(out, bodies, *, block, subtract=False):

@@ -438,10 +438,22 @@ def decode_add_quant_segments_reference(
     """``out[starts[s] : starts[s] + numels[s]] += decode(bodies[s])`` for every segment ``s``
     (flat contiguous float32 or float64 ``out``, disjoint ranges): one frame per range, as
     TwoPhase's owners' pieces of a call decode into it."""
+    each_segment(decode_add_quant_reference, out, bodies, starts, numels, kind, block=block, levels=levels, bits=bits)
+
+
+def aligned_body(body: torch.Tensor) -> torch.Tensor:
+    """A frame body whose float32 scales start 4-byte aligned (frames lie back to back in a
+    message, so a body may not be): the body itself, or a copy."""
+    return body if body.storage_offset() % 4 == 0 else body.clone()
+
+
+def each_segment(decode, out, bodies, starts, numels, kind, **kw) -> None:
+    """``decode(range of out, [body], kind, **kw)`` (a decode-add of one frame) for every
+    segment of a segments decode, its body aligned for the scales' float32 view."""
+    flat = out.view(-1)
     for body, st, n in zip(bodies, starts, numels):
         if n:
-            body = body if body.storage_offset() % 4 == 0 else body.clone()  # the scales' float32 view
-            decode_add_quant_reference(out[st : st + n], [body], kind, block=block, levels=levels, bits=bits)
+            decode(flat[st : st + n], [aligned_body(body)], kind, **kw)
 
 
 def decode_add_quant_reference(

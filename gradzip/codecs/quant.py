@@ -62,6 +62,7 @@ import gradzip.args as args
 import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
+from ..kernels.quant import aligned_body
 from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow
 from .base import (
     Codec,
@@ -315,7 +316,7 @@ class _Quantizer(Codec):
             bad = self._first_bad(payloads)
             if bad is not None:
                 raise bad[1].at(rank=bad[0]) if len(payloads) > 1 else bad[1]
-        bodies = [_aligned(p.body) for p in payloads]
+        bodies = [aligned_body(p.body) for p in payloads]
         if out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
             K.decode_add_quant(out.view(-1), bodies, self._kind, **self._decode_kw())
             return
@@ -504,18 +505,12 @@ class Int8(_Quantizer):
         dense copy of the decoded tensor (the same values and the same subtraction)."""
         cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
         if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
-            K.int8_apply_(v.view(-1), [_aligned(payload.body)], block=self.block, subtract=True)
+            K.int8_apply_(v.view(-1), [aligned_body(payload.body)], block=self.block, subtract=True)
             return
         super().subtract(payload, v)
 
     def _bad_code(self, top: int) -> str | None:
         return "code -128" if top else None
-
-
-def _aligned(body: torch.Tensor) -> torch.Tensor:
-    """A frame body whose float32 scales start 4-byte aligned (frames lie back to back in a
-    message, so a body may not be): the body itself, or a copy."""
-    return body if body.storage_offset() % 4 == 0 else body.clone()
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

@@ -194,10 +194,16 @@ def _scatter_add_sparse_kernel(out_ptr, idx_ptr, val_ptr, k, n, BLOCK: tl.conste
 
 
 def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One uint8 tensor holding every body, and each body's byte offset in it (int64, on the
-    device), every offset a multiple of ``align``. Bodies that are views of one storage at
-    such offsets (peers' frames in the gathered buffer) are read in place; otherwise they are
-    copied into one buffer, each padded to a multiple of ``align``."""
+    """:func:`_bodies_in_one`, the offsets as an int64 tensor on the device."""
+    base, offsets = _bodies_in_one(bodies, align)
+    return base, torch.tensor(offsets, dtype=torch.int64).to(base.device)
+
+
+def _bodies_in_one(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 tensor holding every body, and each body's byte offset in it, every offset a
+    multiple of ``align``. Bodies that are views of one storage at such offsets (peers' frames
+    in the gathered buffer) are read in place; otherwise they are copied into one buffer, each
+    padded to a multiple of ``align``."""
     st = bodies[0].untyped_storage()
     if all(
         b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() and b.storage_offset() % align == 0
@@ -213,7 +219,7 @@ def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tens
         base = torch.zeros(max(pos, align), dtype=torch.uint8, device=bodies[0].device)
         for off, b in zip(offsets, bodies):
             base[off : off + b.numel()] = b.reshape(-1)
-    return base, torch.tensor(offsets, dtype=torch.int64).to(base.device)
+    return base, offsets
 
 
 def _check_decode(out: torch.Tensor, bodies: Sequence[torch.Tensor]) -> None:
@@ -280,20 +286,6 @@ _SEGMENT_TABLES: dict = {}
 _SEGMENT_TABLES_MAX = 256
 
 
-def _segment_base(bodies: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """One uint8 tensor holding every body, and each body's byte offset in it: the bodies' own
-    storage where they all lie in one (a message's frames), else one concatenated copy."""
-    st = bodies[0].untyped_storage()
-    if all(b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() for b in bodies):
-        base = torch.empty(0, dtype=torch.uint8, device=bodies[0].device).set_(st, 0, (st.nbytes(),))
-        return base, [b.storage_offset() for b in bodies]
-    offsets, pos = [], 0
-    for b in bodies:
-        offsets.append(pos)
-        pos += b.numel()
-    return torch.cat([b.reshape(-1) for b in bodies]), offsets
-
-
 def decode_add_quant_segments_triton(
     out: torch.Tensor,
     bodies: Sequence[torch.Tensor],
@@ -308,14 +300,14 @@ def decode_add_quant_segments_triton(
 ) -> None:
     """Triton version of :func:`~gradzip.kernels.quant.decode_add_quant_segments_reference`
     (flat float32 ``out``): every segment in one launch, a program per ``tile`` elements of a
-    segment."""
+    segment. Bodies in one storage (a message's frames) are read in place."""
     _check_decode(out, bodies)
     if kind not in KIND_CODE:
         raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
     if not bodies:
         return
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
-    base, offs = _segment_base(bodies)
+    base, offs = _bodies_in_one(bodies, 1)  # scales are read bytewise: no alignment needed
     key = (tuple(starts), tuple(numels), tuple(offs), block, B, str(out.device))
     tables = _SEGMENT_TABLES.get(key)
     if tables is None:

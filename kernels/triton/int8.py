@@ -141,19 +141,15 @@ def _sig(xp, ni="i32"):
 
 AOT_SPECS = [
     # One pass at TILE_GPU: blocks of 1024, four to a program; one block of 4096 (fp16, int64 sizes).
-    spec(
-        _int8_onepass_kernel,
-        dict(_sig("*fp32"), nb="i32"),
-        {"ROWS": TILE_GPU // 1024, "WIDTH": 1024},
-        num_warps=NUM_WARPS,
-        divisible=("n", "b"),
-    ),
-    spec(
-        _int8_onepass_kernel,
-        dict(_sig("*bf16"), nb="i32"),
-        {"ROWS": TILE_GPU // 1024, "WIDTH": 1024},
-        num_warps=NUM_WARPS,
-        divisible=("n", "b"),
+    *(
+        spec(
+            _int8_onepass_kernel,
+            dict(_sig(xp), nb="i32"),
+            {"ROWS": TILE_GPU // 1024, "WIDTH": 1024},
+            num_warps=NUM_WARPS,
+            divisible=("n", "b"),
+        )
+        for xp in ("*fp32", "*bf16")
     ),
     spec(
         _int8_onepass_kernel,
