@@ -78,6 +78,12 @@ DEFAULT_METHODS = [
     "Int8()",
     "Int8(allreduce=True)",
     "PowerSGD(rank=4)",
+    "Flat(Int8())",
+    "Flat(SignSGD(block=1024))",
+    "Flat(QSGD(7))",
+    "Flat(TernGrad(block=1024))",
+    "Flat(TopK(0.01))",
+    "Flat(TopK(0.01, mode='approx'))",
 ]
 
 

@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .protocols.allreduce import Allreduce as Allreduce
     from .protocols.base import Protocol as Protocol
     from .protocols.filter import Filter as Filter
+    from .protocols.flat import Flat as Flat
     from .protocols.hierarchical import Hierarchical as Hierarchical
     from .protocols.int8_allreduce import Int8Allreduce as Int8Allreduce
     from .protocols.powersgd import PowerSGD as PowerSGD

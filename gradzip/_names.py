@@ -81,6 +81,7 @@ PUBLIC: tuple[Name, ...] = (
     Name("TwoPhase", "protocols.twophase", "protocol"),
     Name("Int8Allreduce", "protocols.int8_allreduce", "protocol"),
     Name("Filter", "protocols.filter", "protocol"),
+    Name("Flat", "protocols.flat", "protocol"),
     Name("Hierarchical", "protocols.hierarchical", "protocol"),
     Name("PowerSGD", "protocols.powersgd", "protocol"),
     Name("Policy", "policy", "protocol"),

@@ -239,7 +239,8 @@ def step_cost(
             plain = plain and alone
             carried = carried or took
             fit = profile.fit(comp, ef)
-            codec += sum(fit.seconds(math.prod(layers[i][1]), world) for i in idx)
+            sizes = [math.prod(layers[i][1]) for i in idx]
+            codec += fit.seconds(sum(sizes), world) if comp.flat else sum(fit.seconds(n, world) for n in sizes)
         if not (plain or carried):  # the engine's flag (none for a bucket summed as it is; see gradzip.engine)
             colls.append(Collective("allreduce", FLAG_BYTES, control=True))
     wire = wire_time(colls, world, link, local_size=min(local_size, world), intra=intra)

@@ -4,6 +4,7 @@ from .allgather import AllGather
 from .allreduce import Allreduce
 from .base import Call, Exchange, Protocol, as_protocol, codec_time, finite_flags
 from .filter import Filter
+from .flat import Flat
 from .hierarchical import Hierarchical
 from .int8_allreduce import Int8Allreduce
 from .parallel import aligned_starts, parallel
@@ -21,6 +22,7 @@ __all__ = [
     "Allreduce",
     "AllGather",
     "Filter",
+    "Flat",
     "Hierarchical",
     "Int8Allreduce",
     "PowerSGD",

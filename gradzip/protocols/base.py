@@ -36,6 +36,7 @@ class Protocol(Registered, register=False):
     ``biased``: error feedback defaults to on. ``rounds``: how many rounds every
     exchange takes when the class fixes it (``None``: it depends on the call), so that
     :func:`~gradzip.protocols.parallel.parallel` can align protocols to end together.
+    ``flat``: the codec runs on the call's tensors as one (the cost model's unit).
 
     Args: none here; each protocol documents its own (most take the codec or protocol
     they carry as their first argument).
@@ -44,6 +45,9 @@ class Protocol(Registered, register=False):
     kind = "protocol"
     biased: ClassVar[bool] = True
     rounds: ClassVar[int | None] = None
+    #: Its codec runs once on a call's tensors back to back (``Flat``): the cost model prices a
+    #: call as one tensor of the call's size.
+    flat: ClassVar[bool] = False
 
     def exchange(self, call: Call) -> Exchange:
         raise NotImplementedError

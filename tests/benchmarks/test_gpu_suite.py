@@ -74,7 +74,7 @@ def test_smoke_runs_every_part_into_the_given_folder(smoke):
 
     # the summary: one row per goal, read at the smoke run's sizes
     summary = {(r["goal"], r["item"]): r for r in suite["summary"]}
-    assert len(summary) == len(gpu_suite.ENCODERS) + len(gpu_suite.DECODERS) + 3 + 2 * 4 + 2
+    assert len(summary) == len(gpu_suite.ENCODERS) + len(gpu_suite.DECODERS) + 3 + 2 * len(gpu_suite.STEP_METHODS) + 2
     assert summary[("pytest -m gpu", "every CUDA test")]["verdict"] == "missed"  # all skipped
     assert all(r["verdict"] != "not measured" for r in suite["summary"])
     assert "summary against the GPU goals on cpu" in text and "(a smoke run: CPU figures" in text

@@ -54,9 +54,10 @@ CODECS = [
     "TernGrad(block=1024)",
     "Int8()",
 ]
+# Flat(codec): a DDP bucket (an optimizer's bucket) as one tensor.
 METHODS = {
-    "ddp": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)"],
-    "optim": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)"],
+    "ddp": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)", "Flat(Int8())", "Flat(TopK(0.05))"],
+    "optim": CODECS + ["PowerSGD(rank=2, min_compression_rate=1.0)", "Flat(SignSGD(block=1024))"],
     "local_sgd": [
         "Identity()",
         "Threshold(tau=0.75)",
@@ -89,6 +90,8 @@ INTERPRETED_STEPS = 2
 
 
 def expected_kernels(spec: str) -> list[str]:
+    if spec.startswith("Flat("):
+        spec = spec[len("Flat(") : -1]
     name = spec.split("(")[0]
     ops = list(KERNELS.get(name, []))
     if name == "TopK" and ("sampled" in spec or "approx" in spec):
