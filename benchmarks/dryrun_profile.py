@@ -173,9 +173,9 @@ def main(argv=None) -> int:
     for spec in specs:
         report.append(profile(spec, grads, names, buckets, args.world, sync))
         print(report[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(report) + "\n")
+        if args.out:  # after every method: a run stopped early keeps what it profiled
+            with open(args.out, "w") as f:
+                f.write("\n".join(report) + "\n")
     return 0
 
 

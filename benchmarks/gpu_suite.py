@@ -21,8 +21,11 @@ kernels     90    30    ``benchmarks/kernels.py --sizes 16M,64M,256M --dtypes fp
                         --topk-sizes 100M``: every encoder and decoder, TopK exact, sampled
                         and approximate against ``torch.topk``: ``kernels_SLUG.json``
 gpu_step    140   30    ``benchmarks/gpu_step.py`` on ResNet-50 and GPT-2 small (8 timed steps,
-                        3 for a method slower than 1 s a step), the goals' methods on both
-                        models first: ``gpu_step_SLUG.json``
+                        3 for a method slower than 1 s a step), the goals' fast methods on both
+                        models first (:data:`STEP_FIRST`): ``gpu_step_SLUG.json``
+dryrun      50    20    ``benchmarks/dryrun_profile.py``: one step of ResNet-50's buckets at 8
+                        ranks under cProfile for :data:`DRYRUN_METHODS` (where the codec time
+                        goes: kernels, Python, launches, syncs): ``dryrun_profile_SLUG.txt``
 tests       270   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt`` (the ranks of a multi-rank
                         test print their stacks after 75 s: ``GRADZIP_RANK_STACKS_AFTER``)
 =========== ===== ===== =====================================================================
@@ -112,12 +115,15 @@ STEP_GOAL_METHODS = (
     "SignSGD()",
     "Int8()",
 )
+#: Where a step's codec time goes, under cProfile (the dryrun part): Flat's goal codecs, PowerSGD
+#: and a codec tensor by tensor.
+DRYRUN_METHODS = ("Flat(Int8())", "Flat(SignSGD())", "Flat(TopK(0.01))", "PowerSGD(rank=4)", "Int8()")
 #: How many of them gpu_step measures on both models before the rest (the tensor-by-tensor
 #: codecs take seconds a step: they come after the fast ones).
 STEP_FIRST = 5
 
 #: part -> (cap in seconds, the least worth starting it with)
-PARTS = {"profile": (60, 20), "kernels": (90, 30), "gpu_step": (140, 30), "tests": (270, 40)}
+PARTS = {"profile": (60, 20), "kernels": (90, 30), "gpu_step": (140, 30), "dryrun": (50, 20), "tests": (270, 40)}
 DEFAULT_BUDGET = 570
 #: The tests part's ranks print their stacks after this many seconds (a hang shows where it waits).
 RANK_STACKS_AFTER = 75
@@ -175,6 +181,7 @@ def files(slug_: str) -> dict[str, str]:
         "profile": f"codec_profile_{slug_}.json",
         "kernels": f"kernels_{slug_}.json",
         "gpu_step": f"gpu_step_{slug_}.json",
+        "dryrun": f"dryrun_profile_{slug_}.txt",
         "tests": f"gpu_tests_{slug_}.txt",
         "suite": f"gpu_suite_{slug_}.json",
         "log": f"gpu_suite_{slug_}.log",
@@ -268,6 +275,12 @@ def part_command(part: str, out: Path, smoke: bool, soft: float) -> list[str]:
             run += ["--first", str(STEP_FIRST)]  # the fast goals' methods on both models first
             methods = list(dict.fromkeys([*STEP_GOAL_METHODS, *DEFAULT_METHODS]))
         return [*py, "benchmarks.gpu_step", *run, "--methods", "; ".join(methods), *budget, "--out", str(out)]
+    if part == "dryrun":
+        if smoke:
+            run = ["--device", "cpu", "--model", "tiny", "--methods", DRYRUN_METHODS[0]]
+        else:
+            run = ["--device", "cuda", "--methods", "; ".join(DRYRUN_METHODS)]
+        return [*py, "benchmarks.dryrun_profile", *run, "--out", str(out)]
     if part == "tests":
         where = ["tests/kernels/test_cuda.py"] if smoke else ["tests"]
         return [*py, "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout", "120", *where]
