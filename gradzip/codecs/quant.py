@@ -501,10 +501,12 @@ class Int8(_Quantizer):
         return _frame(x, FMT_INT8, scales, as_bytes(codes))
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
-        """``v -= decompress(payload)``; on the CPU in one pass (``kernels.int8_apply_``), with no
-        dense copy of the decoded tensor (the same values and the same subtraction)."""
-        cpu = v.device.type == "cpu" and payload.body.device.type == "cpu"
-        if cpu and v.dtype in (torch.float32, torch.float64) and payload.dtype == v.dtype and v.is_contiguous():
+        """``v -= decompress(payload)`` in one pass (``kernels.int8_apply_``: on CUDA one launch of
+        the decode kernel), with no dense copy of the decoded tensor (the same values and the same
+        subtraction): float32 on any device, float64 on the CPU; else the decode and a subtraction."""
+        same = v.device == payload.body.device
+        wide = v.dtype == torch.float32 or (v.dtype == torch.float64 and v.device.type == "cpu")
+        if same and wide and payload.dtype == v.dtype and v.is_contiguous():
             K.int8_apply_(v.view(-1), [aligned_body(payload.body)], block=self.block, subtract=True)
             return
         super().subtract(payload, v)
