@@ -19,7 +19,9 @@ when given.
 top-level ATen operations one step issues (``torch.profiler``, CPU activity: each is a trip
 through torch's dispatcher, and on a GPU a launch where it computes anything), into the JSON
 file ``--json`` when given. The step's host-side work is what a launch-bound GPU step pays, so
-this tracks that cost on any machine:
+this tracks that cost on any machine. ``host_syncs``: the calls that wait for the device on a GPU
+(``item()`` and ``bool()`` of a tensor, counted as ATen's ``_local_scalar_dense``; ``cpu()`` and
+``tolist()``, counted by cProfile in one more step), each a full stop of the launch queue there:
 
     python -m benchmarks.dryrun_profile --device cpu --count --methods "Int8();SignSGD()" --json x.json
 """
@@ -98,7 +100,19 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
         return e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
 
     ops = sum(1 for e in prof.events() if top(e))
-    return {"ms_per_step": statistics.median(times) * 1e3, "ms_all": [t * 1e3 for t in times], "aten_ops": ops}
+    scalars = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")  # item(), bool()
+    pr = cProfile.Profile()
+    pr.enable()
+    run(3 + steps)
+    pr.disable()
+    waits = {f"<method '{m}' of 'torch._C.TensorBase' objects>" for m in ("cpu", "tolist")}
+    copies = sum(st[0] for (_, _, fn), st in pstats.Stats(pr).stats.items() if fn in waits)  # st[0]: ncalls
+    return {
+        "ms_per_step": statistics.median(times) * 1e3,
+        "ms_all": [t * 1e3 for t in times],
+        "aten_ops": ops,
+        "host_syncs": scalars + copies,
+    }
 
 
 def main(argv=None) -> int:
@@ -147,7 +161,11 @@ def main(argv=None) -> int:
         for spec in specs:
             rows[spec] = count(spec, grads, names, buckets, args.world, sync, args.steps)
             row = rows[spec]
-            print(f"{spec:30s} {row['ms_per_step']:9.1f} ms a step  {row['aten_ops']:8d} ATen ops", flush=True)
+            print(
+                f"{spec:30s} {row['ms_per_step']:9.1f} ms a step  {row['aten_ops']:8d} ATen ops  "
+                f"{row['host_syncs']:6d} host syncs",
+                flush=True,
+            )
         if args.json:
             from benchmarks._common import write_result
             from gradzip.machine import machine

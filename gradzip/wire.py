@@ -332,13 +332,18 @@ def unpack_frames(
         raise e.at(tensor=tensor, rank=rank) from None
 
 
-def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
-    count = len(shapes)
-    size = msg.numel()
+def _table_limit(count: int) -> int:
+    """Bytes of a message of ``count`` frames that its header and entry table can take."""
+    return HEADER_BYTES + CRC.size + (ENTRY_BYTES + SCALE.size) * count
+
+
+def _table(raw: bytes, size: int, count: int) -> tuple[int, int, list, int]:
+    """Parse a message's header and entry table from ``raw`` (its first bytes on the host, at
+    least ``min(size, _table_limit(count))`` of them): ``(flags, the bodies' start, entries,
+    the bodies' end)``; every refusal of the header and the table."""
     if size < HEADER_BYTES:
         raise FrameError("length", f"{size} bytes, need at least {HEADER_BYTES} for the header")
-    head = msg[:HEADER_BYTES].cpu().numpy().tobytes()
-    version, flags, reserved, n = HEADER.unpack(head)
+    version, flags, reserved, n = HEADER.unpack_from(raw, 0)
     if version != WIRE_VERSION:
         raise FrameError("version", f"message of wire version {version}; this gradzip reads version {WIRE_VERSION}")
     if flags & ~_FLAGS:
@@ -351,7 +356,7 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
     need = pos + ENTRY_BYTES * count
     if size < need:
         raise FrameError("length", f"{size} bytes, need at least {need} for {count} frames")
-    raw = msg[: min(size, need + SCALE.size * count)].cpu().numpy().tobytes()
+    raw = raw[: min(size, need + SCALE.size * count)]
     entries = []
     for i in range(count):
         if pos + ENTRY_BYTES > len(raw):
@@ -379,13 +384,22 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
         raise FrameError(
             "length", f"the entries claim {end - pos} body bytes after a {pos}-byte table; the message holds {size}"
         )
-    if end < size and bool(msg[end:].any()):
-        raise FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {size})")
+    return flags, pos, entries, end
+
+
+def _check_crc(msg: torch.Tensor, flags: int, end: int) -> None:
     if flags & FLAG_CRC32:
         (want,) = CRC.unpack(msg[HEADER_BYTES : HEADER_BYTES + CRC.size].cpu().numpy().tobytes())
         got = _crc32(msg, end)
         if got != want:
             raise FrameError("checksum", f"CRC-32 {got:#010x} of the message, the header says {want:#010x}")
+
+
+def _padding_error(msg: torch.Tensor, end: int) -> FrameError:
+    return FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {msg.numel()})")
+
+
+def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes) -> list[Payload]:
     out, off = [], pos
     for i, (fmt, vdtype, nb, scale) in enumerate(entries):
         out.append(
@@ -400,8 +414,80 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
             )
         )
         off += nb
+    return out
+
+
+def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
+    count, size = len(shapes), msg.numel()
+    raw = msg[: min(size, _table_limit(count))].cpu().numpy().tobytes()
+    flags, pos, entries, end = _table(raw, size, count)
+    if end < size and bool(msg[end:].any()):
+        raise _padding_error(msg, end)
+    _check_crc(msg, flags, end)
+    out = _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes)
     if check is not None:
         check.check_frames(out)
         for p in out:
             p.checked = True
     return out
+
+
+def unpack_many(
+    msgs: list[torch.Tensor],
+    shapes: list[list[torch.Size]],
+    dtypes: list[list[torch.dtype]],
+    *,
+    grad_dtypes: list[list[torch.dtype]] | None = None,
+    check=None,
+    names: list[list[str]] | None = None,
+    ranks: list[int] | None = None,
+) -> list[list[Payload]]:
+    """:func:`unpack_frames` of several messages (the senders of one round; ``shapes``,
+    ``dtypes``, ``grad_dtypes`` and ``names`` per message, ``ranks`` their senders), with
+    the same refusals, naming the message's sender, for a few host syncs in all instead of a
+    few per message: one copy of every message's header and entry table to the host, one
+    test of every message's padding, and one :meth:`~gradzip.codecs.base.Codec.check_frames`
+    over all the frames. Where a test finds a fault, the messages are checked one by one, so
+    a refusal names the same frame, tensor and rank as :func:`unpack_frames` would."""
+    k = len(msgs)
+
+    def named(e: FrameError, j: int) -> FrameError:
+        ns = names[j] if names is not None else None
+        tensor = ns[e.frame] if ns is not None and e.frame is not None and e.frame < len(ns) else None
+        return e.at(tensor=tensor, rank=ranks[j] if ranks is not None else None)
+
+    heads = [m[: min(m.numel(), _table_limit(len(shapes[j])))] for j, m in enumerate(msgs)]
+    host = torch.cat(heads).cpu().numpy().tobytes() if k else b""
+    tables, off = [], 0
+    for j, (m, h) in enumerate(zip(msgs, heads)):
+        try:
+            tables.append(_table(host[off : off + h.numel()], m.numel(), len(shapes[j])))
+        except FrameError as e:
+            raise named(e, j) from None
+        off += h.numel()
+    pads = [m[t[3] :] for m, t in zip(msgs, tables) if t[3] < m.numel()]
+    if pads and bool(torch.cat(pads).any()):
+        for j, (m, t) in enumerate(zip(msgs, tables)):
+            if t[3] < m.numel() and bool(m[t[3] :].any()):
+                raise named(_padding_error(m, t[3]), j)
+    outs = []
+    for j, (m, (flags, pos, entries, end)) in enumerate(zip(msgs, tables)):
+        try:
+            _check_crc(m, flags, end)
+        except FrameError as e:
+            raise named(e, j) from None
+        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], None if grad_dtypes is None else grad_dtypes[j]))
+    if check is not None:
+        try:
+            check.check_frames([p for out in outs for p in out])
+        except FrameError:
+            for j, out in enumerate(outs):  # the culprit, named as unpack_frames names it
+                try:
+                    check.check_frames(out)
+                except FrameError as e:
+                    raise named(e, j) from None
+            raise
+        for out in outs:
+            for p in out:
+                p.checked = True
+    return outs

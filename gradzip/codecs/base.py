@@ -194,6 +194,7 @@ class Codec(Registered, register=False):
             return self.compress(x, ctx), None
         v = compensate(x, residual, out)
         payload = self.compress(v, ctx)
+        payload.checked = True  # this codec wrote it: its subtraction need not distrust it
         if payload.body.numel() and _shares_memory(payload.body, v):
             payload.body = payload.body.clone()  # v becomes the residual below
         self.subtract(payload, v)

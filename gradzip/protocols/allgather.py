@@ -22,7 +22,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_frames
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_many
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
@@ -69,10 +69,16 @@ class AllGather(Protocol):
             else:
                 acc = torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
             grads = [c.dtype for c in call.contexts]  # what each frame's encoder was told (ctx.dtype)
-            frames = [
-                unpack_frames(gathered[r], shapes, dtypes, grad_dtypes=grads, check=codec, names=call.names, rank=r)
-                for r in range(call.world_size)
-            ]
+            world = call.world_size
+            frames = unpack_many(  # every peer's message: a few host syncs in all
+                [gathered[r] for r in range(world)],
+                [shapes] * world,
+                [dtypes] * world,
+                grad_dtypes=[grads] * world,
+                check=codec,
+                names=[call.names] * world,
+                ranks=list(range(world)),
+            )
             for i in range(len(payloads)):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.
                 codec.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])

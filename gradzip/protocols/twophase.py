@@ -34,7 +34,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_frames
+from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_many
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -112,19 +112,19 @@ class TwoPhase(Protocol):
         with call.codec():
             out = call.output(zero=acc_dtype == call.out_dtype)
             acc = out if acc_dtype == call.out_dtype else torch.zeros(call.numel, dtype=acc_dtype, device=call.device)
-            frames, starts = [], []
-            for j in range(world):
-                pieces = [torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)]
-                frames += unpack_frames(
-                    gathered[j],
-                    pieces,
-                    [again[i].dtype for i in range(count)],
-                    grad_dtypes=[call.tensors[i].dtype for i in range(count)],
-                    check=codec,
-                    names=[owner_key(call.names[i], j, world) for i in range(count)],
-                    rank=j,
-                )
-                starts += [call.offsets[i] + bounds[i][j] for i in range(count)]
+            dtypes = [again[i].dtype for i in range(count)]
+            grads = [call.tensors[i].dtype for i in range(count)]
+            owners = unpack_many(  # every owner's message: a few host syncs in all
+                [gathered[j] for j in range(world)],
+                [[torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)] for j in range(world)],
+                [dtypes] * world,
+                grad_dtypes=[grads] * world,
+                check=codec,
+                names=[[owner_key(call.names[i], j, world) for i in range(count)] for j in range(world)],
+                ranks=list(range(world)),
+            )
+            frames = [p for got in owners for p in got]
+            starts = [call.offsets[i] + bounds[i][j] for j in range(world) for i in range(count)]
             # Every owner's piece of every tensor into its own range: together (one launch on CUDA).
             codec.accumulate_segments(frames, acc, starts)
             if acc is not out:
@@ -189,20 +189,20 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         mine = [(bounds[i][me], bounds[i][me + 1]) for i in range(count)]
         shapes = [torch.Size([b - a]) for a, b in mine]
         dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
-        frames, pos = [], 0
+        msgs, pos = [], 0
         for s in range(world):
-            frames.append(
-                unpack_frames(
-                    recv[pos : pos + out_splits[s] - extra],
-                    shapes,
-                    dtypes,
-                    grad_dtypes=[t.dtype for t in call.tensors],
-                    check=codec,
-                    names=[piece_key(call.names[i], me, world) for i in range(count)],
-                    rank=s,
-                )
-            )
+            msgs.append(recv[pos : pos + out_splits[s] - extra])
             pos += out_splits[s]
+        names = [piece_key(call.names[i], me, world) for i in range(count)]
+        frames = unpack_many(  # every sender's message: a few host syncs in all
+            msgs,
+            [shapes] * world,
+            [dtypes] * world,
+            grad_dtypes=[[t.dtype for t in call.tensors]] * world,
+            check=codec,
+            names=[names] * world,
+            ranks=list(range(world)),
+        )
         owned = []
         for i in range(count):
             acc = torch.zeros(shapes[i].numel(), dtype=acc_dtype, device=call.device)

@@ -497,3 +497,52 @@ def test_the_reported_corruptions_are_refused_naming_rank_frame_tensor_and_field
     raw[10:14] = struct.pack("<I", 0)
     raw = raw[: 8 + 6]
     _refused(gz.Identity(), raw, p, grad, "length")
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: repr(c)[:48])
+def test_unpack_many_refuses_and_decodes_as_unpack_frames_does(codec):
+    """Every corruption of the middle of three messages (ranks 0, 1 and 2, as one receive
+    buffer holds them): ``unpack_many`` raises the refusal ``unpack_frames`` raises for that
+    message alone (field, frame, tensor, rank 1), or returns the same frames."""
+    msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
+    other = _message(codec, torch.float32, False, seed=1)[0]
+    clean = unpack_frames(msg, shapes, dtypes, grad_dtypes=grads, check=codec, names=NAMES, rank=1)
+    cases = 0
+    for _, _, bad, _ in _mutations(codec, msg, clean):
+        cases += 1
+        buf = torch.cat([other, bad, msg])  # one buffer: the messages are views of it
+        msgs = [
+            buf[: other.numel()],
+            buf[other.numel() : other.numel() + bad.numel()],
+            buf[other.numel() + bad.numel() :],
+        ]
+        try:
+            want = unpack_frames(bad, shapes, dtypes, grad_dtypes=grads, check=codec, names=NAMES, rank=1)
+        except FrameError as e:
+            want = e
+        try:
+            got = wire.unpack_many(
+                msgs,
+                [shapes] * 3,
+                [dtypes] * 3,
+                grad_dtypes=[grads] * 3,
+                check=codec,
+                names=[NAMES] * 3,
+                ranks=[0, 1, 2],
+            )
+        except FrameError as e:
+            assert isinstance(want, FrameError), (str(e), "unpack_frames decoded it")
+            assert str(e) == str(want) and (e.field, e.frame, e.tensor, e.rank) == (
+                want.field,
+                want.frame,
+                want.tensor,
+                1,
+            )
+            continue
+        assert not isinstance(want, FrameError), (str(want), "unpack_many decoded it")
+        for a, b in zip(got[1], want):
+            assert (a.fmt, a.vdtype, a.scale, a.shape) == (b.fmt, b.vdtype, b.scale, b.shape) and torch.equal(
+                a.body, b.body
+            )
+            assert a.checked and b.checked
+    assert cases > 5
