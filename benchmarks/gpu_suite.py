@@ -27,7 +27,8 @@ dryrun      50    20    ``benchmarks/dryrun_profile.py``: one step of ResNet-50'
                         ranks under cProfile for :data:`DRYRUN_METHODS` (where the codec time
                         goes: kernels, Python, launches, syncs): ``dryrun_profile_SLUG.txt``
 tests       270   40    ``pytest -m gpu tests``: ``gpu_tests_SLUG.txt`` (the ranks of a multi-rank
-                        test print their stacks after 75 s: ``GRADZIP_RANK_STACKS_AFTER``)
+                        test print their stacks after 45 s: ``GRADZIP_RANK_STACKS_AFTER``; a
+                        failure's report is printed when it fails: ``GRADZIP_REPORT_NOW``)
 =========== ===== ===== =====================================================================
 
 A part gets ``min(cap, budget left - 10 s)``; it is skipped when that is under its least.
@@ -126,7 +127,7 @@ STEP_FIRST = 5
 PARTS = {"profile": (60, 20), "kernels": (90, 30), "gpu_step": (140, 30), "dryrun": (50, 20), "tests": (270, 40)}
 DEFAULT_BUDGET = 570
 #: The tests part's ranks print their stacks after this many seconds (a hang shows where it waits).
-RANK_STACKS_AFTER = 75
+RANK_STACKS_AFTER = 45
 RESERVE = 10  # seconds kept for the summary and the files
 SOFT_MARGIN = 25  # a child's soft budget ends this much before its share (a block in flight finishes)
 
@@ -593,7 +594,9 @@ def main(argv=None) -> int:
                         f"$ {' '.join(['python', *argv_part[1:]])}\n"
                     )
                     f.flush()
-                    stacks = {"GRADZIP_RANK_STACKS_AFTER": str(RANK_STACKS_AFTER)}
+                    # ranks print their stacks after a while; a failure's report is printed as it
+                    # happens (tests/support/report_now.py): a part killed at its share keeps them
+                    stacks = {"GRADZIP_RANK_STACKS_AFTER": str(RANK_STACKS_AFTER), "GRADZIP_REPORT_NOW": "1"}
                     rc, secs = run_part(argv_part, share, f, {**env, **stacks})
                 text = target.read_text()
                 log.write(text)

@@ -29,3 +29,7 @@ def _threads():
     # Deterministic CPU math, and leave the second core to the other rank.
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# GRADZIP_REPORT_NOW=1: a failed test's report printed as it fails (tests/support/report_now.py).
+from tests.support.report_now import pytest_runtest_logreport  # noqa: E402, F401

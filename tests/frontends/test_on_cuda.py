@@ -298,6 +298,7 @@ def test_frontend_on_cuda_nccl_world1_matches_cpu(frontend):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(90)  # 5 to 7 s each on an H200; FSDP2's has hung: its ranks' stacks come at 45 s
 @pytest.mark.parametrize("frontend", list(METHODS))
 def test_frontend_on_cuda_gloo_2ranks_matches_cpu(frontend):
     _gpu_case(frontend, 2, "gloo")
