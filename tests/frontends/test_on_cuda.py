@@ -65,6 +65,7 @@ METHODS = {
         "SignSGD(block=1024)",
         "QSGD(7)",
         "Int8()",
+        "Flat(Int8())",
     ],
     "diloco": ["Identity()", "TopK(0.05, mode='sampled', sample=512)", "TernGrad(block=1024)", "Int8()"],
     "fsdp": ["Identity()", "Int8()", "TopK(0.05)", "TopK(0.05, mode='approx', sample=512)", "QSGD(7)"],

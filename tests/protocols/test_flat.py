@@ -269,3 +269,34 @@ def test_mixed_dtypes_in_a_call_are_refused():
     call = Call(comm=comm, names=["a", "b"], tensors=ts, contexts=[None, None], memory=None, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="one dtype"):
         next(Flat(gz.Int8()).exchange(call))
+
+
+def _front_ends(rank, world):
+    from tests.support.models import train_steps
+
+    out = {}
+    m = make_model(0)
+    opt = gz.LocalSGD(torch.optim.SGD(m.parameters(), lr=0.1), m, period=2, compression=Flat(gz.Int8()))
+    train_steps(m, opt, 6, rank)
+    out["LocalSGD"] = [p.detach().clone() for p in m.parameters()]
+    m = make_model(0)
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = gz.DiLoCo(inner, m, 2, Flat(gz.TopK(0.1)), outer_kwargs={"lr": 0.5, "momentum": 0.5})
+    train_steps(m, opt, 6, rank)
+    out["DiLoCo"] = [p.detach().clone() for p in m.parameters()]
+    m = make_model(0)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = gz.DistributedOptimizer(sgd, m.named_parameters(), compression=Flat(gz.SignSGD()))
+    train_steps(m, opt, 4, rank)
+    out["DistributedOptimizer"] = [p.detach().clone() for p in m.parameters()]
+    return out
+
+
+def test_the_other_front_ends_carry_flat_on_4_ranks():
+    """LocalSGD, DiLoCo and DistributedOptimizer with a Flat method: every rank the same finite
+    parameters (their deltas and gradients are loose tensors: Flat concatenates them)."""
+    res = run_ranks(_front_ends, 4)
+    for name, params in res[0].items():
+        for r in res[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r[name], params)), name
+        assert all(bool(torch.isfinite(p).all()) for p in params), name
