@@ -504,9 +504,10 @@ def test_unpack_many_refuses_and_decodes_as_unpack_frames_does(codec):
     """Every corruption of the middle of three messages (ranks 0, 1 and 2, as one receive
     buffer holds them): ``unpack_many`` raises the refusal ``unpack_frames`` raises for that
     message alone (field, frame, tensor, rank 1), or returns the same frames."""
+    global _outs_clean
     msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
     other = _message(codec, torch.float32, False, seed=1)[0]
-    clean = unpack_frames(msg, shapes, dtypes, grad_dtypes=grads, check=codec, names=NAMES, rank=1)
+    clean, _outs_clean = _decode(codec, msg, shapes, dtypes, grads)
     cases = 0
     for _, _, bad, _ in _mutations(codec, msg, clean):
         cases += 1
@@ -546,3 +547,35 @@ def test_unpack_many_refuses_and_decodes_as_unpack_frames_does(codec):
             )
             assert a.checked and b.checked
     assert cases > 5
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if isinstance(c, gz.TopK)], ids=lambda c: repr(c)[:48])
+def test_topk_checks_a_message_as_it_checks_frame_by_frame(codec):
+    """TopK.check_frames (its Elias-Fano frames' positions checked together) refuses exactly
+    what check_frame refuses frame by frame, with the same error, and parses the same positions."""
+    from gradzip.codecs.base import Codec
+
+    global _outs_clean
+    msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
+    clean, _outs_clean = _decode(codec, msg, shapes, dtypes, grads)
+    cases = 0
+    for _, _, bad, _ in [(None, None, msg, None), *_mutations(codec, msg, clean)]:
+        try:  # the frames as the wire splits them, not checked yet
+            a = unpack_frames(bad, shapes, dtypes, grad_dtypes=grads)
+            b = unpack_frames(bad, shapes, dtypes, grad_dtypes=grads)
+        except FrameError:
+            continue
+        cases += 1
+        errors = []
+        for frames, check in ((a, codec.check_frames), (b, lambda ps: Codec.check_frames(codec, ps))):
+            try:
+                check(frames)
+                errors.append(None)
+            except FrameError as e:
+                errors.append(str(e))
+        assert errors[0] == errors[1]
+        if errors[0] is None:
+            for p, q in zip(a, b):
+                if q.parsed is not None:
+                    assert all(torch.equal(x, y) for x, y in zip(p.parsed, q.parsed))
+    assert cases > 20
