@@ -90,9 +90,11 @@ def topk_abs(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     m = k * s / n  # samples expected above the k-th largest
     rank = min(s, int(m + 4 * math.sqrt(m) + 8))
     thr = torch.topk(sample, rank, sorted=False).values.min()
-    if bool(torch.isnan(thr)) or bool(flat.sum().isnan()):  # NaN (or inf - inf): the whole tensor
+    # one host sync for the three tests (a GPU waits at each)
+    nan_thr, nan_sum, positive = torch.stack([torch.isnan(thr), flat.sum().isnan(), thr > 0]).tolist()
+    if nan_thr or nan_sum:  # NaN (or inf - inf): the whole tensor
         return _topk_abs_all(flat, k)
-    if not bool(thr > 0):  # the sample is mostly zeros: the candidates are the nonzeros
+    if not positive:  # the sample is mostly zeros: the candidates are the nonzeros
         return _topk_abs_sparse(flat, k)
     cand = K.abs_select(flat, thr, expected=int(rank * n / s))
     if cand.numel() < k:
