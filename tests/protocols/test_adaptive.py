@@ -33,7 +33,15 @@ from gradzip.protocols.adaptive import (
 )
 from gradzip.protocols.twophase import owner_key, piece_bounds
 from gradzip.wire import frame_nbytes
-from tests.support import make_model, params, resume_matches_unbroken, run_ranks, train_steps
+from tests.support import (
+    make_model,
+    many_buckets_model,
+    params,
+    resume_matches_unbroken,
+    run_ranks,
+    train_many_buckets,
+    train_steps,
+)
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOPK = "Adaptive(TopK(0.05), menu=[0.01, 0.02, 0.1, 0.3, 1.0], period=2)"
@@ -436,22 +444,13 @@ def test_reshard_carries_the_choice_and_the_mass_to_another_world_size():
 
 
 def _many_buckets(rank, world, steps):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])  # 0.36 MB a layer
+    model = many_buckets_model()
     out = {}
     for spec in (
         "Adaptive(TopK(0.01), menu=[0.003, 0.03], period=3)",
         "Adaptive(PowerSGD(rank=2), menu=[1, 4], period=3)",
     ):
-        ddp = DDP(model, bucket_cap_mb=1)
-        state = register_hook(ddp, gz.parse(spec))
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for s in range(steps):
-            g = torch.Generator().manual_seed(s * 31 + rank)
-            x = torch.randn(4 * (rank + 1), 300, generator=g)
-            opt.zero_grad()
-            (ddp(x) ** 2).mean().backward()
-            opt.step()
+        state = train_many_buckets(model, gz.parse(spec), rank, steps)
         out[spec] = (_choices(state), params(model), len(state.engine._layout_last))
     return out
 

@@ -11,7 +11,7 @@ import gradzip as gz
 from gradzip.engine import Engine
 from gradzip.hooks import register_hook
 from gradzip.protocols.flat import Flat, flat_key, run_view
-from tests.support import ddp_resume_matches_unbroken, make_model, run_ranks
+from tests.support import ddp_resume_matches_unbroken, make_model, many_buckets_model, run_ranks, train_many_buckets
 
 SHAPES = {"w1": (40, 9), "b1": (40,), "w2": (3, 40), "tiny": (2,)}
 CODECS = [gz.Int8(block=8), gz.TopK(0.05), gz.SignSGD(block=16), gz.TernGrad(block=32), gz.QSGD(block=16)]
@@ -223,19 +223,10 @@ def test_ddp_on_4_ranks_trains_like_plain_ddp():
 
 
 def _many_buckets(rank, world, steps):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])  # 0.36 MB a layer
+    model = many_buckets_model()
     out = {}
     for comp in (Flat(gz.Int8()), Flat(gz.TopK(0.01))):
-        ddp = DDP(model, bucket_cap_mb=1)
-        state = register_hook(ddp, comp)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for s in range(steps):
-            g = torch.Generator().manual_seed(s * 31 + rank)
-            x = torch.randn(4 * (rank + 1), 300, generator=g)
-            opt.zero_grad()
-            (ddp(x) ** 2).mean().backward()
-            opt.step()
+        state = train_many_buckets(model, comp, rank, steps)
         keys = sorted(k for k in state.engine.tensor_state if k.startswith("flat:"))
         out[repr(comp)] = (keys, [p.detach().clone() for p in model.parameters()])
     return out

@@ -12,7 +12,7 @@ from gradzip.checkpoint import reshard
 from gradzip.engine import Engine
 from gradzip.hooks import register_hook
 from gradzip.protocols.twophase import owner_key, piece_bounds
-from tests.support import ddp_resume_matches_unbroken, make_model, run_ranks
+from tests.support import ddp_resume_matches_unbroken, make_model, many_buckets_model, run_ranks, train_many_buckets
 
 pytestmark = pytest.mark.slow
 
@@ -149,19 +149,10 @@ def test_every_non_summable_codec_trains_to_plain_ddps_loss_band(world):
 
 
 def _many_buckets(rank, world, steps):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])  # 0.36 MB a layer
+    model = many_buckets_model()
     out = {}
     for comp in (gz.TopK(0.01), gz.SignSGD(), gz.Threshold(tau=0.01, policy="adaptive")):
-        ddp = DDP(model, bucket_cap_mb=1)
-        state = register_hook(ddp, comp)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for s in range(steps):
-            g = torch.Generator().manual_seed(s * 31 + rank)
-            x = torch.randn(4 * (rank + 1), 300, generator=g)
-            opt.zero_grad()
-            (ddp(x) ** 2).mean().backward()
-            opt.step()
+        state = train_many_buckets(model, comp, rank, steps)
         out[repr(comp)] = (repr(state.engine.protocol), [p.detach().clone() for p in model.parameters()])
     return out
 

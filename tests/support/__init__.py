@@ -15,9 +15,11 @@ from .models import (
     batch,
     ddp_resume_matches_unbroken,
     make_model,
+    many_buckets_model,
     params,
     resume_matches_unbroken,
     roundtrip,
+    train_many_buckets,
     train_steps,
 )
 from .ranks import run_ranks
@@ -33,10 +35,12 @@ __all__ = [
     "batch",
     "ddp_resume_matches_unbroken",
     "make_model",
+    "many_buckets_model",
     "params",
     "reference_run",
     "resume_matches_unbroken",
     "roundtrip",
     "run_ranks",
+    "train_many_buckets",
     "train_steps",
 ]

@@ -49,6 +49,32 @@ def train_steps(model, opt, steps: int, rank: int, first: int = 0, n: int = 16, 
     return losses
 
 
+def many_buckets_model() -> torch.nn.Module:
+    """Six 300x300 linear layers (0.36 MB each): several DDP buckets at ``bucket_cap_mb=1``."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])
+
+
+def train_many_buckets(model: torch.nn.Module, method, rank: int, steps: int):
+    """``steps`` SGD steps of ``model`` under DDP with ``bucket_cap_mb=1`` and gradzip's hook
+    running ``method`` (each rank its own batch size): the collective-order check every new
+    protocol gets. Returns the hook's state."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradzip.hooks import register_hook
+
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = register_hook(ddp, method)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s * 31 + rank)
+        x = torch.randn(4 * (rank + 1), 300, generator=g)
+        opt.zero_grad()
+        (ddp(x) ** 2).mean().backward()
+        opt.step()
+    return state
+
+
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
