@@ -219,6 +219,25 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def run_view(tensors) -> torch.Tensor | None:
+    """One flat view of ``tensors`` when they lie back to back in one storage, in order,
+    contiguous and of one dtype and device; else None (None too when one of them is None)."""
+    if not tensors or any(t is None for t in tensors):
+        return None
+    t0 = tensors[0]
+    storage = t0.untyped_storage()
+    start = pos = t0.storage_offset()
+    for t in tensors:
+        if t.dtype != t0.dtype or t.device != t0.device:
+            return None
+        if t.numel() == 0:
+            continue
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != pos:
+            return None
+        pos += t.numel()
+    return torch.as_strided(t0, (pos - start,), (1,), start)
+
+
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret uint8 bytes as ``dtype`` (a copy where ``b`` is not aligned for it)."""
     if dtype == torch.uint8:

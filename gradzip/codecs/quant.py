@@ -63,7 +63,7 @@ import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
 from ..kernels.quant import aligned_body
-from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow
+from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, run_view
 from .base import (
     Codec,
     TensorContext,
@@ -144,20 +144,8 @@ def _code_stats(frames: list[tuple[torch.Tensor, torch.Tensor, int]], bits: int,
 def _joined(bodies: list[torch.Tensor]) -> torch.Tensor:
     """The bodies back to back as one uint8 tensor: a view where they already lie so in one
     buffer (a message's frames do), else a concatenated copy."""
-    first = bodies[0]
-    pos, base = first.data_ptr(), first.untyped_storage().data_ptr()
-    for b in bodies:
-        if (
-            b.dtype != torch.uint8
-            or b.dim() != 1
-            or b.stride(0) != 1
-            or b.device != first.device
-            or b.untyped_storage().data_ptr() != base
-            or b.data_ptr() != pos
-        ):
-            return torch.cat([as_bytes(t) for t in bodies])
-        pos += b.numel()
-    return first.as_strided((pos - first.data_ptr(),), (1,))
+    whole = run_view(bodies) if all(b.dtype == torch.uint8 for b in bodies) else None
+    return whole if whole is not None else torch.cat([as_bytes(t) for t in bodies])
 
 
 #: The byte layouts of the messages checked so far: the scales' byte positions and, per byte,

@@ -260,6 +260,31 @@ def pack_ef(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _ef_layout(head: list, n: int, value_bytes: int, nbytes: int) -> tuple[int, int, int, int, int, int]:
+    """``(k, the count's bytes, low bits, bitmap bits, low bytes, bitmap bytes)`` of an
+    Elias-Fano body of ``nbytes`` whose first bytes are ``head`` (on the host), refusing a count
+    :func:`pack_ef` would not write and a length other than :func:`ef_nbytes` plus the values."""
+    k, pos = _read_leb128(head, "Elias-Fano")
+    if not 0 < k <= n:
+        raise FrameError("body.count", f"corrupt Elias-Fano frame: {k} positions in a tensor of {n}")
+    low = ef_low_bits(n, k)
+    upper = k + ((n - 1) >> low) + 1
+    llen, ulen = (k * low + 7) // 8, (upper + 7) // 8
+    if pos + llen + ulen + k * value_bytes != nbytes:
+        raise FrameError(
+            "length",
+            f"corrupt Elias-Fano frame: {nbytes} bytes for {k} positions in {n} (and {value_bytes} value bytes each)",
+        )
+    return k, pos, low, upper, llen, ulen
+
+
+def _ef_lows(body: torch.Tensor, pos: int, llen: int, k: int, low: int) -> torch.Tensor:
+    """The ``k`` positions' low bits (int64; zeros where ``low`` is 0)."""
+    if low:
+        return bitpack.unpack_uint(body[pos : pos + llen], k, low)
+    return torch.zeros(k, dtype=torch.int64, device=body.device)
+
+
 def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     """``(indices, the bytes after the positions)`` of a :func:`pack_ef` body followed by
     ``value_bytes`` per position. Refuses (:class:`~gradzip.wire.FrameError`) what
@@ -267,20 +292,9 @@ def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     bytes than it needs; a length other than :func:`ef_nbytes` plus the values; nonzero
     padding bits after the low bits or after the bitmap; a bitmap with other than ``k`` bits
     set; positions not strictly ascending or outside ``[0, n)``. One host sync for the checks."""
-    k, pos = _read_leb128(body[:10].cpu().tolist(), "Elias-Fano")
-    if not 0 < k <= n:
-        raise FrameError("body.count", f"corrupt Elias-Fano frame: {k} positions in a tensor of {n}")
-    low = ef_low_bits(n, k)
-    upper = k + ((n - 1) >> low) + 1
-    llen, ulen = (k * low + 7) // 8, (upper + 7) // 8
-    if pos + llen + ulen + k * value_bytes != body.numel():
-        raise FrameError(
-            "length",
-            f"corrupt Elias-Fano frame: {body.numel()} bytes for {k} positions in {n} "
-            f"(and {value_bytes} value bytes each)",
-        )
+    k, pos, low, upper, llen, ulen = _ef_layout(body[:10].cpu().tolist(), n, value_bytes, body.numel())
     dev = body.device
-    lows = bitpack.unpack_uint(body[pos : pos + llen], k, low) if low else torch.zeros(k, dtype=torch.int64, device=dev)
+    lows = _ef_lows(body, pos, llen, k, low)
     ub = body[pos + llen : pos + llen + ulen]
     bits = bitpack.unpack_uint(ub, upper, 1)
     where = bits.nonzero().reshape(-1)
@@ -324,25 +338,13 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     for body, n, vb in zip(bodies, ns, value_bytes):
         m = min(10, body.numel())
         try:
-            k, pos = _read_leb128(heads[off : off + m], "Elias-Fano")
+            plans.append(_ef_layout(heads[off : off + m], n, vb, body.numel()))
         except FrameError:
             return None
         off += m
-        if not 0 < k <= n:
-            return None
-        low = ef_low_bits(n, k)
-        upper = k + ((n - 1) >> low) + 1
-        llen, ulen = (k * low + 7) // 8, (upper + 7) // 8
-        if pos + llen + ulen + k * vb != body.numel():
-            return None
-        plans.append((k, pos, low, upper, llen, ulen))
     flags, out = [], []
     for body, n, (k, pos, low, upper, llen, ulen) in zip(bodies, ns, plans):
-        lows = (
-            bitpack.unpack_uint(body[pos : pos + llen], k, low)
-            if low
-            else torch.zeros(k, dtype=torch.int64, device=dev)
-        )
+        lows = _ef_lows(body, pos, llen, k, low)
         ub = body[pos + llen : pos + llen + ulen]
         bits = bitpack.unpack_uint(ub, upper, 1)
         rank = bits.cumsum(0) - 1  # the j-th set bit has rank j

@@ -42,10 +42,10 @@ import hashlib
 import torch
 
 from ..codecs.base import Codec
-from ..wire import accum_dtype
+from ..wire import accum_dtype, run_view
 from .base import Call, Exchange, Protocol, as_protocol
 
-__all__ = ["Flat", "flat_key", "run_view"]
+__all__ = ["Flat", "flat_key"]
 
 
 def flat_key(names, tensors) -> str:
@@ -54,25 +54,6 @@ def flat_key(names, tensors) -> str:
     for n, t in zip(names, tensors):
         h.update(f"{n}\0{t.numel()}\0".encode())
     return f"flat:{len(names)}:{h.hexdigest()[:16]}"
-
-
-def run_view(tensors) -> torch.Tensor | None:
-    """One flat view of ``tensors`` when they lie back to back in one storage, in order,
-    contiguous and of one dtype and device; else None (None too when one of them is None)."""
-    if not tensors or any(t is None for t in tensors):
-        return None
-    t0 = tensors[0]
-    storage = t0.untyped_storage()
-    start = pos = t0.storage_offset()
-    for t in tensors:
-        if t.dtype != t0.dtype or t.device != t0.device:
-            return None
-        if t.numel() == 0:
-            continue
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != pos:
-            return None
-        pos += t.numel()
-    return torch.as_strided(t0, (pos - start,), (1,), start)
 
 
 class _Spread:

@@ -10,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip as gz
 from gradzip.engine import Engine
 from gradzip.hooks import register_hook
-from gradzip.protocols.flat import Flat, flat_key, run_view
+from gradzip.protocols.flat import Flat, flat_key
+from gradzip.wire import run_view
 from tests.support import ddp_resume_matches_unbroken, make_model, many_buckets_model, run_ranks, train_many_buckets
 
 SHAPES = {"w1": (40, 9), "b1": (40,), "w2": (3, 40), "tiny": (2,)}
