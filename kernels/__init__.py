@@ -16,7 +16,9 @@ Ops:
   composite :func:`sampled_topk`;
 * quantizers: :func:`sign_ef`, :func:`qsgd_encode`, :func:`terngrad_encode`,
   :func:`int8_scales`, :func:`int8_encode`, :func:`decode_add_quant`, :func:`decode_quant`,
-  with the block layout helpers and :func:`philox_uniform`, the draws of every backend.
+  with the block layout helpers and :func:`philox_uniform`, the draws of every backend;
+* low rank: :func:`orthonormalize_rows_` (PowerSGD's Gram-Schmidt, every matrix of a call at
+  once; :mod:`.orth`).
 
 Inputs may be float32, float16 or bfloat16 (computed in float32) or float64 (computed
 in float64; always the reference). The error-feedback encoders write their new
@@ -44,6 +46,7 @@ from .dispatch import (
     reset_dispatch,
     uses_kernel,
 )
+from .orth import LANES, orth_table, orthonormalize_rows_reference
 from .philox import philox_uniform
 from .quant import (
     QUANT_KINDS,
@@ -116,6 +119,9 @@ __all__ = [
     "quant_code_bytes",
     "qsgd_bits",
     "accum_dtype",
+    # low rank
+    "orthonormalize_rows_",
+    "LANES",
     # dispatch
     "backend_report",
     "register_kernel",
@@ -180,6 +186,13 @@ _OPS = {
     "decode_add_quant": (
         decode_add_quant_reference,
         {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
+    ),
+    "orthonormalize_rows_": (
+        orthonormalize_rows_reference,
+        {
+            "numba": (".numba_ops", "orthonormalize_rows_numba"),
+            "triton": (".triton.orth", "orthonormalize_rows_triton"),
+        },
     ),
 }
 for _op, (_reference, _kernels) in _OPS.items():
@@ -524,3 +537,31 @@ def decode_quant(
     out = torch.full((n,), -0.0, dtype=accum_dtype(dtype), device=body.device)
     decode_add_quant(out, [body], kind, block=block, levels=levels, bits=bits)
     return out.to(dtype)
+
+
+# -- low rank ------------------------------------------------------------------------------------
+
+
+def orthonormalize_rows_(buf: torch.Tensor, table, eps: float = 0.0) -> torch.Tensor:
+    """Orthonormalize, in place, the rows of every matrix of ``table`` in ``buf``; returns ``buf``.
+
+    ``buf``: a flat contiguous float32 or float64 tensor (float64: the reference). ``table``:
+    rows ``(offset, k, n)`` (a sequence, or an int tensor of shape ``(M, 3)``), matrix ``j``
+    being the row-major ``k x n`` block at ``buf[offset:offset + k * n]``, ``1 <= k <= n``,
+    none overlapping. Modified Gram-Schmidt with float64 sums in a fixed order, twice when
+    ``k > 2``; ``eps`` (``>= 0``) is added to each norm, and with ``eps == 0`` a zero row stays
+    zero. Each matrix's result depends on it alone, bit for bit on every backend
+    (:mod:`gradzip.kernels.orth`). One kernel call for all the matrices.
+    """
+    _check_float("buf", buf)
+    if buf.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"buf must be float32 or float64, got {buf.dtype}")
+    if buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"buf must be a flat contiguous tensor, got shape {tuple(buf.shape)}")
+    eps = float(eps)
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    rows = orth_table(buf, table)
+    if rows:
+        _run("orthonormalize_rows_", buf, buf, rows, eps)
+    return buf

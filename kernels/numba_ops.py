@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .dispatch import Unsupported
+from .orth import LANES
 from .quant import (
     _split_body,
     each_segment,
@@ -59,6 +60,7 @@ __all__ = [
     "sign_ef_numba",
     "threshold_ef_numba",
     "abs_select_numba",
+    "orthonormalize_rows_numba",
 ]
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -723,3 +725,70 @@ def threshold_ef_numba(x, tau, residual=None, *, new_residual=None, out=None):
     count, amax, nan = _threshold_pass(xv.numpy(), rv.numpy(), v.numpy(), np.float32(tau), bitmap, want)
     result = (out if out is not None else v) if want else None
     return NumbaThresholdResult(n, tau, result, _tensor(bitmap), int(count), float("nan") if nan else float(amax))
+
+
+# -- orthonormal rows (PowerSGD) ---------------------------------------------------------------
+
+
+def _lanesum(a, b, acc):
+    """:func:`~gradzip.kernels.orth.lanesum_reference` of ``a * b`` (float32 rows, products
+    in float64), with ``acc`` (float64, ``LANES`` long) as scratch."""
+    lanes = acc.size
+    for t in range(lanes):
+        acc[t] = 0.0
+    n = a.size
+    full = n // lanes
+    for blk in range(full):
+        base = blk * lanes
+        for t in range(lanes):
+            acc[t] += np.float64(a[base + t]) * np.float64(b[base + t])
+    base = full * lanes
+    for t in range(n - base):
+        acc[t] += np.float64(a[base + t]) * np.float64(b[base + t])
+    h = lanes // 2
+    while h >= 1:
+        for t in range(h):
+            acc[t] += acc[t + h]
+        h //= 2
+    return acc[0]
+
+
+def _orth_rows(buf, table, eps, has_eps, tiny, acc):
+    """Every matrix of ``table`` (rows ``offset, k, n``) in ``buf`` (float32): the module
+    docstring of :mod:`gradzip.kernels.orth`, each float32 step rounded from float64 (exact
+    for products; one rounding of the exact value for quotients, differences and square roots)."""
+    for m in range(table.shape[0]):
+        off, k, n = table[m, 0], table[m, 1], table[m, 2]
+        passes = 2 if k > 2 else 1
+        for _ in range(passes):
+            for i in range(k):
+                ri = buf[off + i * n : off + (i + 1) * n]
+                norm = np.float32(np.sqrt(_lanesum(ri, ri, acc)))
+                if has_eps:
+                    norm = np.float32(np.float64(norm) + np.float64(eps))
+                elif norm < tiny:
+                    norm = tiny
+                wn = np.float64(norm)
+                for t in range(n):
+                    ri[t] = np.float32(np.float64(ri[t]) / wn)
+                for j in range(i + 1, k):
+                    rj = buf[off + j * n : off + (j + 1) * n]
+                    d = np.float64(np.float32(_lanesum(ri, rj, acc)))
+                    for t in range(n):
+                        p = np.float64(np.float32(d * np.float64(ri[t])))
+                        rj[t] = np.float32(np.float64(rj[t]) - p)
+
+
+if numba is not None:
+    _lanesum = _jit(_lanesum)
+    _orth_rows = _jit(_orth_rows)
+
+
+def orthonormalize_rows_numba(buf, table, eps=0.0):
+    """:func:`~gradzip.kernels.orth.orthonormalize_rows_reference` compiled, on a float32 CPU buffer."""
+    if buf.device.type != "cpu" or buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise Unsupported("a contiguous float32 CPU buffer")
+    rows = np.asarray(table, dtype=np.int64).reshape(-1, 3)
+    acc = np.empty(LANES, dtype=np.float64)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    _orth_rows(buf.detach().numpy(), rows, np.float32(eps), float(eps) > 0, tiny, acc)

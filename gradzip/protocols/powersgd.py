@@ -14,14 +14,15 @@ and ``W`` ranks, one step is::
     r_w     = M_w - M_hat               error feedback (call.commit)
 
 ``orth`` orthonormalizes columns in float32 (float64 for float64 gradients),
-whatever the gradients' dtype, by modified Gram-Schmidt,
+whatever the gradients' dtype, by modified Gram-Schmidt with float64 sums,
 ``col <- col / (||col|| + eps)`` (a zero column stays zero when ``eps == 0``),
-run twice for ``k > 2`` (see :func:`orthogonalize_`).
+run twice for ``k > 2``: :func:`gradzip.kernels.orthonormalize_rows_`, which takes every
+``P`` (or every ``Q``) of a call in one kernel call (Numba on CPU, a Triton program per
+matrix on GPUs; torch ops made some twenty launches a column, batched by shape).
 
 Batching: matrices of the same ``(n, m, k)`` sit side by side in the wire buffers.
-On GPUs they are orthogonalized as one batch and their products are one ``bmm`` over
-a stack of the ``M``'s (fewer kernel launches); on CPU they are orthogonalized one at a
-time (below) with one ``mm`` per matrix, because MKL loops over a batch anyway and the
+On GPUs their products are one ``bmm`` over a stack of the ``M``'s (fewer kernel
+launches); on CPU one ``mm`` per matrix, because MKL loops over a batch anyway and the
 stack would be one more copy of the gradients. On CPU the memory-bound passes are also fused in blocks of rows (about
 1 MiB, :func:`_block_rows`): each block of ``M`` is compensated (``g + r``) and
 multiplied into ``P^T`` while in cache, and each block of ``M_hat`` is written and
@@ -33,16 +34,15 @@ A tensor's result must not depend on which tensors share its call: DDP rebuilds 
 buckets, so a resumed run can group them differently from the unbroken one (tested on
 CPU, bit for bit). The wire buffers hold each matrix's ``P^T`` and ``Q^T`` at offsets
 set by the other tensors of the call, and on CPU the last bits of MKL's products
-depend on the alignment of their operands and output, and a batched reduction splits
-across threads differently from a lone one. So on CPU every matrix's ``P^T`` and
-``Q^T`` are computed, orthogonalized (one matrix at a time) and decoded from storage
-of their own that starts 64-byte aligned (:func:`_slots`), and only copied to and
-from the wire buffers; ``M`` is copied to 64-byte alignment for a matrix-vector
+depend on the alignment of their operands and output. So every matrix's ``P^T`` and
+``Q^T`` are computed, orthonormalized and decoded in one buffer per call in which each
+starts 64-byte aligned (:func:`_slab`), and only copied to and from the wire buffers;
+``M`` is copied to 64-byte alignment for a matrix-vector
 product (``k = 1``) where it is not aligned, and ``P Q^T`` for ``k > 4`` (a gemm) goes
 through an aligned buffer where its place in the output is not aligned. The copies
-are of ``P`` and ``Q`` only (``(n + m) k`` elements per matrix). Orthogonalization
-splits a long column's norm across threads, so ranks must run with the same number
-of intra-op threads (torchrun's default) to agree bit for bit. On GPUs the matrices
+are of ``P`` and ``Q`` only (``(n + m) k`` elements per matrix). The orthonormalization
+of a matrix depends on it alone (not on the others of the call, its place, the number of
+threads or the device: :mod:`gradzip.kernels.orth`). On GPUs the matrices
 of a shape stay batched (one ``bmm``); bit-exact resumption there relies on cuBLAS
 giving the same bits for a matrix alone and in a batch (not tested here: no GPU).
 
@@ -98,6 +98,7 @@ import math
 import torch
 
 import gradzip.args as args
+import gradzip.kernels as K
 import gradzip.warmup as warmup
 
 from ..codecs.base import TensorContext, tensor_seed
@@ -105,45 +106,11 @@ from ..comm import Round
 from ..wire import accum_dtype, narrow
 from .base import Protocol
 
-__all__ = ["PowerSGD", "orthogonalize_"]
+__all__ = ["PowerSGD"]
 
 #: Bytes: on CPU every matrix's P^T and Q^T start at such a boundary (MKL's products depend
 #: on the alignment of their operands).
 ALIGN = 64
-
-
-def _gram_schmidt_(a: torch.Tensor, eps: float) -> None:
-    for i in range(a.shape[2]):
-        col = a[:, :, i : i + 1]
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        if eps:
-            norm.add_(eps)
-        else:  # 0 / tiny = 0; any norm >= tiny divides exactly as torch's does
-            norm.clamp_min_(torch.finfo(a.dtype).tiny)
-        col.div_(norm)
-        if i + 1 < a.shape[2]:
-            rest = a[:, :, i + 1 :]
-            rest.sub_(torch.sum(col * rest, dim=1, keepdim=True) * col)
-
-
-def orthogonalize_(a: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """Orthonormalize the columns of every matrix of a ``(B, n, k)`` batch in place; returns ``a``.
-
-    Modified Gram-Schmidt: ``col /= ||col|| + eps``, then the column is projected
-    out of the later ones. For ``k <= 2`` this is torch's
-    ``_orthogonalize_gram_schmidt`` bit for bit, except that with ``eps == 0`` an
-    all-zero column stays zero instead of becoming NaN. For ``k > 2`` the pass
-    runs twice (re-orthogonalization: orthogonal to working precision where one
-    pass loses orthogonality on ill-conditioned input). Torch uses QR there; a
-    batched QR is not bit-identical to a per-matrix one, and results here must
-    not depend on which matrices share a batch.
-    """
-    if a.dim() != 3 or a.shape[2] > a.shape[1]:
-        raise ValueError(f"orthogonalize_ needs a (B, n, k) batch with k <= n, got shape {tuple(a.shape)}")
-    _gram_schmidt_(a, eps)
-    if a.shape[2] > 2:
-        _gram_schmidt_(a, eps)
-    return a
 
 
 def _low_rank_product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -234,32 +201,30 @@ def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> N
         torch.mm(a[j], mj.t() if transpose_m else mj, out=out[j])
 
 
-def _slots(count: int, k: int, n: int, dtype, device) -> torch.Tensor:
-    """A ``(count, k, n)`` tensor in which every ``(k, n)`` matrix has storage of its own
-    kind: on CPU each starts at a 64-byte boundary (matrices padded apart where their size
-    is not a multiple of it), so a matrix's products and norms do not depend on how many
-    others share the call or where they lie. On GPUs a plain fresh stack (the batched
-    path: see the module docstring)."""
-    t = torch.empty(count, k, n, dtype=dtype, device=device)
-    if device.type != "cpu" or (t.data_ptr() % ALIGN == 0 and (count == 1 or (k * n * t.element_size()) % ALIGN == 0)):
-        return t  # the allocator's own alignment (64 bytes on CPU) suffices
-    el = t.element_size()
+def _slab(shapes: list, dtype, device) -> tuple[torch.Tensor, list, list]:
+    """Storage for groups of matrices, ``shapes`` a list of ``(count, k, n)``: one flat buffer,
+    a ``(count, k, n)`` view of it per group, and the ``(offset, k, n)`` row of every matrix
+    for :func:`gradzip.kernels.orthonormalize_rows_`. Every matrix starts 64-byte aligned
+    (matrices padded apart where their size is not a multiple of it), so on CPU a matrix's
+    products (MKL's last bits depend on the alignment of their operands) do not depend on how
+    many others share the call or where they lie; its orthonormalization depends on it alone
+    anyway."""
+    el = torch.empty((), dtype=dtype).element_size()
     per = ALIGN // el
-    stride = -(-(k * n) // per) * per
-    buf = torch.empty(count * stride + per, dtype=dtype, device=device)
-    return buf.as_strided((count, k, n), (stride, n, 1), (-(buf.data_ptr() // el)) % per)
+    strides = [-(-(k * n) // per) * per for _c, k, n in shapes]
+    buf = torch.empty(sum(c * s for (c, _k, _n), s in zip(shapes, strides)) + per, dtype=dtype, device=device)
+    pos = (-(buf.data_ptr() // el)) % per  # the first aligned element
+    views, table = [], []
+    for (c, k, n), stride in zip(shapes, strides):
+        views.append(buf.as_strided((c, k, n), (stride, n, 1), pos))
+        table.extend((pos + j * stride, k, n) for j in range(c))
+        pos += c * stride
+    return buf, views, table
 
 
-def _orthogonalize_rows_(ts: torch.Tensor, eps: float) -> None:
-    """Orthonormalize the rows of every ``(k, n)`` matrix of ``ts`` (the columns of ``P`` or
-    ``Q``). On CPU one matrix at a time: a batched reduction splits across threads
-    differently from a lone one (``n`` of tens of thousands), so a matrix's bits would
-    depend on how many others of its shape share the call."""
-    if ts.device.type != "cpu" or ts.shape[0] == 1:
-        orthogonalize_(ts.transpose(1, 2), eps)
-        return
-    for j in range(ts.shape[0]):
-        orthogonalize_(ts[j : j + 1].transpose(1, 2), eps)
+def _slots(count: int, k: int, n: int, dtype, device) -> torch.Tensor:
+    """A ``(count, k, n)`` tensor in which every ``(k, n)`` matrix starts 64-byte aligned (:func:`_slab`)."""
+    return _slab([(count, k, n)], dtype, device)[1][0]
 
 
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -367,16 +332,16 @@ class PowerSGD(Protocol):
         return torch.randn(m, k, generator=g, dtype=torch.float32)
 
     def _start_qs(self, call, groups: list, wd, dev) -> list:
-        """Per group, the orthonormal ``Q^T`` of each matrix (``(B, k, m)``, :func:`_slots`)
-        that ``P^T = Q^T M^T`` starts from.
+        """Per group, the orthonormal ``Q^T`` of each matrix (``(B, k, m)`` views of one
+        :func:`_slab`) that ``P^T = Q^T M^T`` starts from.
 
         Warm start: last step's averaged Q (truncated, or extended with fresh seeded
         columns, when Accordion changed the rank). Columns that are all zero or not
-        finite are redrawn: one host sync per call, not per group.
+        finite are redrawn: one host sync per call, not per group. Then every matrix of
+        the call is orthonormalized by one kernel call.
         """
-        qts = []
-        for (_n, m, k), idx in groups:
-            qt = _slots(len(idx), k, m, wd, dev)
+        buf, qts, table = _slab([(len(idx), k, m) for (_n, m, k), idx in groups], wd, dev)
+        for ((_n, m, k), idx), qt in zip(groups, qts):
             for j, i in enumerate(idx):
                 ctx = call.contexts[i]
                 q = ctx.store.get("q") if self.warm_start else None
@@ -387,7 +352,6 @@ class PowerSGD(Protocol):
                 elif q.shape[1] < k:
                     q = torch.cat([q.to(torch.float32).cpu(), self._draw(ctx, m, k)[:, q.shape[1] :]], dim=1)
                 qt[j].copy_(q.t())  # a copy: the stored Q is never changed in place
-            qts.append(qt)
         if qts:
             norms = torch.cat([torch.linalg.vector_norm(qt, dim=2).reshape(-1) for qt in qts])  # column norms
             if not bool(((norms > 0) & norms.isfinite()).all()):
@@ -398,8 +362,7 @@ class PowerSGD(Protocol):
                         if bool(bad[j].any()):
                             fresh = self._draw(call.contexts[i], m, k).t().to(device=dev, dtype=wd)
                             qt[j].copy_(torch.where(bad[j].unsqueeze(1), fresh, qt[j]))
-        for qt in qts:
-            _orthogonalize_rows_(qt, self.eps)
+        K.orthonormalize_rows_(buf, table, self.eps)
         return qts
 
     # -- Accordion -------------------------------------------------------------------------
@@ -455,8 +418,8 @@ class PowerSGD(Protocol):
             # copied to and from the wire buffers, whose offsets depend on the other tensors.
             work = []  # per group: (idx, M, P^T, Q^T, rows of a fused block or 0)
             pos = p0
-            for ((n, m, k), idx), qtb in zip(groups, self._start_qs(call, groups, wd, dev)):
-                pt = _slots(len(idx), k, n, wd, dev)
+            pbuf, pts, ptable = _slab([(len(idx), k, n) for (n, m, k), idx in groups], wd, dev)
+            for ((n, m, k), idx), qtb, pt in zip(groups, self._start_qs(call, groups, wd, dev), pts):
                 rows = _block_rows(m, flat.element_size()) if _fusable(call, idx, k, wd) else 0
                 if rows:  # P^T = Q^T M^T, each block of M's rows as soon as it is compensated
                     mats = [
@@ -490,10 +453,11 @@ class PowerSGD(Protocol):
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=fdt, device=dev)
                 ppos, qpos = p0, 0
-                for _group, (_, mats, pt, qt, _) in zip(groups, work):
+                for _, _, pt, _, _ in work:
                     pt.copy_(pflat[ppos : ppos + pt.numel()].view(pt.shape))  # sum_w P_w^T
                     ppos += pt.numel()
-                    _orthogonalize_rows_(pt, self.eps)  # the columns of P
+                K.orthonormalize_rows_(pbuf, ptable, self.eps)  # the columns of every P
+                for _, mats, pt, qt, _ in work:
                     _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M (over the start Q^T)
                     qflat[qpos : qpos + qt.numel()].view(qt.shape).copy_(qt)
                     qpos += qt.numel()

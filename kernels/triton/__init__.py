@@ -4,7 +4,7 @@ Modules: :mod:`.threshold` (threshold + error feedback), :mod:`.decode` (decode 
 accumulate of every frame format), :mod:`.topk` (the top-k compaction), and the
 quantizer encoders :mod:`.sign` (scaled sign + error feedback), :mod:`.stochastic`
 (QSGD and TernGrad) and :mod:`.int8` (block-wise absmax int8), which share :mod:`.blocks`
-(block statistics, tiles, routes).
+(block statistics, tiles, routes); :mod:`.orth` (PowerSGD's Gram-Schmidt, a matrix a program).
 
 Each module holds private ``_..._kernel`` functions, public launchers
 ``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every
@@ -40,7 +40,7 @@ __all__ = [
     "MODULES",
 ]
 
-MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic", "int8")
+MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic", "int8", "orth")
 LAUNCH = {"enable_fp_fusion": False}
 
 

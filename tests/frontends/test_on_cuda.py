@@ -13,9 +13,9 @@ not), so the parameters of LocalSGD and DiLoCo are comparable bit for bit as wel
   CUDA tensors), against the same run on CPU tensors. Every method is bit-identical to the CPU
   path, whose codec math is the kernels' reference (quantizer draws are Philox on every
   device; Threshold, sign and top-k kernels are bit-exact; sums run in rank order), except
-  PowerSGD: its products and orthogonalization run in cuBLAS and in the CPU BLAS, so it is
-  compared within a stated tolerance (``POWERSGD_RTOL``). ``backend_report()`` must show the
-  fused Triton kernels chosen for CUDA tensors.
+  PowerSGD: its products run in cuBLAS and in the CPU BLAS, so it is compared within a stated
+  tolerance (``POWERSGD_RTOL``; its orthonormalization is the same bits on every device).
+  ``backend_report()`` must show the fused Triton kernels chosen for CUDA tensors.
 * On the CPU (always): the same harness with the kernels forced (``GRADZIP_KERNELS=triton``,
   the Triton interpreter) against the reference path, on 2 gloo ranks: the code path a GPU
   takes through the codecs, bit for bit; and the CUDA-aware futures of the communicator.
@@ -70,8 +70,10 @@ METHODS = {
     "diloco": ["Identity()", "TopK(0.05, mode='sampled', sample=512)", "TernGrad(block=1024)", "Int8()"],
     "fsdp": ["Identity()", "Int8()", "TopK(0.05)", "TopK(0.05, mode='approx', sample=512)", "QSGD(7)"],
 }
-# The kernels a method must run on CUDA tensors (its encoder; the quantizers' decode too).
+# The kernels a method must run on CUDA tensors (its encoder; the quantizers' decode too;
+# PowerSGD's Gram-Schmidt).
 KERNELS = {
+    "PowerSGD": ["orthonormalize_rows_"],
     "Threshold": ["threshold_ef"],
     "SignSGD": ["sign_ef", "decode_add_quant"],
     "QSGD": ["qsgd_encode", "decode_add_quant"],
@@ -82,7 +84,7 @@ KERNELS = {
 # family once, spread over the front ends, for INTERPRETED_STEPS steps.
 INTERPRETED = {
     "ddp": ["Threshold(tau=1.5)", "SignSGD(block=1024)"],
-    "optim": ["QSGD(7)"],
+    "optim": ["QSGD(7)", "PowerSGD(rank=2, min_compression_rate=1.0)"],
     "local_sgd": ["TopK(0.05, mode='approx', sample=512)"],
     "diloco": ["TernGrad(block=1024)"],
     "fsdp": ["TopK(0.05, mode='sampled', sample=512)"],

@@ -237,3 +237,27 @@ def test_dispatch_uses_a_kernel_for_cuda_tensors_and_compressors_match_the_cpu(m
     assert rep["ops"]["threshold_ef"]["chosen"]["cuda"]["backend"] in ("triton", "cupy"), rep
     assert rep["ops"]["abs_select"]["chosen"]["cuda"]["backend"] in ("triton", "cupy"), rep
     print(rep)
+
+
+@pytest.mark.gpu
+def test_compiled_orthonormalize_rows_matches_reference_and_is_chosen(monkeypatch):
+    """PowerSGD's Gram-Schmidt kernel on the device, bit for bit with the CPU reference, on
+    the shapes a ResNet-50 and a GPT-2 call orthonormalize (n up to 50,257: the embedding's P)
+    and awkward ones; chosen by the dispatch for CUDA tensors."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from gradzip.kernels.orth import orthonormalize_rows_reference
+
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    shapes = [(1, 1), (2, 3), (4, 511), (4, 513), (7, 40), (4, 4608), (4, 2048), (4, 50257), (8, 768)]
+    rows, off = [], 5
+    for k, n in shapes:
+        rows.append((off, k, n))
+        off += k * n + 3
+    buf = torch.randn(off, generator=torch.Generator().manual_seed(0))
+    buf[rows[3][0] : rows[3][0] + 513] = 0.0  # a zero row stays zero
+    for eps in (0.0, 1e-8):
+        want = buf.clone()
+        orthonormalize_rows_reference(want, rows, eps)
+        got = K.orthonormalize_rows_(buf.cuda(), rows, eps).cpu()
+        assert torch.equal(bits(got), bits(want)), eps
+    assert K.backend_report()["ops"]["orthonormalize_rows_"]["chosen"]["cuda"]["backend"] == "triton"

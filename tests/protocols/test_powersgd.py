@@ -14,7 +14,7 @@ from gradzip.codecs.base import TensorContext
 from gradzip.feedback import ErrorFeedback
 from gradzip.hooks import register_hook
 from gradzip.protocols.base import Call
-from gradzip.protocols.powersgd import PowerSGD, _gram_schmidt_, _low_rank_product, _matmul, orthogonalize_
+from gradzip.protocols.powersgd import PowerSGD, _low_rank_product, _matmul, _slab
 from gradzip.stats import Stats
 from tests.support import ddp_resume_matches_unbroken, make_model, params, run_ranks, train_steps
 
@@ -164,36 +164,6 @@ def test_torch_requires_start_iter_2_where_ours_needs_none():
         tph.PowerSGDState(process_group=None, start_powerSGD_iter=1)
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("eps", [0.0, 1e-8])
-def test_gram_schmidt_is_torchs_bit_for_bit_and_zero_safe(k, eps):
-    a = _randn(3, 50, k, seed=k)
-    theirs = a.clone()
-    tph._orthogonalize_gram_schmidt(theirs, eps)
-    assert torch.equal(orthogonalize_(a.clone(), eps), theirs)
-    z = torch.zeros(2, 10, k)
-    z[1, :, 0] = 1.0  # second matrix: a unit first column, then (k=2) a dependent zero remainder
-    if eps == 0.0:
-        theirs = z.clone()
-        tph._orthogonalize_gram_schmidt(theirs)
-        assert theirs.isnan().any()  # torch: 0 / 0
-    assert torch.isfinite(orthogonalize_(z.clone(), eps)).all()
-
-
-def test_rank_above_2_gives_orthonormal_columns_with_the_same_span():
-    a = _randn(4, 30, 5, seed=0)
-    a[:, :, 4] = a[:, :, 3] + 1e-4 * a[:, :, 4]  # ill-conditioned: one pass would lose orthogonality
-    q = orthogonalize_(a.clone())
-    eye = torch.eye(5).expand(4, 5, 5)
-    once = a.clone()
-    _gram_schmidt_(once, 0.0)
-    assert (once.transpose(1, 2) @ once - eye).abs().max() > 1e-4  # why the second pass
-    torch.testing.assert_close(q.transpose(1, 2) @ q, eye, atol=1e-6, rtol=0)
-    torch.testing.assert_close(q @ (q.transpose(1, 2) @ a), a, atol=1e-5, rtol=0)  # a lies in span(q)
-    z = torch.zeros(2, 8, 3)
-    assert not orthogonalize_(z).any()
-
-
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_gpu_code_paths_compute_what_the_cpu_paths_do(k):
     """GPUs take bmm over a stack of the M's and mm for P Q^T; CPU runs mm per matrix and
@@ -208,6 +178,26 @@ def test_gpu_code_paths_compute_what_the_cpu_paths_do(k):
     pt, qt = _randn(k, 30, seed=1), _randn(k, 40, seed=2)
     got = _low_rank_product(pt, qt, torch.empty(30, 40))
     torch.testing.assert_close(got, pt.t() @ qt, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_slab_aligns_every_matrix_and_tables_it(dtype):
+    """One buffer per call for P^T (or Q^T): every matrix 64-byte aligned, its view and its
+    table row the same memory, none overlapping; what orthonormalize_rows_ reads."""
+    shapes = [(3, 2, 7), (1, 4, 33), (2, 1, 5)]
+    buf, views, table = _slab(shapes, dtype, "cpu")
+    assert [tuple(v.shape) for v in views] == shapes
+    assert len(table) == sum(c for c, _, _ in shapes)
+    rows = iter(table)
+    end = 0
+    for v in views:
+        for j in range(v.shape[0]):
+            off, k, n = next(rows)
+            assert (k, n) == tuple(v.shape[1:]) and off >= end
+            end = off + k * n
+            assert v[j].data_ptr() == buf[off:].data_ptr() and v[j].data_ptr() % 64 == 0
+            assert v[j].is_contiguous()
+    assert end <= buf.numel()
 
 
 NAMES = ["w1", "b1", "w2", "w3", "small", "conv"]
