@@ -16,7 +16,8 @@ Ops:
   composite :func:`sampled_topk`;
 * quantizers: :func:`sign_ef`, :func:`qsgd_encode`, :func:`terngrad_encode`,
   :func:`int8_scales`, :func:`int8_encode`, :func:`decode_add_quant`, :func:`decode_quant`,
-  with the block layout helpers and :func:`philox_uniform`, the draws of every backend;
+  :func:`quant_body_stats` (the frame checks' pass over the bodies), with the block layout
+  helpers and :func:`philox_uniform`, the draws of every backend;
 * low rank: :func:`orthonormalize_rows_` (PowerSGD's Gram-Schmidt, every matrix of a call at
   once; :mod:`.orth`).
 
@@ -56,6 +57,7 @@ from .quant import (
     int8_scales,
     qsgd_bits,
     qsgd_encode_reference,
+    quant_body_stats_reference,
     quant_code_bytes,
     quant_layout,
     quant_pad,
@@ -111,6 +113,7 @@ __all__ = [
     "decode_add_quant",
     "decode_add_quant_segments",
     "decode_quant",
+    "quant_body_stats",
     "philox_uniform",
     "QUANT_KINDS",
     "quant_layout",
@@ -187,6 +190,7 @@ _OPS = {
         decode_add_quant_reference,
         {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
     ),
+    "quant_body_stats": (quant_body_stats_reference, {"numba": (".numba_ops", "quant_body_stats_numba")}),
     "orthonormalize_rows_": (
         orthonormalize_rows_reference,
         {
@@ -537,6 +541,30 @@ def decode_quant(
     out = torch.full((n,), -0.0, dtype=accum_dtype(dtype), device=body.device)
     decode_add_quant(out, [body], kind, block=block, levels=levels, bits=bits)
     return out.to(dtype)
+
+
+def quant_body_stats(whole: torch.Tensor, layout, kind: str, *, bits: int | None = None) -> torch.Tensor:
+    """What the frame checks read from quantizer frame bodies lying back to back in ``whole``
+    (uint8), ``layout`` giving each body's ``(number of block scales, elements)``: an int64
+    tensor ``[negative, top]`` on ``whole``'s device, ``negative`` 1 where a block scale is
+    below zero, ``top`` the largest code (Int8: 1 where a code byte is -128; sign frames: 0),
+    the padding bits of each frame's last byte left out. One pass, no host sync: the caller
+    reads the two numbers. ``bits``: QSGD's code width (2, 4 or 8); the other kinds know theirs.
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
+    bits = {"sign1": 1, "tern2": 2, "int8": 8}.get(kind, bits)
+    if kind == "qsgd" and bits not in (2, 4, 8):
+        raise ValueError(f"qsgd bodies need bits in (2, 4, 8), got {bits!r}")
+    if not isinstance(whole, torch.Tensor) or whole.dtype != torch.uint8 or whole.dim() != 1:
+        raise TypeError(f"whole must be a flat uint8 tensor, got {getattr(whole, 'dtype', type(whole))}")
+    layout = tuple((int(nb), int(n)) for nb, n in layout)
+    need = sum(4 * nb + quant_code_bytes(kind, n, bits) for nb, n in layout)
+    if any(nb < 0 or n < 0 for nb, n in layout) or need != whole.numel():
+        raise ValueError(f"the layout's bodies take {need} bytes, whole has {whole.numel()}")
+    if not whole.is_contiguous():
+        whole = whole.contiguous()
+    return _call("quant_body_stats", whole.device, whole, layout, kind, bits)
 
 
 # -- low rank ------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ draw their uniforms with :func:`~gradzip.kernels.philox.philox_uniform`, ten rou
 on int64 tensors (about 230 ns an element on one core). These kernels (SignSGD's error-feedback
 encoder, QSGD and TernGrad's encoders with the same Philox draws, Int8's encoder, the QSGD,
 TernGrad and Int8 decoders, Int8's error-feedback subtraction, and Threshold's fused pass) give the references' results
-on float32 CPU tensors (float16 and bfloat16 are widened first, as the references do):
+on float32 CPU tensors (float16 and bfloat16 are widened first, as the references do); so do
+the quantizers' frame checks (:func:`quant_body_stats_numba`, one pass over the bytes) and
+PowerSGD's Gram-Schmidt (:func:`orthonormalize_rows_numba`, :mod:`.orth` defines its floats):
 
 * the block statistics (``max |v|``; float64 sums of ``|v|`` or ``v^2``) are compiled too, and
   the scales come from them by the references' own functions. A float64 sum of float32 values
@@ -61,6 +63,7 @@ __all__ = [
     "threshold_ef_numba",
     "abs_select_numba",
     "orthonormalize_rows_numba",
+    "quant_body_stats_numba",
 ]
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -792,3 +795,75 @@ def orthonormalize_rows_numba(buf, table, eps=0.0):
     acc = np.empty(LANES, dtype=np.float64)
     tiny = np.float32(np.finfo(np.float32).tiny)
     _orth_rows(buf.detach().numpy(), rows, np.float32(eps), float(eps) > 0, tiny, acc)
+
+
+# -- frame body checks --------------------------------------------------------------------------
+
+
+def _body_stats(whole, nbs, ns, cbs, kind, bits, out):
+    """:func:`~gradzip.kernels.quant.quant_body_stats_reference` in one pass over the bytes:
+    ``out[0]`` 1 where a block scale is negative (sign bit set, not -0.0, not NaN), ``out[1]``
+    the largest code (``kind`` 0, Int8: 1 where a code byte is 0x80; 1, sign: 0; 2, packed
+    ``bits``-bit codes: the largest of each frame's ``n`` codes). Scales are read little-endian,
+    as torch's float32 view on this host."""
+    neg = 0
+    top = 0
+    off = 0
+    per = 8 // bits if bits <= 8 else 1
+    mask = (1 << bits) - 1
+    for f in range(nbs.size):
+        nb, n, cb = nbs[f], ns[f], cbs[f]
+        for s in range(nb):
+            p = off + 4 * s
+            u = (
+                np.int64(whole[p])
+                | (np.int64(whole[p + 1]) << 8)
+                | (np.int64(whole[p + 2]) << 16)
+                | (np.int64(whole[p + 3]) << 24)
+            )
+            mag = u & 0x7FFFFFFF
+            if (u >> 31) and mag != 0 and mag <= 0x7F800000:
+                neg = 1
+        c0 = off + 4 * nb
+        codes = whole[c0 : c0 + cb]
+        if kind == 0:
+            hit = 0
+            for t in range(cb):
+                hit |= codes[t] == 0x80
+            if hit:
+                top = 1
+        elif kind == 2:
+            full = n // per
+            for t in range(full):
+                b = np.int64(codes[t])
+                for k in range(per):
+                    top = max(top, (b >> (k * bits)) & mask)
+            if n - full * per:
+                b = np.int64(codes[full])
+                for k in range(n - full * per):
+                    top = max(top, (b >> (k * bits)) & mask)
+        off = c0 + cb
+    out[0] = neg
+    out[1] = top
+
+
+if numba is not None:
+    _body_stats = _jit(_body_stats)
+
+_BODY_KINDS = {"int8": 0, "sign1": 1, "qsgd": 2, "tern2": 2}
+
+
+def quant_body_stats_numba(whole, layout, kind, bits):
+    """:func:`~gradzip.kernels.quant.quant_body_stats_reference` compiled, for bodies on the CPU."""
+    if whole.device.type != "cpu":
+        raise Unsupported(f"Numba kernels take CPU tensors, got {whole.device.type}")
+    rows = np.asarray(layout, dtype=np.int64).reshape(-1, 2)
+    nbs, ns = rows[:, 0].copy(), rows[:, 1].copy()
+    if kind == "sign1":  # quant_code_bytes, for every frame at once
+        cbs = 4 * ((ns + 31) // 32)
+    else:
+        per = 1 if kind == "int8" else 8 // int(bits)
+        cbs = (ns + per - 1) // per
+    out = np.zeros(2, dtype=np.int64)
+    _body_stats(whole.detach().numpy(), nbs, ns, cbs, _BODY_KINDS[kind], int(bits), out)
+    return torch.from_numpy(out)

@@ -72,6 +72,7 @@ __all__ = [
     "int8_encode_reference",
     "decode_quant_reference",
     "decode_add_quant_reference",
+    "quant_body_stats_reference",
 ]
 
 QUANT_KINDS = ("sign1", "qsgd", "tern2", "int8")
@@ -499,3 +500,63 @@ def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int
             out.sub_(d)
         else:
             out.add_(d)
+
+
+# -- frame body checks ------------------------------------------------------------------------
+
+#: The byte layouts of the messages checked so far: the scales' byte positions and, per byte,
+#: what the code checks read (Int8: a code byte?; 2- and 4-bit codes: how many codes it holds).
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 256
+
+
+def _body_layout(layout, kind: str, bits: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For frame bodies of ``layout`` (``(number of scales, elements)`` each) back to back: the
+    int64 positions of their float32 scales' bytes, and Int8's code-byte mask or (2-, 4- and
+    8-bit codes) each byte's count of codes (0 for a scale byte, fewer for a frame's last
+    byte); ``None`` for sign frames, whose codes are all valid. Cached per layout."""
+    key = (kind, bits, str(device), layout)
+    got = _LAYOUTS.get(key)
+    if got is not None:
+        return got
+    per = 8 // bits if bits <= 8 else 1
+    scale_at, counts, off = [], [], 0
+    for nb, n in layout:
+        scale_at.append(torch.arange(off, off + 4 * nb))
+        cb = quant_code_bytes(kind, n, bits)
+        head = torch.zeros(4 * nb, dtype=torch.uint8)
+        full, tail = divmod(n, per)
+        body = torch.full((cb,), per, dtype=torch.uint8)
+        if tail:
+            body[full] = tail
+        counts += [head, body]
+        off += 4 * nb + cb
+    at = torch.cat(scale_at) if scale_at else torch.zeros(0, dtype=torch.int64)
+    count = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.uint8)
+    codes = None if kind == "sign1" else (count > 0) if kind == "int8" else count
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    got = _LAYOUTS[key] = (at.to(device), None if codes is None else codes.to(device))
+    return got
+
+
+def quant_body_stats_reference(whole: torch.Tensor, layout, kind: str, bits: int) -> torch.Tensor:
+    """:func:`gradzip.kernels.quant_body_stats` in torch ops: a few passes over the bodies and
+    byte masks cached per layout (:func:`_body_layout`)."""
+    dev = whole.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    if whole.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=dev)
+    scale_at, codes = _body_layout(layout, kind, bits, dev)
+    neg = (whole.index_select(0, scale_at).view(torch.float32) < 0).any() if scale_at.numel() else zero
+    if kind == "int8":  # code -128 anywhere
+        top = ((whole == 0x80) & codes).any()
+    elif kind == "sign1":
+        top = zero
+    else:  # the largest code, the padding bits of each frame's last byte left out
+        mask, top = (1 << bits) - 1, None
+        for k in range(8 // bits):
+            c = ((whole >> (k * bits)) & mask) * (codes > k)
+            top = c if top is None else torch.maximum(top, c)
+        top = top.amax()
+    return torch.stack([neg.to(torch.int64), top.to(torch.int64)])

@@ -148,41 +148,6 @@ def _joined(bodies: list[torch.Tensor]) -> torch.Tensor:
     return whole if whole is not None else torch.cat([as_bytes(t) for t in bodies])
 
 
-#: The byte layouts of the messages checked so far: the scales' byte positions and, per byte,
-#: what the code checks read (Int8: a code byte?; 2- and 4-bit codes: how many codes it holds).
-_LAYOUTS: dict = {}
-_LAYOUTS_MAX = 256
-
-
-def _body_layout(layout, bits: int, kind: str, code_bytes, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """For frames of ``layout`` (``(number of scales, elements)`` each) back to back: the int64
-    positions of their float32 scales' bytes, and Int8's code-byte mask or (2-, 4- and 8-bit
-    codes) each byte's count of codes (0 for a scale byte, fewer for a frame's last byte)."""
-    key = (kind, bits, str(device), layout)
-    got = _LAYOUTS.get(key)
-    if got is not None:
-        return got
-    per = 8 // bits if bits <= 8 else 1
-    scale_at, counts, off = [], [], 0
-    for nb, n in layout:
-        scale_at.append(torch.arange(off, off + 4 * nb))
-        cb = code_bytes(n)
-        head = torch.zeros(4 * nb, dtype=torch.uint8)
-        full, tail = divmod(n, per)
-        body = torch.full((cb,), per, dtype=torch.uint8)
-        if tail:
-            body[full] = tail
-        counts += [head, body]
-        off += 4 * nb + cb
-    at = torch.cat(scale_at) if scale_at else torch.zeros(0, dtype=torch.int64)
-    count = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.uint8)
-    codes = None if kind == "sign1" else (count > 0) if kind == "int8" else count
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-        _LAYOUTS.clear()
-    got = _LAYOUTS[key] = (at.to(device), None if codes is None else codes.to(device))
-    return got
-
-
 class _Quantizer(Codec):
     """Frame checks and decoding, shared: every peer's frames decode in one ``kernels.decode_add_quant``."""
 
@@ -245,20 +210,7 @@ class _Quantizer(Codec):
         whole = _joined(bodies)
         if whole.numel() == 0:
             return True
-        scale_at, codes = _body_layout(layout, self._bits, self._kind, self._code_bytes, whole.device)
-        zero = torch.zeros((), dtype=torch.int64, device=whole.device)
-        neg = (whole.index_select(0, scale_at).view(torch.float32) < 0).any() if scale_at.numel() else zero
-        if self._kind == "int8":  # code -128 anywhere
-            top = ((whole == 0x80) & codes).any()
-        elif self._kind == "sign1":
-            top = zero
-        else:  # the largest code, the padding bits of each frame's last byte left out
-            mask, top = (1 << self._bits) - 1, None
-            for k in range(8 // self._bits):
-                c = ((whole >> (k * self._bits)) & mask) * (codes > k)
-                top = c if top is None else torch.maximum(top, c)
-            top = top.amax()
-        neg_, top_ = torch.stack([neg.to(torch.int64), top.to(torch.int64)]).tolist()
+        neg_, top_ = K.quant_body_stats(whole, layout, self._kind, bits=self._bits).tolist()
         return not neg_ and self._bad_code(top_) is None
 
     def check_frame(self, payload: Payload) -> None:
