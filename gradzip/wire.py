@@ -238,6 +238,28 @@ def run_view(tensors) -> torch.Tensor | None:
     return torch.as_strided(t0, (pos - start,), (1,), start)
 
 
+def span_view(tensors) -> tuple[torch.Tensor, list[int]] | None:
+    """One flat view from the start of the first of ``tensors`` to the end of the last, and
+    each one's offset in it, when they lie in one storage in order, apart or back to back
+    (a gathered round's messages, padding between them), contiguous and of one dtype and
+    device; else None."""
+    if not tensors or any(t is None for t in tensors):
+        return None
+    t0 = tensors[0]
+    storage = t0.untyped_storage().data_ptr()
+    start = pos = t0.storage_offset()
+    offsets = []
+    for t in tensors:
+        if t.dtype != t0.dtype or t.device != t0.device or not t.is_contiguous():
+            return None
+        if t.numel() and (t.untyped_storage().data_ptr() != storage or t.storage_offset() < pos):
+            return None
+        at = t.storage_offset() if t.numel() else pos
+        offsets.append(at - start)
+        pos = at + t.numel()
+    return torch.as_strided(t0, (pos - start,), (1,), start), offsets
+
+
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret uint8 bytes as ``dtype`` (a copy where ``b`` is not aligned for it)."""
     if dtype == torch.uint8:
@@ -299,9 +321,20 @@ def _crc32(msg: torch.Tensor, end: int) -> int:
     return zlib.crc32(raw[HEADER_BYTES + CRC.size :], zlib.crc32(raw[:HEADER_BYTES])) & 0xFFFFFFFF
 
 
-def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> torch.Tensor:
+def pack_frames(
+    payloads: list[Payload],
+    device: torch.device | None = None,
+    *,
+    size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Concatenate framed payloads into one uint8 message (with a CRC-32 after the header
-    when :func:`set_checksum` is on)."""
+    when :func:`set_checksum` is on).
+
+    ``size``: the message padded with zero bytes to that length, in the same copy (what
+    :func:`pad_message` makes of it); ``out``: written into this contiguous uint8 tensor
+    (padded to its length) and returned, e.g. a rank's slice of a round's send buffer. A
+    message longer than either raises, as :func:`pad_message` does."""
     crc = _checksum
     table = bytearray(HEADER.pack(WIRE_VERSION, FLAG_CRC32 if crc else 0, 0, len(payloads)))
     if crc:
@@ -309,15 +342,22 @@ def pack_frames(payloads: list[Payload], device: torch.device | None = None) -> 
     for p in payloads:
         table += _entry(p)
     total = len(table) + sum(p.body.numel() * p.body.element_size() for p in payloads)
-    if device is None:
+    if out is not None:
+        device, size = out.device, out.numel()
+    elif device is None:
         device = payloads[0].body.device if payloads else torch.device("cpu")
-    msg = torch.empty(total, dtype=torch.uint8, device=device)
+    size = total if size is None else size
+    if total > size:
+        raise RuntimeError(f"a message of {total} bytes exceeds the {size} bytes the ranks agreed on")
+    msg = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
     msg[: len(table)] = torch.frombuffer(table, dtype=torch.uint8).to(device)
     off = len(table)
     for p in payloads:
         b = as_bytes(p.body)
         msg[off : off + b.numel()] = b
         off += b.numel()
+    if size > total:
+        msg[total:].zero_()
     if crc:
         msg[HEADER_BYTES : HEADER_BYTES + CRC.size] = torch.frombuffer(
             bytearray(CRC.pack(_crc32(msg, total))), dtype=torch.uint8

@@ -543,13 +543,14 @@ def decode_quant(
     return out.to(dtype)
 
 
-def quant_body_stats(whole: torch.Tensor, layout, kind: str, *, bits: int | None = None) -> torch.Tensor:
-    """What the frame checks read from quantizer frame bodies lying back to back in ``whole``
-    (uint8), ``layout`` giving each body's ``(number of block scales, elements)``: an int64
-    tensor ``[negative, top]`` on ``whole``'s device, ``negative`` 1 where a block scale is
-    below zero, ``top`` the largest code (Int8: 1 where a code byte is -128; sign frames: 0),
-    the padding bits of each frame's last byte left out. One pass, no host sync: the caller
-    reads the two numbers. ``bits``: QSGD's code width (2, 4 or 8); the other kinds know theirs.
+def quant_body_stats(whole: torch.Tensor, frames, kind: str, *, bits: int | None = None) -> torch.Tensor:
+    """What the frame checks read from quantizer frame bodies in ``whole`` (uint8): ``frames``
+    gives each body's ``(offset, number of block scales, elements)``, in order, apart or back
+    to back (the bytes between bodies are not read). Returns an int64 tensor ``[negative,
+    top]`` on ``whole``'s device: ``negative`` 1 where a block scale is below zero, ``top``
+    the largest code (Int8: 1 where a code byte is -128; sign frames: 0), the padding bits of
+    each frame's last byte left out. One pass, no host sync: the caller reads the two
+    numbers. ``bits``: QSGD's code width (2, 4 or 8); the other kinds know theirs.
     """
     if kind not in QUANT_KINDS:
         raise ValueError(f"kind must be one of {list(QUANT_KINDS)}, got {kind!r}")
@@ -558,13 +559,17 @@ def quant_body_stats(whole: torch.Tensor, layout, kind: str, *, bits: int | None
         raise ValueError(f"qsgd bodies need bits in (2, 4, 8), got {bits!r}")
     if not isinstance(whole, torch.Tensor) or whole.dtype != torch.uint8 or whole.dim() != 1:
         raise TypeError(f"whole must be a flat uint8 tensor, got {getattr(whole, 'dtype', type(whole))}")
-    layout = tuple((int(nb), int(n)) for nb, n in layout)
-    need = sum(4 * nb + quant_code_bytes(kind, n, bits) for nb, n in layout)
-    if any(nb < 0 or n < 0 for nb, n in layout) or need != whole.numel():
-        raise ValueError(f"the layout's bodies take {need} bytes, whole has {whole.numel()}")
+    frames = tuple((int(o), int(nb), int(n)) for o, nb, n in frames)
+    end = 0
+    for o, nb, n in frames:
+        if nb < 0 or n < 0 or o < end:
+            raise ValueError(f"frames must lie in order without overlap, with counts >= 0: got {(o, nb, n)}")
+        end = o + 4 * nb + quant_code_bytes(kind, n, bits)
+        if end > whole.numel():
+            raise ValueError(f"the frame at offset {o} ends at byte {end}, past whole's {whole.numel()}")
     if not whole.is_contiguous():
         whole = whole.contiguous()
-    return _call("quant_body_stats", whole.device, whole, layout, kind, bits)
+    return _call("quant_body_stats", whole.device, whole, frames, kind, bits)
 
 
 # -- low rank ------------------------------------------------------------------------------------

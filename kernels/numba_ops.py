@@ -800,19 +800,18 @@ def orthonormalize_rows_numba(buf, table, eps=0.0):
 # -- frame body checks --------------------------------------------------------------------------
 
 
-def _body_stats(whole, nbs, ns, cbs, kind, bits, out):
-    """:func:`~gradzip.kernels.quant.quant_body_stats_reference` in one pass over the bytes:
-    ``out[0]`` 1 where a block scale is negative (sign bit set, not -0.0, not NaN), ``out[1]``
-    the largest code (``kind`` 0, Int8: 1 where a code byte is 0x80; 1, sign: 0; 2, packed
-    ``bits``-bit codes: the largest of each frame's ``n`` codes). Scales are read little-endian,
-    as torch's float32 view on this host."""
+def _body_stats(whole, offs, nbs, ns, cbs, kind, bits, out):
+    """:func:`~gradzip.kernels.quant.quant_body_stats_reference` in one pass over the frames'
+    bytes (those between frames unread): ``out[0]`` 1 where a block scale is negative (sign
+    bit set, not -0.0, not NaN), ``out[1]`` the largest code (``kind`` 0, Int8: 1 where a code
+    byte is 0x80; 1, sign: 0; 2, packed ``bits``-bit codes: the largest of each frame's ``n``
+    codes). Scales are read little-endian, as torch's float32 view on this host."""
     neg = 0
     top = 0
-    off = 0
     per = 8 // bits if bits <= 8 else 1
     mask = (1 << bits) - 1
     for f in range(nbs.size):
-        nb, n, cb = nbs[f], ns[f], cbs[f]
+        off, nb, n, cb = offs[f], nbs[f], ns[f], cbs[f]
         for s in range(nb):
             p = off + 4 * s
             u = (
@@ -842,7 +841,6 @@ def _body_stats(whole, nbs, ns, cbs, kind, bits, out):
                 b = np.int64(codes[full])
                 for k in range(n - full * per):
                     top = max(top, (b >> (k * bits)) & mask)
-        off = c0 + cb
     out[0] = neg
     out[1] = top
 
@@ -853,17 +851,17 @@ if numba is not None:
 _BODY_KINDS = {"int8": 0, "sign1": 1, "qsgd": 2, "tern2": 2}
 
 
-def quant_body_stats_numba(whole, layout, kind, bits):
+def quant_body_stats_numba(whole, frames, kind, bits):
     """:func:`~gradzip.kernels.quant.quant_body_stats_reference` compiled, for bodies on the CPU."""
     if whole.device.type != "cpu":
         raise Unsupported(f"Numba kernels take CPU tensors, got {whole.device.type}")
-    rows = np.asarray(layout, dtype=np.int64).reshape(-1, 2)
-    nbs, ns = rows[:, 0].copy(), rows[:, 1].copy()
+    rows = np.asarray(frames, dtype=np.int64).reshape(-1, 3)
+    offs, nbs, ns = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
     if kind == "sign1":  # quant_code_bytes, for every frame at once
         cbs = 4 * ((ns + 31) // 32)
     else:
         per = 1 if kind == "int8" else 8 // int(bits)
         cbs = (ns + per - 1) // per
     out = np.zeros(2, dtype=np.int64)
-    _body_stats(whole.detach().numpy(), nbs, ns, cbs, _BODY_KINDS[kind], int(bits), out)
+    _body_stats(whole.detach().numpy(), offs, nbs, ns, cbs, _BODY_KINDS[kind], int(bits), out)
     return torch.from_numpy(out)

@@ -510,29 +510,27 @@ _LAYOUTS: dict = {}
 _LAYOUTS_MAX = 256
 
 
-def _body_layout(layout, kind: str, bits: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """For frame bodies of ``layout`` (``(number of scales, elements)`` each) back to back: the
-    int64 positions of their float32 scales' bytes, and Int8's code-byte mask or (2-, 4- and
-    8-bit codes) each byte's count of codes (0 for a scale byte, fewer for a frame's last
-    byte); ``None`` for sign frames, whose codes are all valid. Cached per layout."""
-    key = (kind, bits, str(device), layout)
+def _body_layout(frames, size: int, kind: str, bits: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For frame bodies at ``frames`` (``(offset, number of scales, elements)`` each) in ``size``
+    bytes: the int64 positions of their float32 scales' bytes, and per byte Int8's code-byte
+    mask or (2-, 4- and 8-bit codes) its count of codes (0 for a scale byte or a byte between
+    bodies, fewer for a frame's last byte); ``None`` for sign frames, whose codes are all
+    valid. Cached per layout."""
+    key = (kind, bits, str(device), size, frames)
     got = _LAYOUTS.get(key)
     if got is not None:
         return got
     per = 8 // bits if bits <= 8 else 1
-    scale_at, counts, off = [], [], 0
-    for nb, n in layout:
+    scale_at = []
+    count = torch.zeros(size, dtype=torch.uint8)
+    for off, nb, n in frames:
         scale_at.append(torch.arange(off, off + 4 * nb))
-        cb = quant_code_bytes(kind, n, bits)
-        head = torch.zeros(4 * nb, dtype=torch.uint8)
+        c0 = off + 4 * nb
         full, tail = divmod(n, per)
-        body = torch.full((cb,), per, dtype=torch.uint8)
+        count[c0 : c0 + full] = per
         if tail:
-            body[full] = tail
-        counts += [head, body]
-        off += 4 * nb + cb
+            count[c0 + full] = tail
     at = torch.cat(scale_at) if scale_at else torch.zeros(0, dtype=torch.int64)
-    count = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.uint8)
     codes = None if kind == "sign1" else (count > 0) if kind == "int8" else count
     if len(_LAYOUTS) >= _LAYOUTS_MAX:
         _LAYOUTS.clear()
@@ -540,14 +538,14 @@ def _body_layout(layout, kind: str, bits: int, device) -> tuple[torch.Tensor, to
     return got
 
 
-def quant_body_stats_reference(whole: torch.Tensor, layout, kind: str, bits: int) -> torch.Tensor:
-    """:func:`gradzip.kernels.quant_body_stats` in torch ops: a few passes over the bodies and
+def quant_body_stats_reference(whole: torch.Tensor, frames, kind: str, bits: int) -> torch.Tensor:
+    """:func:`gradzip.kernels.quant_body_stats` in torch ops: a few passes over the bytes and
     byte masks cached per layout (:func:`_body_layout`)."""
     dev = whole.device
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     if whole.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=dev)
-    scale_at, codes = _body_layout(layout, kind, bits, dev)
+    scale_at, codes = _body_layout(frames, whole.numel(), kind, bits, dev)
     neg = (whole.index_select(0, scale_at).view(torch.float32) < 0).any() if scale_at.numel() else zero
     if kind == "int8":  # code -128 anywhere
         top = ((whole == 0x80) & codes).any()

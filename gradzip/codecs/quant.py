@@ -63,7 +63,7 @@ import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
 from ..kernels.quant import aligned_body
-from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, run_view
+from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, span_view
 from .base import (
     Codec,
     TensorContext,
@@ -141,11 +141,19 @@ def _code_stats(frames: list[tuple[torch.Tensor, torch.Tensor, int]], bits: int,
     return torch.stack(rows).tolist() if rows else []
 
 
-def _joined(bodies: list[torch.Tensor]) -> torch.Tensor:
-    """The bodies back to back as one uint8 tensor: a view where they already lie so in one
-    buffer (a message's frames do), else a concatenated copy."""
-    whole = run_view(bodies) if all(b.dtype == torch.uint8 for b in bodies) else None
-    return whole if whole is not None else torch.cat([as_bytes(t) for t in bodies])
+def _spanned(bodies: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The bytes holding ``bodies`` as one uint8 tensor and each body's offset in it: a view
+    where they lie in one buffer in order, apart or back to back (a message's frames do, and
+    a gathered round's messages with padding between), else a concatenated copy."""
+    got = span_view(bodies) if all(b.dtype == torch.uint8 for b in bodies) else None
+    if got is not None:
+        return got
+    parts = [as_bytes(t) for t in bodies]
+    offsets, pos = [], 0
+    for b in parts:
+        offsets.append(pos)
+        pos += b.numel()
+    return torch.cat(parts), offsets
 
 
 class _Quantizer(Codec):
@@ -205,12 +213,11 @@ class _Quantizer(Codec):
         has a negative block scale or a code no encoder writes, by one pass over all of their
         bodies and one host sync (not a few operations and a reduction per frame: a message
         of TwoPhase holds a frame per tensor piece). False sends the caller frame by frame."""
-        bodies = [p.body for p, _ in good]
-        layout = tuple((nb, p.numel) for p, nb in good)
-        whole = _joined(bodies)
+        whole, offsets = _spanned([p.body for p, _ in good])
         if whole.numel() == 0:
             return True
-        neg_, top_ = K.quant_body_stats(whole, layout, self._kind, bits=self._bits).tolist()
+        frames = tuple((o, nb, p.numel) for o, (p, nb) in zip(offsets, good))
+        neg_, top_ = K.quant_body_stats(whole, frames, self._kind, bits=self._bits).tolist()
         return not neg_ and self._bad_code(top_) is None
 
     def check_frame(self, payload: Payload) -> None:

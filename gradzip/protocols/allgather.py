@@ -22,7 +22,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, unpack_many
+from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, unpack_many
 from .base import Call, Exchange, Protocol
 
 __all__ = ["AllGather"]
@@ -54,10 +54,14 @@ class AllGather(Protocol):
         codec = self.codec
         with call.codec():
             payloads = call.encode_all(codec)
-            msg = pack_frames(payloads, device=call.device)
-            call.comm.stats.add(bytes_payload=msg.numel())
-        if codec.fixed_frames:  # the engine's flag rides in the first round (Call.take_flag)
-            gathered = yield from allgather_fixed(call.comm, msg, message_capacity(payloads), call=call)
+            # Fixed frames: packed at the agreed length (and the engine's flag byte, which rides
+            # in the first round: Call.take_flag), so allgather_fixed sends it without a copy.
+            cap = message_capacity(payloads) if codec.fixed_frames else None
+            size = None if cap is None else cap + (1 if call.wants_flag else 0)
+            msg = pack_frames(payloads, device=call.device, size=size)
+            call.comm.stats.add(bytes_payload=message_nbytes(payloads))
+        if codec.fixed_frames:
+            gathered = yield from allgather_fixed(call.comm, msg, cap, call=call)
         else:
             gathered = yield from allgather_bytes(call.comm, msg, call=call)
         with call.codec():

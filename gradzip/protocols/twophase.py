@@ -34,7 +34,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, narrow, pack_frames, pad_message, unpack_many
+from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, unpack_many
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -103,8 +103,9 @@ class TwoPhase(Protocol):
                 )
                 for i in range(count)
             ]
-            msg = pack_frames(again, device=call.device)
-            call.comm.stats.add(bytes_payload=msg.numel())
+            # Fixed frames: packed at the agreed length, so allgather_fixed sends it without a copy.
+            msg = pack_frames(again, device=call.device, size=max(caps) if caps else None)
+            call.comm.stats.add(bytes_payload=message_nbytes(again))
         if caps:  # fixed frames: every owner's message fits the largest phase-1 message to an owner
             gathered = yield from allgather_fixed(call.comm, msg, max(caps))
         else:
@@ -154,18 +155,24 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
             call.encode_pieces(codec, i, bounds[i], [piece_key(call.names[i], j, world) for j in range(world)])
             for i in range(count)
         ]
-        msgs = [pack_frames([sent[i][j] for i in range(count)], device=call.device) for j in range(world)]
-        call.comm.stats.add(bytes_payload=sum(m.numel() for m in msgs))
+        groups = [[sent[i][j] for i in range(count)] for j in range(world)]  # owner j's frames
+        own = [message_nbytes(g) for g in groups]
+        call.comm.stats.add(bytes_payload=sum(own))
         # The engine's non-finite flag rides in the first round (Call.take_flag): a second int64
         # beside each length, or, for fixed frames, one more byte after each message.
         flag = call.wants_flag
         extra = 1 if codec.fixed_frames and flag else 0
         if codec.fixed_frames:
-            fixed = [message_capacity([sent[i][j] for i in range(count)]) for j in range(world)]
-            msgs = [pad_message(m, c + extra) for m, c in zip(msgs, fixed)]
+            fixed = [message_capacity(g) for g in groups]
             if caps is not None:
                 caps[:] = fixed
-        send = torch.cat(msgs) if msgs else torch.empty(0, dtype=torch.uint8, device=call.device)
+        sizes = [c + extra for c in fixed] if codec.fixed_frames else own
+        # Every owner's message packed (and padded) straight into its slice of the send buffer.
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=call.device)
+        msgs, pos = [], 0
+        for g, size in zip(groups, sizes):
+            msgs.append(pack_frames(g, out=send[pos : pos + size]))
+            pos += size
     if codec.fixed_frames:
         in_splits, out_splits = [c + extra for c in fixed], [fixed[me] + extra] * world
     else:

@@ -21,7 +21,7 @@ from gradzip.codecs.quant import (
     Int8,
     SignSGD,
     TernGrad,
-    _joined,
+    _spanned,
     qsgd_bits,
 )
 from gradzip.engine import Engine
@@ -610,9 +610,10 @@ def test_a_message_is_checked_in_one_pass_and_a_bad_frame_is_still_named(codec):
 
     good = [(p, quant_layout(p.numel, codec.block)[0]) for p in frames(msg)]
     assert codec._clean(good)
-    # consecutive views of the message: the joined body is a view, not a copy
-    joined = _joined([p.body for p, _ in good])
+    # consecutive views of the message: the bodies' span is a view, not a copy
+    joined, offsets = _spanned([p.body for p, _ in good])
     assert joined.data_ptr() == good[0][0].body.data_ptr()
+    assert offsets == [p.body.data_ptr() - joined.data_ptr() for p, _ in good]
     codec.check_frames(frames(msg))
     bits = codec._bits
     for frame in (0, 3, 4):
@@ -646,10 +647,16 @@ def test_a_message_is_checked_in_one_pass_and_a_bad_frame_is_still_named(codec):
             assert codec._clean([(q, n) for q, (_, n) in zip(frames(pad), good)])
 
 
-def test_frames_apart_are_joined_by_a_copy():
+def test_frames_in_one_buffer_are_read_in_place_and_others_joined_by_a_copy():
     a, b = torch.arange(5, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8)
-    got = _joined([a, b])
+    got, offsets = _spanned([a, b])
     assert torch.equal(got, torch.cat([a, b])) and got.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    assert offsets == [0, 5]
+    buf = torch.arange(20, dtype=torch.uint8)
+    got, offsets = _spanned([buf[2:6], buf[9:12], buf[12:12], buf[15:19]])  # apart, as gathered messages lie
+    assert got.data_ptr() == buf[2:].data_ptr() and got.numel() == 17 and offsets == [0, 7, 10, 13]
+    got, offsets = _spanned([buf[9:12], buf[2:6]])  # out of order: a copy
+    assert torch.equal(got, torch.cat([buf[9:12], buf[2:6]])) and offsets == [0, 3]
     codec = Int8(block=4)
     ps = [codec.compress(torch.randn(9)), codec.compress(torch.randn(4))]
     assert codec._clean([(p, quant_layout(p.numel, 4)[0]) for p in ps])

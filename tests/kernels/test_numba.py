@@ -310,78 +310,84 @@ def test_empty_tensors_give_the_reference_frames():
 
 # -- the frame checks' pass over the bodies ----------------------------------------------------------
 
-
-def _bodies(kind, bits, layout, seed):
-    """Random bodies of ``layout`` back to back (any bytes: scales and codes of every value)."""
-    g = torch.Generator().manual_seed(seed)
-    need = sum(4 * nb + Q.quant_code_bytes(kind, n, bits) for nb, n in layout)
-    return torch.randint(0, 256, (need,), dtype=torch.uint8, generator=g)
+LAYOUT = [(1, 1), (2, 13), (0, 0), (3, 64), (1, 7), (5, 1001)]  # (number of scales, elements)
 
 
-def _clean_scales(whole, kind, bits, layout):
+def _frames(kind, bits, gap):
+    """``(offset, scales, elements)`` of LAYOUT's bodies, ``gap`` bytes apart, and the bytes in all."""
+    frames, off = [], 0
+    for nb, n in LAYOUT:
+        frames.append((off, nb, n))
+        off += 4 * nb + Q.quant_code_bytes(kind, n, bits) + gap
+    return frames, off
+
+
+def _clean(whole, kind, bits, frames):
     """``whole`` with every scale's sign bit cleared, no Int8 code byte 0x80 and packed codes 0
-    (so a planted code or padding bit is the only large one): a clean message."""
+    (so a planted code or padding bit is the only large one): a clean message. The bytes
+    between bodies keep what they held (negative scales and 0x80 codes, were they read)."""
     whole = whole.clone()
-    off = 0
-    for nb, n in layout:
+    for off, nb, n in frames:
         whole[off + 3 : off + 4 * nb : 4] &= 0x7F
-        cb = Q.quant_code_bytes(kind, n, bits)
-        body = whole[off + 4 * nb : off + 4 * nb + cb]
+        body = whole[off + 4 * nb : off + 4 * nb + Q.quant_code_bytes(kind, n, bits)]
         if kind == "int8":
             body[body == 0x80] = 0x7F
         elif kind != "sign1":
             body.zero_()
-        off += 4 * nb + cb
     return whole
 
 
+@pytest.mark.parametrize("gap", [0, 5])
 @pytest.mark.parametrize("kind,bits", [("int8", 8), ("sign1", 1), ("qsgd", 2), ("qsgd", 4), ("qsgd", 8), ("tern2", 2)])
-def test_quant_body_stats_matches_reference(kind, bits, both):
+def test_quant_body_stats_matches_reference(kind, bits, gap, both):
     """Random bytes (negative, NaN, infinite and -0.0 scales; every code), then a clean message
     with one planted fault at a time: the Numba pass reads what the reference reads, padding
-    bits of a frame's last byte left out."""
-    layout = [(1, 1), (2, 13), (0, 0), (3, 64), (1, 7), (5, 1001)]
+    bits of a frame's last byte and the bytes between frames left out."""
+    frames, size = _frames(kind, bits, gap)
+
+    def stats(w):
+        return both("quant_body_stats", lambda: K.quant_body_stats(w, frames, kind, bits=bits))
+
     for seed in range(4):
-        whole = _bodies(kind, bits, layout, seed)
-        got, want = both("quant_body_stats", lambda w=whole: K.quant_body_stats(w, layout, kind, bits=bits))
+        whole = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        got, want = stats(whole)
         assert torch.equal(got, want), (seed, got, want)
-        clean = _clean_scales(whole, kind, bits, layout)
-        got, want = both("quant_body_stats", lambda w=clean: K.quant_body_stats(w, layout, kind, bits=bits))
-        assert torch.equal(got, want) and got[0] == 0 and got[1] == 0
-    clean = _clean_scales(_bodies(kind, bits, layout, 9), kind, bits, layout)
-    off = 4 * 1 + Q.quant_code_bytes(kind, 1, bits)  # the second frame: 2 scales, 13 elements
+        clean = _clean(whole, kind, bits, frames)
+        got, want = stats(clean)
+        assert torch.equal(got, want) and got.tolist() == [0, 0]
+    off = frames[1][0]  # the second frame: 2 scales, 13 elements
     for value, sign in ((-0.0, 0), (float("-inf"), 1), (float("nan"), 0), (-1e-45, 1), (-3.0, 1)):
         bad = clean.clone()
         raw = torch.tensor([value], dtype=torch.float32).view(torch.uint8)
-        if math.isnan(value):
+        if math.isnan(value):  # a NaN with its sign bit set
             raw = torch.tensor([0x7FC00000 | 0x80000000], dtype=torch.int64).to(torch.int32).view(torch.uint8)
         bad[off + 4 : off + 8] = raw
-        got, want = both("quant_body_stats", lambda w=bad: K.quant_body_stats(w, layout, kind, bits=bits))
+        got, want = stats(bad)
         assert torch.equal(got, want) and int(got[0]) == sign, value
     if kind != "sign1":
-        code = off + 8  # the second frame's first code byte
         bad = clean.clone()
-        bad[code] = 0x80 if kind == "int8" else (1 << bits) - 1
-        got, want = both("quant_body_stats", lambda w=bad: K.quant_body_stats(w, layout, kind, bits=bits))
+        bad[off + 8] = 0x80 if kind == "int8" else (1 << bits) - 1  # the second frame's first code byte
+        got, want = stats(bad)
         assert torch.equal(got, want) and int(got[1]) == (1 if kind == "int8" else (1 << bits) - 1)
     if kind in ("qsgd", "tern2") and bits < 8:  # padding bits of the 13-element frame's last byte
         per = 8 // bits
-        last = off + 8 + Q.quant_code_bytes(kind, 13, bits) - 1
         bad = clean.clone()
-        bad[last] = (0xFF << ((13 % per) * bits)) & 0xFF
-        ref = K.quant_body_stats(clean, layout, kind, bits=bits)
-        got, want = both("quant_body_stats", lambda w=bad: K.quant_body_stats(w, layout, kind, bits=bits))
-        assert torch.equal(got, want) and torch.equal(got, ref)
+        bad[off + 8 + Q.quant_code_bytes(kind, 13, bits) - 1] = (0xFF << ((13 % per) * bits)) & 0xFF
+        got, want = stats(bad)
+        assert torch.equal(got, want) and got.tolist() == [0, 0]
 
 
-def test_quant_body_stats_refuses_a_layout_that_does_not_fit():
-    whole = torch.zeros(4 + 5, dtype=torch.uint8)
-    assert K.quant_body_stats(whole, [(1, 5)], "int8").tolist() == [0, 0]
-    with pytest.raises(ValueError, match="take 10 bytes"):
-        K.quant_body_stats(whole, [(1, 6)], "int8")
+def test_quant_body_stats_refuses_frames_that_do_not_fit():
+    whole = torch.zeros(4 + 5 + 3, dtype=torch.uint8)
+    assert K.quant_body_stats(whole, [(0, 1, 5)], "int8").tolist() == [0, 0]
+    assert K.quant_body_stats(whole, [(3, 1, 5)], "int8").tolist() == [0, 0]
+    with pytest.raises(ValueError, match="past whole's 12"):
+        K.quant_body_stats(whole, [(4, 1, 5)], "int8")
+    with pytest.raises(ValueError, match="in order without overlap"):
+        K.quant_body_stats(whole, [(0, 1, 1), (4, 1, 1)], "int8")
     with pytest.raises(TypeError, match="uint8"):
-        K.quant_body_stats(whole.float(), [(1, 5)], "int8")
+        K.quant_body_stats(whole.float(), [(0, 1, 5)], "int8")
     with pytest.raises(ValueError, match="bits"):
-        K.quant_body_stats(whole, [(1, 5)], "qsgd", bits=3)
+        K.quant_body_stats(whole, [(0, 1, 5)], "qsgd", bits=3)
     with pytest.raises(ValueError, match="kind"):
-        K.quant_body_stats(whole, [(1, 5)], "int4")
+        K.quant_body_stats(whole, [(0, 1, 5)], "int4")

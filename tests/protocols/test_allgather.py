@@ -90,3 +90,32 @@ def test_pad_message_pads_with_zeros_and_refuses_a_longer_message():
     assert wire.pad_message(msg, 8).tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
     with pytest.raises(RuntimeError, match="5 bytes exceeds the 4"):
         wire.pad_message(msg, 4)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_pack_frames_pads_in_the_same_copy(checksum):
+    """``pack_frames(size=)`` and ``pack_frames(out=)`` give ``pad_message(pack_frames(...))``
+    byte for byte (the checksum covers the message, not its padding), write nothing past
+    ``out``, and refuse a message longer than the agreed size."""
+    import gradzip as gz
+
+    before = wire.checksum_enabled()
+    wire.set_checksum(checksum)
+    try:
+        codec = gz.Int8(block=4)
+        payloads = [codec.compress(torch.randn(9)), codec.compress(torch.randn(5))]
+        plain = wire.pack_frames(payloads)
+        assert plain.numel() == wire.message_nbytes(payloads)
+        size = wire.message_capacity(payloads) + 3
+        want = wire.pad_message(plain, size)
+        assert torch.equal(wire.pack_frames(payloads, size=size), want)
+        buf = torch.full((size + 4,), 0xAB, dtype=torch.uint8)
+        got = wire.pack_frames(payloads, out=buf[2 : 2 + size])
+        assert torch.equal(got, want) and got.data_ptr() == buf[2:].data_ptr()
+        assert buf[:2].tolist() == [0xAB] * 2 and buf[2 + size :].tolist() == [0xAB] * 2
+        frames = wire.unpack_frames(got, [p.shape for p in payloads], [p.dtype for p in payloads])
+        assert all(torch.equal(a.body, b.body) for a, b in zip(frames, payloads))
+        with pytest.raises(RuntimeError, match=f"{plain.numel()} bytes exceeds the {plain.numel() - 1}"):
+            wire.pack_frames(payloads, size=plain.numel() - 1)
+    finally:
+        wire.set_checksum(before)
