@@ -219,25 +219,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def run_view(tensors) -> torch.Tensor | None:
-    """One flat view of ``tensors`` when they lie back to back in one storage, in order,
-    contiguous and of one dtype and device; else None (None too when one of them is None)."""
-    if not tensors or any(t is None for t in tensors):
-        return None
-    t0 = tensors[0]
-    storage = t0.untyped_storage()
-    start = pos = t0.storage_offset()
-    for t in tensors:
-        if t.dtype != t0.dtype or t.device != t0.device:
-            return None
-        if t.numel() == 0:
-            continue
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != pos:
-            return None
-        pos += t.numel()
-    return torch.as_strided(t0, (pos - start,), (1,), start)
-
-
 def span_view(tensors) -> tuple[torch.Tensor, list[int]] | None:
     """One flat view from the start of the first of ``tensors`` to the end of the last, and
     each one's offset in it, when they lie in one storage in order, apart or back to back
@@ -258,6 +239,15 @@ def span_view(tensors) -> tuple[torch.Tensor, list[int]] | None:
         offsets.append(at - start)
         pos = at + t.numel()
     return torch.as_strided(t0, (pos - start,), (1,), start), offsets
+
+
+def run_view(tensors) -> torch.Tensor | None:
+    """One flat view of ``tensors`` when they lie back to back in one storage, in order,
+    contiguous and of one dtype and device; else None (None too when one of them is None)."""
+    got = span_view(tensors)
+    if got is None or got[0].numel() != sum(t.numel() for t in tensors):
+        return None  # not in one storage, or apart
+    return got[0]
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

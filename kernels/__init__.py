@@ -47,7 +47,7 @@ from .dispatch import (
     reset_dispatch,
     uses_kernel,
 )
-from .orth import LANES, orth_table, orthonormalize_rows_reference
+from .orth import orth_table, orthonormalize_rows_reference
 from .philox import philox_uniform
 from .quant import (
     QUANT_KINDS,
@@ -124,7 +124,6 @@ __all__ = [
     "accum_dtype",
     # low rank
     "orthonormalize_rows_",
-    "LANES",
     # dispatch
     "backend_report",
     "register_kernel",

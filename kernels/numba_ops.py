@@ -40,6 +40,7 @@ from .quant import (
     qsgd_bits,
     qsgd_encode_reference,
     qsgd_norms,
+    quant_code_bytes,
     quant_counts,
     quant_layout,
     sign_scales,
@@ -875,11 +876,7 @@ def quant_body_stats_numba(whole, frames, kind, bits):
         raise Unsupported(f"Numba kernels take CPU tensors, got {whole.device.type}")
     rows = np.asarray(frames, dtype=np.int64).reshape(-1, 3)
     offs, nbs, ns = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
-    if kind == "sign1":  # quant_code_bytes, for every frame at once
-        cbs = 4 * ((ns + 31) // 32)
-    else:
-        per = 1 if kind == "int8" else 8 // int(bits)
-        cbs = (ns + per - 1) // per
+    cbs = np.array([quant_code_bytes(kind, int(n), bits) for n in ns], dtype=np.int64)
     out = np.zeros(2, dtype=np.int64)
     _body_stats(whole.detach().numpy(), offs, nbs, ns, cbs, _BODY_KINDS[kind], int(bits), out)
     return torch.from_numpy(out)
