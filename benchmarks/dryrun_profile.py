@@ -9,11 +9,11 @@ For each method (``gz.parse`` specs, ``;``-separated): two untimed steps, one st
 without the profiler (printed as ``ms a step``), then one step under cProfile: the 18
 functions with the most time of their own, and the 22 gradzip and kernel functions with the
 most time under them. The step is what ``benchmarks/gpu_step.py`` times as codec time (error
-feedback, encode, framing, the decode of every peer), so this tells whether a method's step
-is spent in kernels, in Python, or in launches and synchronizations (time spent waiting on
-the device shows up under the call that synchronized: ``tolist``, ``item``, ``cpu``).
-Gradients are random normal (seed 0), float32. Prints the report and writes it to ``--out``
-when given.
+feedback, encode, framing, the decode of every peer; in steady state, ``gpu_step.Steps``), so
+this tells whether a method's step is spent in kernels, in Python, or in launches and
+synchronizations (time spent waiting on the device shows up under the call that
+synchronized: ``tolist``, ``item``, ``cpu``). Gradients are random normal (seed 0), float32.
+Prints the report and writes it to ``--out`` when given.
 
 ``--count``: no cProfile; per method the median of ``--steps`` timed steps and the number of
 top-level ATen operations one step issues (``torch.profiler``, CPU activity: each is a trip
@@ -24,6 +24,13 @@ this tracks that cost on any machine. ``host_syncs``: the calls that wait for th
 ``tolist()``, counted by cProfile in one more step), each a full stop of the launch queue there:
 
     python -m benchmarks.dryrun_profile --device cpu --count --methods "Int8();SignSGD()" --json x.json
+
+``triton_launches``: under the Triton interpreter (``GRADZIP_KERNELS=triton TRITON_INTERPRET=1``,
+with ``--model tiny``: the interpreter is slow) each kernel launch is counted, and the ATen
+operations the interpreter issues inside it are not; the count is then what the GPU path's
+host issues (its operations and launches) rather than the CPU path's Numba glue, up to the few
+branches on the device's type (``bitpack``'s numpy route, PowerSGD's buffer alignment).
+Elsewhere it is 0.
 """
 
 from __future__ import annotations
@@ -37,33 +44,39 @@ import time
 
 import torch
 
-from benchmarks.gpu_step import ResNet
+from benchmarks.gpu_step import ResNet, Steps
 
 
 def stepper(spec: str, grads, names, buckets, world: int, sync):
-    """``run(step)``: one step of ``spec``'s dry runs over the buckets (state kept between
-    steps), after two untimed ones."""
+    """``(reset, run)``: ``run(step)`` is one steady-state step of ``spec``'s dry runs over the
+    buckets (``gpu_step.Steps``: DDP's bucket layout, error feedback and the codecs' state kept
+    between steps), ``reset()`` puts the gradients back into the buckets (call it before the
+    clock starts); two untimed steps are run first."""
     import gradzip as gz
-    from gradzip.costmodel import dry_run
 
-    meth = gz.parse(spec)
-    stores: dict = {}
+    steps = Steps(gz.parse(spec), grads, names, buckets, world)
+
+    def reset():
+        steps.reset()
+        sync()
 
     def run(s):
-        for b in buckets:
-            dry_run(meth, [grads[i] for i in b], world_size=world, names=[names[i] for i in b], stores=stores, step=s)
+        steps.run(s)
         sync()
 
     for s in range(2):
+        reset()
         run(s)
-    return run
+    return reset, run
 
 
 def profile(spec: str, grads, names, buckets, world: int, sync) -> str:
-    run = stepper(spec, grads, names, buckets, world, sync)
+    reset, run = stepper(spec, grads, names, buckets, world, sync)
+    reset()
     t = time.perf_counter()
     run(2)
     wall = time.perf_counter() - t
+    reset()
     pr = cProfile.Profile()
     pr.enable()
     run(3)
@@ -87,20 +100,36 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    run = stepper(spec, grads, names, buckets, world, sync)
+    reset, run = stepper(spec, grads, names, buckets, world, sync)
     times = []
     for s in range(2, 2 + steps):
+        reset()
         t = time.perf_counter()
         run(s)
         times.append(time.perf_counter() - t)
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    reset()
+    with _launches_marked(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         run(2 + steps)
 
+    def inside_launch(e):
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == LAUNCH:
+                return True
+            p = p.cpu_parent
+        return False
+
     def top(e):
-        return e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        return (
+            e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+            and not inside_launch(e)
+        )
 
     ops = sum(1 for e in prof.events() if top(e))
+    launches = sum(1 for e in prof.events() if e.name == LAUNCH)
     scalars = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")  # item(), bool()
+    reset()
     pr = cProfile.Profile()
     pr.enable()
     run(3 + steps)
@@ -112,7 +141,40 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
         "ms_all": [t * 1e3 for t in times],
         "aten_ops": ops,
         "host_syncs": scalars + copies,
+        "triton_launches": launches,
     }
+
+
+LAUNCH = "triton::launch"
+
+
+def _launches_marked():
+    """Under the Triton interpreter (``GRADZIP_KERNELS=triton TRITON_INTERPRET=1``), mark every
+    kernel launch as a profiler range ``triton::launch``: ``count`` counts the ranges and leaves
+    out the ATen operations the interpreter issues inside them, so a CPU run counts what the
+    GPU path's host issues (operations and launches). Elsewhere: nothing."""
+    import contextlib
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return contextlib.nullcontext()
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def marked(self, *a, **kw):
+        with torch.profiler.record_function(LAUNCH):
+            return run(self, *a, **kw)
+
+    @contextlib.contextmanager
+    def patched():
+        InterpretedFunction.run = marked
+        try:
+            yield
+        finally:
+            InterpretedFunction.run = run
+
+    return patched()
 
 
 def main(argv=None) -> int:
@@ -163,7 +225,7 @@ def main(argv=None) -> int:
             row = rows[spec]
             print(
                 f"{spec:30s} {row['ms_per_step']:9.1f} ms a step  {row['aten_ops']:8d} ATen ops  "
-                f"{row['host_syncs']:6d} host syncs",
+                f"{row['host_syncs']:6d} host syncs  {row['triton_launches']:6d} Triton launches",
                 flush=True,
             )
         if args.json:

@@ -16,7 +16,12 @@ For each model, at random initialization (seed 0), on one device:
    ``--world`` peers (the loopback communicator hands this rank's message back for every
    peer). Timed as the wall time of all buckets with the device synchronized before and
    after, the median over ``--steps`` steps (each step advances the codecs' state, as
-   training does). ``Identity()`` is plain DDP's cost (a pre-division and a copy).
+   training does). In steady state (:class:`Steps`): each bucket is one flat buffer that
+   receives the result, as DDP's does, and the error-feedback memory is kept from step to step
+   (the residual is added, its buffers reused). ``Identity()`` is plain DDP's cost (a
+   pre-division of the bucket in place). Until 2026-11-28 every dry run had loose tensors and
+   a fresh memory: no residual to add, new buffers, and a copy into a new output (the three
+   H200 runs' files).
 3. **Fraction added**: codec time / compute step.
 4. **Break-even link**: the cost model's wire time of the collectives each method launched
    (``costmodel.wire_time``, ring formulas, latency 0, ``--world`` ranks on one flat link)
@@ -222,6 +227,59 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+class Steps:
+    """Steady-state codec steps of one method over a model's gradients, as DDP and the engine
+    run them: each bucket one flat buffer, the gradients its views (``dry_run(bucket=...)``:
+    the protocol writes the result into it, as into DDP's bucket); one error-feedback memory
+    kept from step to step and released after each, as the engine does (so a step adds the
+    residual the step before left and writes the next into the buffer it freed, instead of
+    starting with none in new buffers); the codecs' state kept in ``stores``.
+
+    ``reset()`` copies the gradients back into the buckets (the step before left its result
+    there): call it before the clock starts. ``run(step)`` runs one step's dry runs and returns
+    their collectives."""
+
+    def __init__(self, method, grads, names, buckets, world: int) -> None:
+        from gradzip.feedback import ErrorFeedback
+
+        self.method, self.world = method, world
+        self.names = [[names[i] for i in b] for b in buckets]
+        self.pristine = [torch.cat([grads[i].reshape(-1) for i in b]) for b in buckets]
+        self.flat = [p.clone() for p in self.pristine]
+        self.views = []
+        for b, flat in zip(buckets, self.flat):
+            views, pos = [], 0
+            for i in b:
+                views.append(flat[pos : pos + grads[i].numel()].view(grads[i].shape))
+                pos += grads[i].numel()
+            self.views.append(views)
+        self.stores: dict = {}
+        self.memory = ErrorFeedback()
+
+    def reset(self) -> None:
+        for f, p in zip(self.flat, self.pristine):
+            f.copy_(p)
+
+    def run(self, step: int) -> list:
+        from gradzip.costmodel import dry_run
+
+        colls = []
+        for views, names, flat in zip(self.views, self.names, self.flat):
+            d = dry_run(
+                self.method,
+                views,
+                world_size=self.world,
+                names=names,
+                stores=self.stores,
+                step=step,
+                memory=self.memory,
+                bucket=flat,
+            )
+            colls.extend(d.collectives)
+        self.memory.release()
+        return colls
+
+
 def measure_model(name, methods, device, world, steps, warmup, log=print, deadline=None) -> dict:
     """One model's figures (above); ``deadline`` (a ``time.perf_counter()`` value): a method not
     started by then is listed under ``skipped`` instead of timed."""
@@ -271,24 +329,14 @@ def measure_model(name, methods, device, world, steps, warmup, log=print, deadli
         if deadline is not None and time.perf_counter() > deadline:
             skipped.append(spec)
             continue
-        method = gz.parse(spec)
-        stores: dict = {}
         times, colls = [], []
         try:
+            steps_of = Steps(gz.parse(spec), grads, names, buckets, world)
             for s in range(warmup + steps):
-                colls = []
+                steps_of.reset()
 
                 def run():
-                    for b in buckets:
-                        d = dry_run(
-                            method,
-                            [grads[i] for i in b],
-                            world_size=world,
-                            names=[names[i] for i in b],
-                            stores=stores,
-                            step=s,
-                        )
-                        colls.extend(d.collectives)
+                    colls[:] = steps_of.run(s)
 
                 t = timed(run, device)
                 if s >= warmup:

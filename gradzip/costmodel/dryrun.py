@@ -20,6 +20,7 @@ from ..codecs.base import TensorContext
 from ..feedback import ErrorFeedback
 from ..protocols.base import Call, as_protocol
 from ..stats import Stats
+from ..wire import run_view
 from .link import Collective, Link, check_world, wire_time
 
 __all__ = ["LoopbackComm", "DryRun", "dry_run"]
@@ -152,7 +153,7 @@ def dry_run(
     sync: Callable[[], None] | None = None,
     flag: bool = True,
     memory: ErrorFeedback | None = None,
-    bucket: bool = False,
+    bucket: bool | torch.Tensor = False,
 ) -> DryRun:
     """Run ``method``'s protocol on ``tensors`` as one call among ``world_size`` identical ranks.
 
@@ -175,12 +176,26 @@ def dry_run(
     ``bucket``: lay the tensors out as DDP hands the engine a bucket: copied (before the clock
     starts) into one flat buffer, the call's tensors its views and the buffer its ``dest``. A
     plain protocol (Identity) then sums that buffer as it is, as in a real step, instead of
-    copying the tensors into a new one. Needs tensors of one dtype.
+    copying the tensors into a new one. Needs tensors of one dtype. ``bucket`` a tensor: the
+    flat buffer the tensors already are, back to back, as views (a caller timing repeated steps
+    lays its buckets out once): used as the bucket as it is, so it receives the result, as
+    DDP's bucket does, and the tensors hold it afterwards.
     """
     sync = sync or (lambda: None)
     tensors = list(tensors)
     dest = None
-    if bucket and tensors:
+    if isinstance(bucket, torch.Tensor):
+        whole = run_view(tensors)
+        if (
+            whole is None
+            or not bucket.is_contiguous()
+            or whole.data_ptr() != bucket.data_ptr()
+            or whole.numel() != bucket.numel()
+            or whole.dtype != bucket.dtype
+        ):
+            raise ValueError("dry_run(bucket=<tensor>) needs the tensors to be that flat buffer's views, back to back")
+        dest = bucket.view(-1)
+    elif bucket and tensors:
         if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
             raise ValueError("dry_run(bucket=True) needs tensors of one dtype on one device, as in a DDP bucket")
         dest = torch.cat([t.reshape(-1) for t in tensors])

@@ -72,6 +72,9 @@ class _Spread:
     def __init__(self, call: Call, key: str) -> None:
         self.call, self.key = call, key
         self.flat: torch.Tensor | None = None  # the flat residual stored this call
+        # The per-tensor spares the compensated buffer was built in (``Flat._compensate``):
+        # when the flat residual is that buffer, they are its per-tensor views already.
+        self.views: list | None = None
 
     def _owner_piece(self, name: str) -> tuple[int, int]:
         """The flat range of this rank's owner key ``name``, or a RuntimeError."""
@@ -100,9 +103,12 @@ class _Spread:
         call = self.call
         if name == self.key:
             self.flat = flat = new.reshape(-1)
+            views = self.views
+            if views is None or views[0].data_ptr() != flat.data_ptr() or views[0].dtype != flat.dtype:
+                views = None  # a new buffer (the first steps, a change of layout): cut it
             for i, t in enumerate(call.tensors):
                 if call.feeds(i):
-                    call._store(call.names[i], flat[call.slice(i)].view(t.shape))
+                    call._store(call.names[i], views[i] if views else flat[call.slice(i)].view(t.shape))
             return
         a, b = self._owner_piece(name)
         if self.flat is None:
@@ -157,16 +163,18 @@ class Flat(Protocol):
         return g if g is not None else torch.cat([t.reshape(-1) for t in call.tensors])
 
     @staticmethod
-    def _compensate(call: Call, g: torch.Tensor) -> torch.Tensor:
+    def _compensate(call: Call, g: torch.Tensor, spread: _Spread) -> torch.Tensor:
         """``g + r`` for the flat tensor, in a buffer that becomes its residual: the tensors'
-        spares when they lie back to back, else a new one; a frozen tensor's range holds its
-        gradient alone."""
+        spares when they lie back to back (``spread.views`` then holds them), else a new one;
+        a frozen tensor's range holds its gradient alone."""
         mem, acc = call.memory, accum_dtype(g.dtype)
         rs = [mem.check_shape(n, t) for n, t in zip(call.names, call.tensors)]
         spares = [mem.buffer(n, t) for n, t in zip(call.names, call.tensors)]
         c = run_view(spares)
         if c is None or c.dtype != acc or c.device != g.device:
             c = torch.empty(g.numel(), dtype=acc, device=g.device)
+        else:
+            spread.views = spares
         r = run_view(rs)
         if r is not None and r.dtype == acc:
             torch.add(g, r, out=c)  # promotes before adding: g.to(acc) + r, bit for bit
@@ -204,7 +212,7 @@ class Flat(Protocol):
             sub.bytes_only = call.bytes_only
             sub.flag_owner = call.flag_owner if call.flag_owner is not None else call
             if memory is not None:
-                sub._x[key] = self._compensate(call, g)
+                sub._x[key] = self._compensate(call, g, memory)
             moments = None
             if call.momentum:
                 moments = [call.momentum.get(n) for n in call.names]

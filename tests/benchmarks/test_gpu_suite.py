@@ -210,3 +210,28 @@ def test_dryrun_profile_counts_and_profiles_a_step_on_the_cpu(tmp_path):
     report = tmp_path / "report.txt"
     assert dryrun_profile.main([*argv[:-1], "Int8()", "--out", str(report)]) == 0
     assert "===== Int8():" in report.read_text()
+
+
+def test_dryrun_profile_counts_the_gpu_paths_launches_under_the_interpreter(tmp_path, monkeypatch):
+    """With Triton forced under the interpreter, --count counts every kernel launch and leaves
+    out the ATen operations the interpreter issues inside them: Flat(Int8()) at 4 ranks on the
+    tiny ResNet's one bucket launches 4 + 1 encodes, as many subtractions, and 2 decodes; the
+    CPU path (Numba) launches none."""
+    import json
+    import os
+
+    from benchmarks import dryrun_profile
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1 before the kernels are imported)")
+    argv = ["--device", "cpu", "--model", "tiny", "--world", "4", "--count", "--steps", "1", "--methods"]
+    rows = {}
+    for forced in (None, "triton"):
+        if forced:
+            monkeypatch.setenv("GRADZIP_KERNELS", forced)
+        out = tmp_path / f"{forced}.json"
+        assert dryrun_profile.main([*argv, "Flat(Int8())", "--json", str(out)]) == 0
+        rows[forced] = json.loads(out.read_text())["methods"]["Flat(Int8())"]
+    assert rows[None]["triton_launches"] == 0
+    assert rows["triton"]["triton_launches"] == 12
+    assert 0 < rows["triton"]["aten_ops"] < rows[None]["aten_ops"]  # the Numba glue is the CPU path's own

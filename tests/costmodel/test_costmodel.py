@@ -579,6 +579,25 @@ def test_dry_run_bucket_layout_sums_a_plain_call_in_place(monkeypatch):
         dry_run(Identity(), [xs[0], xs[1].double()], world_size=2, bucket=True)
 
 
+def test_dry_run_on_a_given_bucket_writes_the_result_into_it():
+    """``bucket=<flat tensor>``: the tensors are its views, it is the bucket as it is (no copy)
+    and receives the result, as DDP's bucket does; the same result as loose tensors. Tensors
+    that are not that buffer's views, back to back, are refused."""
+    xs = [sample((3, 5), seed=1), sample((7,), seed=2)]
+    for method in (Identity(), FP16()):
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        views = [flat[:15].view(3, 5), flat[15:]]
+        loose = dry_run(method, xs, world_size=4)
+        given = dry_run(method, views, world_size=4, bucket=flat)
+        assert given.out.data_ptr() == flat.data_ptr() and torch.equal(given.out, loose.out)
+        assert torch.equal(flat, loose.out)  # the bucket holds the result
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    with pytest.raises(ValueError, match="views, back to back"):
+        dry_run(Identity(), xs, world_size=2, bucket=flat)
+    with pytest.raises(ValueError, match="views, back to back"):
+        dry_run(Identity(), [flat[:15], flat[16:]], world_size=2, bucket=flat)
+
+
 def test_measure_codec_times_a_plain_protocol_on_a_bucket(monkeypatch):
     """The warm-up says whether the protocol is plain; then (and only then) the timed runs get the
     bucket layout, so Identity is not charged a copy that no step makes."""

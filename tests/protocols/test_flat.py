@@ -292,3 +292,49 @@ def test_the_other_front_ends_carry_flat_on_4_ranks():
         for r in res[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r[name], params)), name
         assert all(bool(torch.isfinite(p).all()) for p in params), name
+
+
+STEADY = {"w1": (40, 8), "b1": (40,), "w2": (4, 40), "tiny": (4,)}  # 524 elements: 4 equal pieces
+
+
+def _steady_steps(codec, steps, reuse, monkeypatch):
+    """Dry runs of Flat(codec) on one call, memory kept and released each step as the engine
+    does; with ``reuse`` off the spares' views are never reused (the flat residual is cut
+    into new views every step)."""
+    from gradzip.costmodel import dry_run
+    from gradzip.feedback import ErrorFeedback
+    from gradzip.protocols import flat as flat_mod
+
+    if not reuse:
+        real = flat_mod._Spread.set
+
+        def cut(self, name, new):
+            self.views = None
+            return real(self, name, new)
+
+        monkeypatch.setattr(flat_mod._Spread, "set", cut)
+    mem, stores, rows = ErrorFeedback(), {}, []
+    names = list(STEADY)
+    for s in range(steps):
+        gen = torch.Generator().manual_seed(s)
+        g = {n: torch.randn(shape, generator=gen) for n, shape in STEADY.items()}
+        d = dry_run(Flat(codec), [g[n] for n in names], world_size=4, names=names, stores=stores, step=s, memory=mem)
+        mem.release()
+        rows.append((d.out.clone(), {n: mem.residual(n) for n in names}))
+    monkeypatch.undo()
+    return rows
+
+
+@pytest.mark.parametrize("codec", [gz.Int8(block=8), gz.TopK(0.05)], ids=repr)
+def test_a_steady_call_stores_the_spares_views_as_they_are(codec, monkeypatch):
+    """From the third step of a steady call the flat residual is the buffer the step before last
+    left, and its per-tensor residuals are that step's view objects (no new views a step);
+    results and residuals equal, bit for bit, cutting new views every step."""
+    kept = _steady_steps(codec, 5, True, monkeypatch)
+    cut = _steady_steps(codec, 5, False, monkeypatch)
+    for (out_a, res_a), (out_b, res_b) in zip(kept, cut):
+        assert torch.equal(out_a, out_b)
+        assert all(torch.equal(res_a[n], res_b[n]) for n in STEADY)
+    for s in range(2, 5):
+        assert all(kept[s][1][n] is kept[s - 2][1][n] for n in STEADY), s
+        assert not any(cut[s][1][n] is cut[s - 2][1][n] for n in STEADY), s
