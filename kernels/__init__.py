@@ -15,7 +15,8 @@ Ops:
   :func:`scatter_add_signed`, :func:`scatter_add_sparse`, :func:`abs_select` and the
   composite :func:`sampled_topk`;
 * quantizers: :func:`sign_ef`, :func:`qsgd_encode`, :func:`terngrad_encode`,
-  :func:`int8_scales`, :func:`int8_encode`, :func:`decode_add_quant`, :func:`decode_quant`,
+  :func:`int8_scales`, :func:`int8_encode`, :func:`int8_encode_segments` (a tensor's pieces
+  and their error feedback at once), :func:`decode_add_quant`, :func:`decode_quant`,
   :func:`quant_body_stats` (the frame checks' pass over the bodies), with the block layout
   helpers and :func:`philox_uniform`, the draws of every backend;
 * low rank: :func:`orthonormalize_rows_` (PowerSGD's Gram-Schmidt, every matrix of a call at
@@ -42,6 +43,7 @@ from .dispatch import (
     Unsupported,
     _call,
     _call_reference,
+    _forced,
     backend_report,
     register_kernel,
     reset_dispatch,
@@ -54,7 +56,9 @@ from .quant import (
     decode_add_quant_reference,
     decode_add_quant_segments_reference,
     int8_encode_reference,
+    int8_encode_segments_reference,
     int8_scales,
+    int8_segments_layout,
     qsgd_bits,
     qsgd_encode_reference,
     quant_body_stats_reference,
@@ -109,6 +113,8 @@ __all__ = [
     "terngrad_encode",
     "int8_scales",
     "int8_encode",
+    "int8_encode_segments",
+    "int8_segments_layout",
     "int8_apply_",
     "decode_add_quant",
     "decode_add_quant_segments",
@@ -173,6 +179,13 @@ _OPS = {
     "int8_encode": (
         int8_encode_reference,
         {"numba": (".numba_ops", "int8_encode_numba"), "triton": (".triton.int8", "int8_encode_triton")},
+    ),
+    "int8_encode_segments": (
+        int8_encode_segments_reference,
+        {
+            "numba": (".numba_ops", "int8_encode_segments_numba"),
+            "triton": (".triton.int8", "int8_encode_segments_triton"),
+        },
     ),
     "int8_apply_": (
         int8_apply_reference,
@@ -433,6 +446,33 @@ def int8_encode(x: torch.Tensor, *, block: int | None = 1024, scales: torch.Tens
     return _run("int8_encode", x, x, block=block, scales=scales)
 
 
+def int8_encode_segments(
+    x: torch.Tensor, bounds: Sequence[int], *, block: int | None = 1024, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Int8 frame bodies of the pieces ``[bounds[j], bounds[j+1])`` of a flat contiguous ``x``
+    (float32, or float64 by the reference), each as :func:`int8_encode` writes it for the piece
+    alone, in one uint8 buffer at the offsets returned (:func:`int8_segments_layout`); with
+    ``residual`` (flat, contiguous, ``x``'s dtype and length; ``x`` itself allowed), ``residual =
+    x - decode`` over the pieces in the same pass: a tensor's ``TwoPhase`` pieces and their
+    error feedback in one call (on CUDA one launch, Numba on the CPU). See
+    :func:`~gradzip.kernels.quant.int8_encode_segments_reference`."""
+    _check_float("x", x)
+    if x.dtype not in (torch.float32, torch.float64) or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a flat contiguous float32 or float64 tensor, got {x.dtype} {tuple(x.shape)}")
+    bounds = [int(v) for v in bounds]
+    if not bounds or bounds[0] < 0 or bounds[-1] > x.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must be non-decreasing offsets within x's {x.numel()} elements, got {bounds}")
+    block = _check_block(block)
+    if residual is not None and (
+        residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or residual.device != x.device
+        or not residual.is_contiguous()
+    ):
+        raise ValueError(f"residual must be flat and contiguous like x ({x.dtype} {tuple(x.shape)})")
+    return _run("int8_encode_segments", x, x, bounds, block=block, residual=residual)
+
+
 def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int | None, subtract: bool = False):
     """``out += decode(body_p)`` (``subtract``: ``-=``) for every int8 frame body in order, ``out``
     a flat contiguous float32 or float64 tensor (Numba on the CPU; Triton for float32 on CUDA):
@@ -441,6 +481,10 @@ def int8_apply_(out: torch.Tensor, bodies: Sequence[torch.Tensor], *, block: int
         raise TypeError(f"out must be float32 or float64, got {getattr(out, 'dtype', type(out))}")
     bodies, _ = _check_bodies(bodies, out.numel(), "int8", block, 0, None)
     if not bodies or out.numel() == 0:
+        return
+    if out.dtype == torch.float64 and (out.device.type != "cpu" or _forced() not in (None, "numba")):
+        why = "float64 tensors use the reference (Numba's CPU kernel aside)"
+        _call_reference("int8_apply_", out.device, why, out, bodies, block=block, subtract=subtract)
         return
     _call("int8_apply_", out.device, out, bodies, block=block, subtract=subtract)
 

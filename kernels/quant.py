@@ -70,6 +70,8 @@ __all__ = [
     "qsgd_encode_reference",
     "terngrad_encode_reference",
     "int8_encode_reference",
+    "int8_segments_layout",
+    "int8_encode_segments_reference",
     "decode_quant_reference",
     "decode_add_quant_reference",
     "quant_body_stats_reference",
@@ -336,6 +338,42 @@ def int8_encode_reference(
     se = quant_per_element(scales.to(torch.float64), nb, b, n)
     q = torch.where(se > 0, v.to(torch.float64) / se, torch.zeros(n, dtype=torch.float64, device=v.device))
     return scales, q.round_().clamp_(-127, 127).to(torch.int8)
+
+
+def int8_segments_layout(bounds: Sequence[int], block: int | None) -> tuple[list[int], int]:
+    """Where :func:`int8_encode_segments_reference` puts segment ``j``'s frame body (its
+    ``[bounds[j], bounds[j+1])``: ``4 * nb_j`` bytes of scales, then ``n_j`` codes): the body
+    offsets, each a multiple of 4 (the scales' float32 view needs no copy), and the buffer's
+    length. Zero bytes pad each body to the next offset."""
+    offsets, pos = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        offsets.append(pos)
+        nb, _ = quant_layout(b - a, block)
+        pos += (4 * nb + (b - a) + 3) // 4 * 4
+    return offsets, pos
+
+
+def int8_encode_segments_reference(
+    x: torch.Tensor, bounds: Sequence[int], *, block: int | None = 1024, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Segment ``j`` of a flat ``x`` (elements ``[bounds[j], bounds[j+1])``) encoded as
+    :func:`int8_encode_reference` encodes it alone, its blocks counted from its start: every
+    frame body in one uint8 buffer at the offsets of :func:`int8_segments_layout`. With
+    ``residual`` (flat, ``x``'s length and dtype; ``x`` itself allowed): ``residual = x -
+    decode`` over every segment's elements, as :func:`int8_apply_` subtracts the frame
+    (exact: see ``gradzip.codecs.quant``); elements outside the segments are not written."""
+    offsets, total = int8_segments_layout(bounds, block)
+    v = x.reshape(-1)
+    out = torch.zeros(total, dtype=torch.uint8, device=x.device)
+    for off, a, b in zip(offsets, bounds, bounds[1:]):
+        scales, codes = int8_encode_reference(v[a:b], block=block)
+        body = out[off : off + 4 * scales.numel() + (b - a)]
+        body[: 4 * scales.numel()] = scales.view(torch.uint8)
+        body[4 * scales.numel() :] = codes.view(torch.uint8)
+        if residual is not None and b > a:
+            d = decode_quant_reference(body, b - a, "int8", acc=residual.dtype, block=block)
+            torch.sub(v[a:b].to(residual.dtype), d, out=residual.view(-1)[a:b])
+    return out, offsets
 
 
 # -- decode ---------------------------------------------------------------------------------

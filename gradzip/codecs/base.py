@@ -200,6 +200,29 @@ class Codec(Registered, register=False):
         self.subtract(payload, v)
         return payload, v
 
+    def encode_pieces(
+        self,
+        x: torch.Tensor,
+        bounds,
+        ctxs,
+        residual: torch.Tensor | None = None,
+        *,
+        feedback: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> list[Payload]:
+        """:meth:`encode` of each piece ``x[bounds[j] : bounds[j+1]]`` of a flat ``x`` with
+        context ``ctxs[j]`` (``residual`` and ``out`` flat like ``x``, cut the same way; the
+        pieces' new residuals are ``out``'s pieces): TwoPhase's owner pieces of one tensor.
+        This default encodes piece by piece; a codec that encodes them together (Int8: one
+        launch) overrides it with the same payloads and residuals."""
+        pieces = zip(bounds, bounds[1:], ctxs)
+        if not feedback:
+            return [self.encode(x[a:b], c)[0] for a, b, c in pieces]
+        return [
+            self.encode(x[a:b], c, None if residual is None else residual[a:b], feedback=True, out=out[a:b])[0]
+            for a, b, c in pieces
+        ]
+
     def zeros(self, payload: Payload) -> torch.Tensor:
         return torch.zeros(payload.shape, dtype=accum_dtype(payload.dtype), device=payload.body.device)
 

@@ -72,6 +72,7 @@ from .base import (
     check_length,
     check_no_scale,
     check_vdtype,
+    compensate,
     tensor_seed,
 )
 
@@ -446,6 +447,34 @@ class Int8(_Quantizer):
         check_input(x)
         scales, codes = K.int8_encode(_flat(x), block=self.block)
         return _frame(x, FMT_INT8, scales, as_bytes(codes))
+
+    def encode_pieces(self, x, bounds, ctxs, residual=None, *, feedback=False, out=None):
+        """Every piece by one ``kernels.int8_encode_segments`` (on CUDA one launch, with the
+        error feedback's subtraction in the same pass), not an encode, a frame and a
+        subtraction a piece: the payloads and residuals of :meth:`encode` piece by piece, bit
+        for bit. The bodies are views of one buffer."""
+        check_input(x)
+        bounds = [int(v) for v in bounds]
+        lo, hi = bounds[0], bounds[-1]
+        rel = [v - lo for v in bounds]
+        acc = accum_dtype(x.dtype)
+        if feedback:
+            src, dst = x[lo:hi], out[lo:hi]
+            r = None if residual is None else residual[lo:hi]
+            same = r is None and dst.dtype == src.dtype and dst.data_ptr() == src.data_ptr()
+            v = dst if same else compensate(src, r, dst)
+            bodies, offsets = K.int8_encode_segments(v, rel, block=self.block, residual=v)
+        else:
+            v = x[lo:hi].to(acc).contiguous()
+            bodies, offsets = K.int8_encode_segments(v, rel, block=self.block)
+        payloads, dtype = [], v.dtype if feedback else x.dtype  # as encode frames what it compressed
+        for off, a, b in zip(offsets, rel, rel[1:]):
+            nb, _ = K.quant_layout(b - a, self.block)
+            body = bodies[off : off + 4 * nb + (b - a)]
+            p = Payload(body=body, shape=torch.Size([b - a]), dtype=dtype, fmt=FMT_INT8, vdtype=torch.float32)
+            p.checked = feedback  # as encode marks what it subtracted
+            payloads.append(p)
+        return payloads
 
     def subtract(self, payload: Payload, v: torch.Tensor) -> None:
         """``v -= decompress(payload)`` in one pass (``kernels.int8_apply_``: on CUDA one launch of

@@ -321,18 +321,14 @@ class Call:
         name, t = self.names[i], self.tensors[i]
         ctxs = [self.context(k, t.dtype) for k in keys]
         if not self.feeds(i):
-            src = self._x.get(name, t).reshape(-1)
-            return [codec.encode(src[a:b], c)[0] for a, b, c in zip(bounds, bounds[1:], ctxs)]
+            return codec.encode_pieces(self._x.get(name, t).reshape(-1), bounds, ctxs)
         v = self._x.pop(name, None)
         if v is not None:  # compensated already: encode it in place
             x, r, out = v.view(-1), None, v.view(-1)
         else:
             r = self.memory.check_shape(name, t)
             x, r, out = t.reshape(-1), (r.reshape(-1) if r is not None else None), self.memory.buffer(name, t).view(-1)
-        payloads = [
-            codec.encode(x[a:b], c, None if r is None else r[a:b], feedback=True, out=out[a:b])[0]
-            for a, b, c in zip(bounds, bounds[1:], ctxs)
-        ]
+        payloads = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=out)
         self._store(name, out.view(t.shape))
         for a, b, p in zip(bounds, bounds[1:], payloads):
             self._mask(codec, name, p, a, b)

@@ -15,7 +15,14 @@ minimum. Elsewhere (a longer block, ``block=None`` on a large tensor, ``scales``
 :func:`~.blocks.block_stats_triton` for the maxima, the scales by the reference's own
 function, then :func:`_int8_codes_kernel`.
 
-Reference: :func:`gradzip.kernels.quant.int8_encode_reference` (bit for bit).
+:func:`int8_encode_segments_triton`: a tensor's pieces (``TwoPhase``'s owners' pieces), each
+encoded as alone, and their error feedback, in one launch of :func:`_int8_segments_kernel`: a
+program per ``ROWS`` blocks of one piece (the table of programs built once per layout and kept),
+the scales written a byte at a time, the codes, and ``residual = v - q * S_b`` from the same
+registers (the subtraction of :func:`~.decode.int8_apply_triton`, exact).
+
+Reference: :func:`gradzip.kernels.quant.int8_encode_reference` (bit for bit), and
+:func:`gradzip.kernels.quant.int8_encode_segments_reference`.
 """
 
 from __future__ import annotations
@@ -25,11 +32,11 @@ import triton
 import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
-from ..quant import int8_scales, quant_layout
+from ..quant import int8_scales, int8_segments_layout, quant_layout
 from . import LAUNCH, check, spec
 from .blocks import NUM_WARPS, STAT_MAX_ABS, TILE_GPU, block_stats_triton, tile_size
 
-__all__ = ["int8_encode_triton"]
+__all__ = ["int8_encode_triton", "int8_encode_segments_triton"]
 
 
 @triton.jit
@@ -80,6 +87,116 @@ def _int8_codes_kernel(x_ptr, scales_ptr, codes_ptr, n, b, BLOCK: tl.constexpr):
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(scales_ptr + offs // b, mask=mask, other=0.0)
     tl.store(codes_ptr + offs, _int8_codes(v, s), mask=mask)
+
+
+@triton.jit
+def _int8_segments_kernel(
+    x_ptr,
+    res_ptr,
+    out_ptr,
+    prog_seg_ptr,
+    prog_first_ptr,
+    seg_ptr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    """Program ``pid``: blocks ``first .. first + ROWS`` of segment ``prog_seg[pid]``, whose row
+    of ``seg_ptr`` holds its first element in ``x``, its length, its block length, and the byte
+    offsets of its scales and of its codes in ``out``."""
+    pid = tl.program_id(0)
+    sg = tl.load(prog_seg_ptr + pid).to(tl.int64)
+    first = tl.load(prog_first_ptr + pid).to(tl.int64)
+    row = seg_ptr + sg * 5
+    xs, n, b, so, co = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    nb = (n + b - 1) // b
+    blk = first + tl.arange(0, ROWS)
+    within = tl.arange(0, WIDTH)
+    offs = blk[:, None] * b + within[None, :]
+    mask = (blk[:, None] < nb) & (within[None, :] < b) & (offs < n)
+    v = tl.load(x_ptr + xs + offs, mask=mask, other=0.0)
+    amax = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    s = _int8_scales(amax)
+    sbits = s.to(tl.int32, bitcast=True)
+    sm = blk < nb
+    sp = out_ptr + so + blk * 4
+    tl.store(sp, (sbits & 0xFF).to(tl.uint8), mask=sm)
+    tl.store(sp + 1, ((sbits >> 8) & 0xFF).to(tl.uint8), mask=sm)
+    tl.store(sp + 2, ((sbits >> 16) & 0xFF).to(tl.uint8), mask=sm)
+    tl.store(sp + 3, ((sbits >> 24) & 0xFF).to(tl.uint8), mask=sm)
+    q = _int8_codes(v, s[:, None])
+    tl.store(out_ptr + co + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    if HAS_RES:
+        tl.store(res_ptr + xs + offs, v - q.to(tl.float32) * s[:, None], mask=mask)
+
+
+#: Launch tables of the segment layouts encoded so far (a TwoPhase call's layout recurs every step).
+_SEGMENT_TABLES: dict = {}
+_SEGMENT_TABLES_MAX = 256
+
+
+def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 1024, residual=None, tile=None):
+    """Triton version of :func:`~gradzip.kernels.quant.int8_encode_segments_reference` (float32
+    ``x``): one launch where every piece's block fits a program's tile (``block`` given, at
+    most the tile); else each piece by :func:`int8_encode_triton` and its subtraction."""
+    check("x", x, (torch.float32,))
+    if residual is not None:
+        check("residual", residual, (torch.float32,), x.device)
+    bounds = [int(v) for v in bounds]
+    offsets, total = int8_segments_layout(bounds, block)
+    out = torch.zeros(total, dtype=torch.uint8, device=x.device)
+    T = tile_size(tile)
+    width = triton.next_power_of_2(int(block)) if block is not None else None
+    if width is None or width > T:  # a block longer than a program's tile: piece by piece
+        from .decode import int8_apply_triton
+
+        for off, a, b in zip(offsets, bounds, bounds[1:]):
+            if b > a:
+                scales, codes = int8_encode_triton(x[a:b], block=block, tile=tile)
+                body = out[off : off + 4 * scales.numel() + (b - a)]
+                body[: 4 * scales.numel()] = scales.view(torch.uint8)
+                body[4 * scales.numel() :] = codes.view(torch.uint8)
+                if residual is not None:
+                    if residual.data_ptr() != x.data_ptr():
+                        residual[a:b].copy_(x[a:b])
+                    int8_apply_triton(residual[a:b], [body], block=block, subtract=True)
+        return out, offsets
+    rows = T // width
+    key = (tuple(bounds), int(block), rows, str(x.device))
+    tables = _SEGMENT_TABLES.get(key)
+    if tables is None:
+        table, prog_seg, prog_first = [], [], []
+        for j, (off, a, b) in enumerate(zip(offsets, bounds, bounds[1:])):
+            nb, bl = quant_layout(b - a, block)
+            table.append([a, b - a, bl, off, off + 4 * nb])
+            for first in range(0, nb, rows):
+                prog_seg.append(j)
+                prog_first.append(first)
+        dev = x.device
+        tables = (
+            torch.tensor(prog_seg, dtype=torch.int32).to(dev),
+            torch.tensor(prog_first, dtype=torch.int64).to(dev),
+            torch.tensor(table, dtype=torch.int64).reshape(-1, 5).to(dev),
+        )
+        if len(_SEGMENT_TABLES) >= _SEGMENT_TABLES_MAX:
+            _SEGMENT_TABLES.clear()
+        _SEGMENT_TABLES[key] = tables
+    prog_seg, prog_first, seg = tables
+    if prog_seg.numel():
+        _int8_segments_kernel[(prog_seg.numel(),)](
+            x,
+            x if residual is None else residual,
+            out,
+            prog_seg,
+            prog_first,
+            seg,
+            ROWS=rows,
+            WIDTH=width,
+            HAS_RES=residual is not None,
+            num_warps=NUM_WARPS,
+            **LAUNCH,
+        )
+    return out, offsets
 
 
 def one_pass_rows(n: int, block: int | None, tile: int | None = None) -> tuple[int, int] | None:
@@ -135,6 +252,17 @@ def int8_encode_triton(
     return out, codes
 
 
+def _segments_sig():
+    return {
+        "x_ptr": "*fp32",
+        "res_ptr": "*fp32",
+        "out_ptr": "*u8",
+        "prog_seg_ptr": "*i32",
+        "prog_first_ptr": "*i64",
+        "seg_ptr": "*i64",
+    }
+
+
 def _sig(xp, ni="i32"):
     return {"x_ptr": xp, "scales_ptr": "*fp32", "codes_ptr": "*i8", "n": ni, "b": ni}
 
@@ -159,5 +287,16 @@ AOT_SPECS = [
         divisible=(),
     ),
     spec(_int8_codes_kernel, _sig("*fp32"), {"BLOCK": TILE_GPU}, num_warps=NUM_WARPS),
+    # A tensor's pieces with their error feedback (and without: a frozen tensor), blocks of 1024.
+    *(
+        spec(
+            _int8_segments_kernel,
+            _segments_sig(),
+            {"ROWS": TILE_GPU // 1024, "WIDTH": 1024, "HAS_RES": has},
+            num_warps=NUM_WARPS,
+            divisible=(),
+        )
+        for has in (True, False)
+    ),
     spec(_int8_codes_kernel, _sig("*bf16", "i64"), {"BLOCK": TILE_GPU}, num_warps=NUM_WARPS, divisible=()),
 ]

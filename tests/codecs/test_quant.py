@@ -660,3 +660,47 @@ def test_frames_in_one_buffer_are_read_in_place_and_others_joined_by_a_copy():
     codec = Int8(block=4)
     ps = [codec.compress(torch.randn(9)), codec.compress(torch.randn(4))]
     assert codec._clean([(p, quant_layout(p.numel, 4)[0]) for p in ps])
+
+
+@pytest.mark.parametrize("kernels", [None, "reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels, monkeypatch):
+    """Int8.encode_pieces (one kernels.int8_encode_segments) against Codec.encode_pieces (an
+    encode, a frame and a subtraction a piece), bit for bit: the frames as sent, the residuals
+    (apart, and compensated in place as TwoPhase hands it), without feedback too, under every
+    backend (Numba on the CPU, the reference, Triton under the interpreter)."""
+    import os
+
+    import gradzip.kernels as K
+    from gradzip.codecs.base import Codec
+
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("forced Triton on the CPU needs the interpreter")
+    if kernels is None:
+        monkeypatch.delenv(K.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(K.ENV_VAR, kernels)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(5)
+    n = 4 * 1031 + 2
+    bounds = [0, 1031, 2062, 2062, 4126]
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    r = torch.randn(n, generator=g, dtype=acc) * 0.1
+    ctxs = [TensorContext(name=f"t#{j}/4", step=0) for j in range(4)]
+    for block in (64, 1024, None):
+        codec = Int8(block=block)
+        for residual in (r, None):
+            outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
+            got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
+            want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
+            assert torch.equal(pack_frames(got), pack_frames(want)), (block, residual is None)
+            assert torch.equal(outs[0], outs[1]) and all(p.checked for p in got)
+            assert [(p.shape, p.dtype) for p in got] == [(p.shape, p.dtype) for p in want]
+        v = x.to(acc) + r  # compensated already: encoded in place, as TwoPhase hands it
+        a, b = v.clone(), v.clone()
+        got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
+        want = Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b)
+        assert torch.equal(pack_frames(got), pack_frames(want)) and torch.equal(a, b)
+        got = codec.encode_pieces(x, bounds, ctxs)
+        assert torch.equal(pack_frames(got), pack_frames(Codec.encode_pieces(codec, x, bounds, ctxs)))
+        assert not any(p.checked for p in got)

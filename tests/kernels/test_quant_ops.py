@@ -732,6 +732,89 @@ def test_int8_apply_kernel_matches_reference(subtract):
         assert same(got, want), (n, subtract)
 
 
+SEGMENT_BOUNDS = [  # (n, bounds): equal pieces, empty and one-element pieces, a range inside x
+    (4096, [0, 1024, 2048, 3072, 4096]),
+    (1037, [0, 100, 100, 601, 602, 1037]),
+    (5003, [3, 1250, 2500, 3751, 5000]),
+    (9, [0, 9]),
+]
+
+
+def _segments_input(n, extreme=False):
+    x = data(n, torch.float32, n + 5) * 3
+    if extreme and n >= 96:  # ties, NaN and infinity blocks, float32's ends, zeros
+        x[:32] = torch.tensor([0.5, 1.5, 2.5, -2.5, 126.5, 0.0, -0.0, 1e-3] * 4)
+        x[40], x[70] = float("nan"), float("inf")
+        x[80:88] = extremes(torch.float32)[:8]
+    return x
+
+
+def _segments_check(encode, tile=None):
+    """``encode(x, bounds, block=, residual=)`` against the reference and against
+    ``int8_encode_reference`` and ``int8_apply_`` piece by piece, bit for bit: the bodies, the
+    residual (apart, and written over x) and the elements outside the pieces left alone."""
+    for n, bounds in SEGMENT_BOUNDS:
+        for block in (None, 8, 100, 1024, 8192):
+            for extreme in (False, True):
+                x = _segments_input(n, extreme)
+                want, woffs = Q.int8_encode_segments_reference(x, bounds, block=block)
+                r_want = torch.full((n,), 7.0)
+                assert torch.equal(Q.int8_encode_segments_reference(x, bounds, block=block, residual=r_want)[0], want)
+                for j, (a, b) in enumerate(zip(bounds, bounds[1:])):  # the reference is encode per piece
+                    sc, codes = Q.int8_encode_reference(x[a:b], block=block)
+                    body = want[woffs[j] : woffs[j] + 4 * sc.numel() + (b - a)]
+                    assert same(body[: 4 * sc.numel()].view(torch.float32), sc) and woffs[j] % 4 == 0
+                    assert torch.equal(body[4 * sc.numel() :].view(torch.int8), codes)
+                    r = x[a:b].clone()
+                    Q.int8_apply_(r, [body], block=block, subtract=True)
+                    assert same(r_want[a:b], r)
+                assert bool((r_want[: bounds[0]] == 7).all()) and bool((r_want[bounds[-1] :] == 7).all())
+                kw = {} if tile is None else {"tile": tile}
+                got, offs = encode(x, bounds, block=block, **kw)
+                assert offs == woffs and torch.equal(got, want), (n, block, extreme)
+                r = torch.full((n,), 7.0)
+                assert torch.equal(encode(x, bounds, block=block, residual=r, **kw)[0], want)
+                assert same(r, r_want), (n, block, extreme)
+                inplace = x.clone()
+                encode(inplace, bounds, block=block, residual=inplace, **kw)
+                a, b = bounds[0], bounds[-1]
+                assert same(inplace[a:b], r_want[a:b]) and same(inplace[:a], x[:a]) and same(inplace[b:], x[b:])
+
+
+@quiet[0]
+@quiet[1]
+def test_int8_encode_segments_is_int8_encode_and_its_subtraction_per_piece():
+    """The op through the dispatch (Numba on the CPU, else the reference) and the reference."""
+    _segments_check(K.int8_encode_segments)
+
+
+@interp
+@quiet[0]
+@quiet[1]
+def test_int8_encode_segments_kernel_matches_reference():
+    """The Triton kernel (one launch: pieces whose blocks share no program, blocks beyond the
+    tile piece by piece), with the interpreter's tile and a small one (programs of 2 blocks
+    of 256, a piece spanning many programs)."""
+    from gradzip.kernels.triton.int8 import int8_encode_segments_triton
+
+    _segments_check(int8_encode_segments_triton)
+    _segments_check(int8_encode_segments_triton, tile=512)
+
+
+def test_int8_encode_segments_checks_its_arguments():
+    x = torch.zeros(10)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.int8_encode_segments(x, [0, 6, 5, 10])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.int8_encode_segments(x, [0, 11])
+    with pytest.raises(ValueError, match="flat contiguous"):
+        K.int8_encode_segments(x.view(2, 5), [0, 10])
+    with pytest.raises(ValueError, match="flat contiguous"):
+        K.int8_encode_segments(x.half(), [0, 10])
+    with pytest.raises(ValueError, match="residual"):
+        K.int8_encode_segments(x, [0, 10], residual=torch.zeros(10, dtype=torch.float64))
+
+
 @interp
 @quiet[0]
 @quiet[1]
