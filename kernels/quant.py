@@ -416,9 +416,14 @@ def _sign_values(
 
 
 def _split_body(body: torch.Tensor, n: int, kind: str, block: int | None, bits: int | None):
-    """(nb, b, float32 scales, code bytes) of a frame body."""
+    """(nb, b, float32 scales, code bytes) of a frame body: the scales a view of its bytes, or
+    a copy of them where the body does not start 4-byte aligned (frames lie back to back in a
+    message)."""
     nb, b = quant_layout(n, block)
-    scales = body[: 4 * nb].view(torch.float32) if nb else torch.empty(0, dtype=torch.float32, device=body.device)
+    head = body[: 4 * nb]
+    if head.storage_offset() % 4:
+        head = head.clone()
+    scales = head.view(torch.float32) if nb else torch.empty(0, dtype=torch.float32, device=body.device)
     return nb, b, scales, body[4 * nb : 4 * nb + quant_code_bytes(kind, n, bits)]
 
 
@@ -480,19 +485,13 @@ def decode_add_quant_segments_reference(
     each_segment(decode_add_quant_reference, out, bodies, starts, numels, kind, block=block, levels=levels, bits=bits)
 
 
-def aligned_body(body: torch.Tensor) -> torch.Tensor:
-    """A frame body whose float32 scales start 4-byte aligned (frames lie back to back in a
-    message, so a body may not be): the body itself, or a copy."""
-    return body if body.storage_offset() % 4 == 0 else body.clone()
-
-
 def each_segment(decode, out, bodies, starts, numels, kind, **kw) -> None:
     """``decode(range of out, [body], kind, **kw)`` (a decode-add of one frame) for every
-    segment of a segments decode, its body aligned for the scales' float32 view."""
+    segment of a segments decode."""
     flat = out.view(-1)
     for body, st, n in zip(bodies, starts, numels):
         if n:
-            decode(flat[st : st + n], [aligned_body(body)], kind, **kw)
+            decode(flat[st : st + n], [body], kind, **kw)
 
 
 def decode_add_quant_reference(

@@ -62,7 +62,6 @@ import gradzip.args as args
 import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
-from ..kernels.quant import aligned_body
 from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, span_view
 from .base import (
     Codec,
@@ -264,7 +263,7 @@ class _Quantizer(Codec):
             bad = self._first_bad(payloads)
             if bad is not None:
                 raise bad[1].at(rank=bad[0]) if len(payloads) > 1 else bad[1]
-        bodies = [aligned_body(p.body) for p in payloads]
+        bodies = [p.body for p in payloads]  # read where they lie: aligned or not
         if out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
             K.decode_add_quant(out.view(-1), bodies, self._kind, **self._decode_kw())
             return
@@ -483,7 +482,7 @@ class Int8(_Quantizer):
         same = v.device == payload.body.device
         wide = v.dtype == torch.float32 or (v.dtype == torch.float64 and v.device.type == "cpu")
         if same and wide and payload.dtype == v.dtype and v.is_contiguous():
-            K.int8_apply_(v.view(-1), [aligned_body(payload.body)], block=self.block, subtract=True)
+            K.int8_apply_(v.view(-1), [payload.body], block=self.block, subtract=True)
             return
         super().subtract(payload, v)
 

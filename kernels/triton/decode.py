@@ -7,7 +7,9 @@
 * :func:`_decode_add_quant_kernel`: N peers' quantizer frame bodies (float32
   scales, then codes: sign1, qsgd, tern2 or int8) the same way, each element
   adding each peer's value with the reference's expression. Code values are not
-  checked (callers validate frames first).
+  checked (callers validate frames first). Bodies in one storage are read where they lie;
+  where one is not 4-byte aligned (frames lie back to back in a message) the scales are
+  read a byte at a time (``ALIGNED``), not copied.
 * :func:`_decode_segments_kernel`: one quantizer frame per range of ``out`` (TwoPhase's
   owners' pieces of a call), every range in one launch (:func:`decode_add_quant_segments_triton`);
   :func:`_decode_add_quant_kernel` with ``SUB`` subtracts instead (Int8's error feedback,
@@ -102,6 +104,16 @@ def _quant_value(base_ptr, co, offs, mask, sc, levels, KIND: tl.constexpr, BITS:
 
 
 @triton.jit
+def _scales_bytewise(sb, mask):
+    """The float32 scales whose little-endian bytes start at pointers ``sb`` (any alignment)."""
+    bits = tl.load(sb, mask=mask, other=0).to(tl.int32)
+    bits = bits | (tl.load(sb + 1, mask=mask, other=0).to(tl.int32) << 8)
+    bits = bits | (tl.load(sb + 2, mask=mask, other=0).to(tl.int32) << 16)
+    bits = bits | (tl.load(sb + 3, mask=mask, other=0).to(tl.int32) << 24)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_add_quant_kernel(
     out_ptr,
     base_ptr,
@@ -115,6 +127,7 @@ def _decode_add_quant_kernel(
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -124,7 +137,10 @@ def _decode_add_quant_kernel(
     for p in range(npeers):
         so = tl.load(soffs_ptr + p)
         co = tl.load(coffs_ptr + p)
-        sc = tl.load((base_ptr + so).to(tl.pointer_type(tl.float32)) + blk, mask=mask, other=0.0)
+        if ALIGNED:
+            sc = tl.load((base_ptr + so).to(tl.pointer_type(tl.float32)) + blk, mask=mask, other=0.0)
+        else:  # a body where the message put it: its scales read a byte at a time
+            sc = _scales_bytewise(base_ptr + so + blk * 4, mask)
         val = _quant_value(base_ptr, co, offs, mask, sc, levels, KIND, BITS)
         if SUB:  # acc - val is acc + (-val) bit for bit: the reference's out.sub_(decode)
             acc = acc - val
@@ -157,12 +173,7 @@ def _decode_segments_kernel(
     o, n, b, so, co = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     offs = first + tl.arange(0, BLOCK)
     mask = offs < n
-    sb = base_ptr + so + (offs // b) * 4
-    bits = tl.load(sb, mask=mask, other=0).to(tl.int32)
-    bits = bits | (tl.load(sb + 1, mask=mask, other=0).to(tl.int32) << 8)
-    bits = bits | (tl.load(sb + 2, mask=mask, other=0).to(tl.int32) << 16)
-    bits = bits | (tl.load(sb + 3, mask=mask, other=0).to(tl.int32) << 24)
-    sc = bits.to(tl.float32, bitcast=True)
+    sc = _scales_bytewise(base_ptr + so + (offs // b) * 4, mask)
     acc = tl.load(out_ptr + o + offs, mask=mask, other=0.0)
     acc = acc + _quant_value(base_ptr, co, offs, mask, sc, levels, KIND, BITS)
     tl.store(out_ptr + o + offs, acc, mask=mask)
@@ -197,6 +208,12 @@ def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tens
     """:func:`_bodies_in_one`, the offsets as an int64 tensor on the device."""
     base, offsets = _bodies_in_one(bodies, align)
     return base, torch.tensor(offsets, dtype=torch.int64).to(base.device)
+
+
+def _one_storage(bodies: Sequence[torch.Tensor]) -> bool:
+    """Whether every body is a contiguous view of the first one's storage."""
+    st = bodies[0].untyped_storage().data_ptr()
+    return all(b.is_contiguous() and b.untyped_storage().data_ptr() == st for b in bodies)
 
 
 def _bodies_in_one(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, list[int]]:
@@ -261,7 +278,11 @@ def decode_add_quant_triton(
     if not bodies or n == 0:
         return
     nb, b = quant_layout(n, block)
-    base, soffs = _bodies_base(bodies, 4)  # the float32 scales are loaded in place
+    # Bodies in one storage (a gathered round's frames) are read where they lie, their scales a
+    # byte at a time where one is not 4-byte aligned; others are copied, aligned, into one buffer.
+    base, offs = _bodies_in_one(bodies, 1) if _one_storage(bodies) else _bodies_in_one(bodies, 4)
+    aligned = all(o % 4 == 0 for o in offs)
+    soffs = torch.tensor(offs, dtype=torch.int64).to(base.device)
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
     _decode_add_quant_kernel[(triton.cdiv(n, B),)](
         out,
@@ -276,6 +297,7 @@ def decode_add_quant_triton(
         BITS=int(bits or 8),
         BLOCK=B,
         SUB=bool(subtract),
+        ALIGNED=aligned,
         num_warps=NUM_WARPS,
         **LAUNCH,
     )
@@ -420,10 +442,11 @@ AOT_SPECS = (
         spec(
             _decode_add_quant_kernel,
             _DEC_SIG,
-            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU, "SUB": False},
+            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": TILE_GPU, "SUB": False, "ALIGNED": aligned},
             num_warps=NUM_WARPS,
         )
         for k, bits in (("sign1", 8), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 8), ("int8", 8))
+        for aligned in (True, False)  # peers' bodies apart, or where a gathered round put them
     ]
     + [
         spec(
@@ -446,8 +469,9 @@ AOT_SPECS = (
         spec(
             _decode_add_quant_kernel,
             _DEC_SIG,
-            {"KIND": KIND_CODE["int8"], "BITS": 8, "BLOCK": TILE_GPU, "SUB": True},
+            {"KIND": KIND_CODE["int8"], "BITS": 8, "BLOCK": TILE_GPU, "SUB": True, "ALIGNED": aligned},
             num_warps=NUM_WARPS,
         )
+        for aligned in (True, False)
     ]
 )

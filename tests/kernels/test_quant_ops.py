@@ -637,7 +637,12 @@ QKINDS = ["sign1", "qsgd", "qsgd2", "qsgd8", "tern2", "int8"]
 
 @interp
 @pytest.mark.parametrize("kind", QKINDS)
-def test_decode_add_quant_kernel_matches_reference(kind):
+def test_decode_add_quant_kernel_matches_reference(kind, monkeypatch):
+    from gradzip.kernels.triton import decode as D
+
+    read = []  # (base pointer, offsets) of every call: in place or copied
+    real = D._bodies_in_one
+    monkeypatch.setattr(D, "_bodies_in_one", lambda b, a: read.append(real(b, a)) or read[-1])
     decode = _kernels()[3]
     k = kind[:4] if kind.startswith("qsgd") else kind
     for n in SIZES:
@@ -656,6 +661,18 @@ def test_decode_add_quant_kernel_matches_reference(kind):
         got = out0.clone()
         decode(got, [msg[i, 8 : 8 + b.numel()] for i, b in enumerate(bodies)], k, tile=1024 if n > 1024 else None, **kw)
         assert same(got, want), n
+        # A round's frames where the messages put them: bodies at odd offsets of one buffer,
+        # read in place (scales a byte at a time), by the kernel, Numba and the reference.
+        views = [msg[i, 3 + i : 3 + i + b.numel()] for i, b in enumerate(bodies)]
+        for i, b in enumerate(bodies):
+            views[i].copy_(b)
+        for run in (decode, K.decode_add_quant, Q.decode_add_quant_reference):
+            got = out0.clone()
+            run(got, views, k, **kw)
+            assert same(got, want), (n, run)
+        if n:  # the kernel read them in place (no copy), at their odd offsets
+            base, offs = read[-1]
+            assert base.data_ptr() == msg.data_ptr() and offs == [v.storage_offset() for v in views]
 
 
 def _segments(kind, sizes, shared: bool):
