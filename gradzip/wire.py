@@ -311,6 +311,70 @@ def _crc32(msg: torch.Tensor, end: int) -> int:
     return zlib.crc32(raw[HEADER_BYTES + CRC.size :], zlib.crc32(raw[:HEADER_BYTES])) & 0xFFFFFFFF
 
 
+def _table_bytes(payloads: list[Payload], crc: bool) -> bytearray:
+    """A message's header (and zeroed CRC field) and entry table."""
+    table = bytearray(HEADER.pack(WIRE_VERSION, FLAG_CRC32 if crc else 0, 0, len(payloads)))
+    if crc:
+        table += CRC.pack(0)  # filled in by pack_frames
+    for p in payloads:
+        table += _entry(p)
+    return table
+
+
+def _put_bodies(msg: torch.Tensor, off: int, payloads: list[Payload]) -> int:
+    """Copy the payloads' bodies into ``msg`` from byte ``off``, back to back; returns the end."""
+    for p in payloads:
+        b = p.body
+        if b.dtype != torch.uint8 or b.dim() != 1 or not b.is_contiguous():
+            b = as_bytes(b)
+        msg[off : off + b.numel()] = b
+        off += b.numel()
+    return off
+
+
+#: Byte positions of the entry tables of the rounds packed so far (a call's layout recurs every step).
+_TABLE_AT: dict = {}
+_TABLE_AT_MAX = 256
+
+
+def pack_round(groups: list[list[Payload]], out: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """:func:`pack_frames` of every message of a round (``groups[j]``'s frames) into ``out``'s
+    consecutive slices of ``sizes[j]`` bytes, returned as views: the same bytes, for a few
+    operations a round instead of a few a message. Every table goes to the device by one
+    copy, written by one indexed store; the padding is one fill of ``out`` before the bodies.
+    With the checksum on, message by message (each message's CRC is computed on the host)."""
+    if len(groups) != len(sizes) or sum(sizes) != out.numel():
+        raise ValueError(f"{len(groups)} messages of {sum(sizes)} bytes into {out.numel()} bytes")
+    if _checksum or not groups:
+        msgs, pos = [], 0
+        for g, size in zip(groups, sizes):
+            msgs.append(pack_frames(g, out=out[pos : pos + size]))
+            pos += size
+        return msgs
+    blob, where, msgs, pos = bytearray(), [], [], 0
+    for g, size in zip(groups, sizes):
+        table = _table_bytes(g, False)
+        total = len(table) + sum(p.body.numel() * p.body.element_size() for p in g)
+        if total > size:
+            raise RuntimeError(f"a message of {total} bytes exceeds the {size} bytes the ranks agreed on")
+        where.append((pos, len(table)))
+        blob += table
+        msgs.append(out[pos : pos + size])
+        pos += size
+    key = (tuple(where), str(out.device))
+    at = _TABLE_AT.get(key)
+    if at is None:
+        at = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in where]).to(out.device)
+        if len(_TABLE_AT) >= _TABLE_AT_MAX:
+            _TABLE_AT.clear()
+        _TABLE_AT[key] = at
+    out.zero_()
+    out.index_put_((at,), torch.frombuffer(blob, dtype=torch.uint8).to(out.device))
+    for msg, g, (_, n) in zip(msgs, groups, where):
+        _put_bodies(msg, n, g)
+    return msgs
+
+
 def pack_frames(
     payloads: list[Payload],
     device: torch.device | None = None,
@@ -326,11 +390,7 @@ def pack_frames(
     (padded to its length) and returned, e.g. a rank's slice of a round's send buffer. A
     message longer than either raises, as :func:`pad_message` does."""
     crc = _checksum
-    table = bytearray(HEADER.pack(WIRE_VERSION, FLAG_CRC32 if crc else 0, 0, len(payloads)))
-    if crc:
-        table += CRC.pack(0)  # filled in below
-    for p in payloads:
-        table += _entry(p)
+    table = _table_bytes(payloads, crc)
     total = len(table) + sum(p.body.numel() * p.body.element_size() for p in payloads)
     if out is not None:
         device, size = out.device, out.numel()
@@ -341,11 +401,7 @@ def pack_frames(
         raise RuntimeError(f"a message of {total} bytes exceeds the {size} bytes the ranks agreed on")
     msg = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
     msg[: len(table)] = torch.frombuffer(table, dtype=torch.uint8).to(device)
-    off = len(table)
-    for p in payloads:
-        b = as_bytes(p.body)
-        msg[off : off + b.numel()] = b
-        off += b.numel()
+    _put_bodies(msg, len(table), payloads)
     if size > total:
         msg[total:].zero_()
     if crc:
@@ -481,6 +537,29 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
     return out
 
 
+def _rows(msgs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``msgs`` as the rows of one 2-D view, where they are two or more contiguous uint8
+    tensors of one length lying in one storage at one stride (a gathered round's fixed-length
+    messages); else None."""
+    if len(msgs) < 2:
+        return None
+    m0, n = msgs[0], msgs[0].numel()
+    st, o0 = m0.untyped_storage().data_ptr(), m0.storage_offset()
+    stride = msgs[1].storage_offset() - o0
+    if n == 0 or stride < n:
+        return None
+    for j, m in enumerate(msgs):
+        if (
+            m.dtype != torch.uint8
+            or m.numel() != n
+            or not m.is_contiguous()
+            or m.untyped_storage().data_ptr() != st
+            or m.storage_offset() != o0 + j * stride
+        ):
+            return None
+    return torch.as_strided(m0, (len(msgs), n), (stride, 1), o0)
+
+
 def unpack_many(
     msgs: list[torch.Tensor],
     shapes: list[list[torch.Size]],
@@ -505,17 +584,27 @@ def unpack_many(
         tensor = ns[e.frame] if ns is not None and e.frame is not None and e.frame < len(ns) else None
         return e.at(tensor=tensor, rank=ranks[j] if ranks is not None else None)
 
-    heads = [m[: min(m.numel(), _table_limit(len(shapes[j])))] for j, m in enumerate(msgs)]
-    host = torch.cat(heads).cpu().numpy().tobytes() if k else b""
+    lims = [min(m.numel(), _table_limit(len(shapes[j]))) for j, m in enumerate(msgs)]
+    rows = _rows(msgs)  # a round's messages at one stride in one buffer: one view of them all
+    if rows is not None and len(set(lims)) == 1:
+        host = rows[:, : lims[0]].cpu().numpy().tobytes()
+    else:
+        host = torch.cat([m[:lim] for m, lim in zip(msgs, lims)]).cpu().numpy().tobytes() if k else b""
     tables, off = [], 0
-    for j, (m, h) in enumerate(zip(msgs, heads)):
+    for j, (m, lim) in enumerate(zip(msgs, lims)):
         try:
-            tables.append(_table(host[off : off + h.numel()], m.numel(), len(shapes[j])))
+            tables.append(_table(host[off : off + lim], m.numel(), len(shapes[j])))
         except FrameError as e:
             raise named(e, j) from None
-        off += h.numel()
-    pads = [m[t[3] :] for m, t in zip(msgs, tables) if t[3] < m.numel()]
-    if pads and bool(torch.cat(pads).any()):
+        off += lim
+    ends = {t[3] for t in tables}
+    if rows is not None and len(ends) == 1:
+        pad = rows[:, min(ends) :]
+        dirty = pad.numel() > 0 and bool(pad.any())
+    else:
+        pads = [m[t[3] :] for m, t in zip(msgs, tables) if t[3] < m.numel()]
+        dirty = bool(pads) and bool(torch.cat(pads).any())
+    if dirty:
         for j, (m, t) in enumerate(zip(msgs, tables)):
             if t[3] < m.numel() and bool(m[t[3] :].any()):
                 raise named(_padding_error(m, t[3]), j)

@@ -34,7 +34,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, unpack_many
+from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, pack_round, unpack_many
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -169,10 +169,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         sizes = [c + extra for c in fixed] if codec.fixed_frames else own
         # Every owner's message packed (and padded) straight into its slice of the send buffer.
         send = torch.empty(sum(sizes), dtype=torch.uint8, device=call.device)
-        msgs, pos = [], 0
-        for g, size in zip(groups, sizes):
-            msgs.append(pack_frames(g, out=send[pos : pos + size]))
-            pos += size
+        msgs = pack_round(groups, send, sizes)
     if codec.fixed_frames:
         in_splits, out_splits = [c + extra for c in fixed], [fixed[me] + extra] * world
     else:

@@ -119,3 +119,37 @@ def test_pack_frames_pads_in_the_same_copy(checksum):
             wire.pack_frames(payloads, size=plain.numel() - 1)
     finally:
         wire.set_checksum(before)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_pack_round_is_pack_frames_per_message(checksum):
+    """``pack_round`` writes each message as ``pack_frames(out=its slice)`` does, byte for byte
+    (frames of several codecs and scales, messages of unequal length and padding, an empty
+    one; a layout packed twice, its table positions kept), returns the slices, and refuses a
+    message longer than its size or sizes that do not fill ``out``."""
+    import gradzip as gz
+
+    before = wire.checksum_enabled()
+    wire.set_checksum(checksum)
+    try:
+        g = torch.Generator().manual_seed(3)
+        groups = [
+            [gz.Int8(block=4).compress(torch.randn(9, generator=g)), gz.QSGD(7).compress(torch.randn(5, generator=g))],
+            [],
+            [gz.TopK(0.5).compress(torch.randn(7, generator=g))],
+            [gz.Int8(block=4).compress(torch.randn(10, generator=g))],
+        ]
+        sizes = [wire.message_capacity(grp) + extra for grp, extra in zip(groups, (0, 5, 3, 1))]
+        want = torch.cat([wire.pack_frames(grp, size=n) for grp, n in zip(groups, sizes)])
+        for _ in range(2):
+            out = torch.full((sum(sizes),), 0xAB, dtype=torch.uint8)
+            msgs = wire.pack_round(groups, out, sizes)
+            assert torch.equal(out, want)
+            assert [m.numel() for m in msgs] == sizes and msgs[2].data_ptr() == out[sizes[0] + sizes[1] :].data_ptr()
+        short = [wire.message_nbytes(groups[0]) - 1, *sizes[1:]]
+        with pytest.raises(RuntimeError, match="exceeds"):
+            wire.pack_round(groups, torch.empty(sum(short), dtype=torch.uint8), short)
+        with pytest.raises(ValueError, match="into"):
+            wire.pack_round(groups, torch.empty(sum(sizes) + 1, dtype=torch.uint8), sizes)
+    finally:
+        wire.set_checksum(before)
