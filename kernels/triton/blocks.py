@@ -172,10 +172,18 @@ def check_seed(seed) -> int:
 
 
 def block_stats_triton(
-    x: torch.Tensor, residual: torch.Tensor | None, b: int, stat: int, *, tile: int | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    b: int,
+    stat: int,
+    *,
+    tile: int | None = None,
+    partials: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-block ``(float64 sum, float32 max|v|)`` of ``v = x + residual`` for blocks of ``b``
-    (either None where ``stat`` does not ask for it). Pass 1 of every two-pass encoder."""
+    (either None where ``stat`` does not ask for it). Pass 1 of every two-pass encoder.
+    ``partials`` (sums only): ``(the float64 sums of each block's cb chunks, block after block,
+    cb)``, for a kernel that finishes the blocks itself."""
     n = x.numel()
     T = tile_size(tile)
     nb = (n + b - 1) // b
@@ -203,6 +211,8 @@ def block_stats_triton(
         num_warps=NUM_WARPS,
         **LAUNCH,
     )
+    if partials:
+        return sums, cb
     total = None if sums is None else (sums if cb == 1 else sums.view(nb, cb).sum(dim=1))
     amax = None
     if maxb is not None:

@@ -3,8 +3,9 @@
 ``v = x + r`` (float32); ``S_b = mean |v|`` per block (float64 sum, divided and rounded
 once; 0 where it exceeds float32's range); bit ``i`` of the int32 words is ``v_i < 0``; the
 new residual is ``v - where(v < 0, -S_b, S_b)``. One pass (:func:`_sign_onepass_kernel`)
-where a program can own whole blocks, else two (block sums by
-:func:`~.blocks.block_stats_triton`, then :func:`_sign_encode_kernel`): see :mod:`.blocks`.
+where a program can own whole blocks, else two (the block chunks' sums by
+:func:`~.blocks.block_stats_triton`, every block's scale by :func:`_sign_scales_kernel`, then
+:func:`_sign_encode_kernel`): see :mod:`.blocks`.
 
 The residual may be written over the residual read (``out`` is ``residual``) or over ``x``:
 each element is loaded before it is stored, by the same program, in both routes.
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
-from ..quant import quant_counts, quant_layout, sign_scales
+from ..quant import quant_layout
 from ..reference import wants_residual
 from . import LAUNCH, check, load_compensated, row_tile, spec
 from .blocks import (
@@ -92,6 +93,23 @@ def _sign_onepass_kernel(
         tl.store(rout_ptr + offs, v - tl.where(neg, -s, s), mask=mask)
 
 
+@triton.jit
+def _sign_scales_kernel(sums_ptr, scales_ptr, n, b, nb, cb, ROWS: tl.constexpr):
+    """Two passes' scales from the block chunks' float64 sums (``cb`` a block, in order):
+    :func:`~gradzip.kernels.quant.sign_scales`, as the one-pass kernel computes it."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * ROWS + tl.arange(0, ROWS)
+    m = blk < nb
+    total = tl.zeros([ROWS], dtype=tl.float64)
+    for c in range(cb):
+        total += tl.load(sums_ptr + blk * cb + c, mask=m, other=0.0)
+    count = tl.maximum(tl.minimum(n - blk * b, b), 1).to(tl.float64)
+    tl.store(scales_ptr + blk, _fit_f32(total / count, total), mask=m)
+
+
+SCALE_ROWS = 256  # blocks a program of _sign_scales_kernel
+
+
 def sign_ef_triton(
     x: torch.Tensor,
     residual: torch.Tensor | None = None,
@@ -134,9 +152,12 @@ def sign_ef_triton(
     else:
         if scales is not None:
             scales = scales.to(device=dev, dtype=torch.float32).contiguous()
-        elif n:
-            total, _ = block_stats_triton(x, residual, b, STAT_SUM_ABS, tile=tile)
-            scales = sign_scales(total, quant_counts(n, nb, b, dev), torch.isfinite(total))
+        elif n:  # the chunks' sums, then every block's scale by one small launch
+            sums, cb = block_stats_triton(x, residual, b, STAT_SUM_ABS, tile=tile, partials=True)
+            scales = torch.empty(nb, dtype=torch.float32, device=dev)
+            _sign_scales_kernel[(triton.cdiv(nb, SCALE_ROWS),)](
+                sums, scales, n, b, nb, cb, ROWS=SCALE_ROWS, num_warps=4, **LAUNCH
+            )
         else:
             scales = torch.empty(0, dtype=torch.float32, device=dev)
         if n:
@@ -164,6 +185,13 @@ def _onepass_sig(xp, ni="i32"):
 
 
 AOT_SPECS = [
+    spec(
+        _sign_scales_kernel,
+        {"sums_ptr": "*fp64", "scales_ptr": "*fp32", "n": "i64", "b": "i64", "nb": "i32", "cb": "i32"},
+        {"ROWS": SCALE_ROWS},
+        num_warps=4,
+        divisible=(),
+    ),
     spec(
         _sign_encode_kernel,
         _sign_sig("*fp32"),
