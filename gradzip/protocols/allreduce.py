@@ -19,7 +19,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round
-from ..wire import Payload
+from ..wire import Payload, run_view
 from .base import Call, Exchange, Protocol
 
 __all__ = ["Allreduce", "back_to_back"]
@@ -49,6 +49,13 @@ class Allreduce(Protocol):
 
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
+        bucket = _bucket(call) if self.plain(call) else None
+        if bucket is not None:  # DDP's bucket, summed as it is: no payload a tensor, no decode
+            with call.codec():
+                bucket.div_(call.world_size)
+                call.comm.stats.add(bytes_payload=bucket.numel() * bucket.element_size())
+            yield Round([call.comm.allreduce(bucket)], last=True)
+            return bucket
         with call.codec():
             # A buffer of our own has room for the engine's non-finite flag after the bodies.
             spare = 1 if call.wants_flag else 0
@@ -108,6 +115,18 @@ class Allreduce(Protocol):
             for i, d in enumerate(decoded):
                 out[call.slice(i)] = d
         return out
+
+
+def _bucket(call: Call) -> torch.Tensor | None:
+    """``call.dest`` where the call's tensors are its views, back to back from its start, in
+    the output dtype (DDP's bucket): a plain protocol sums it as it is; else None."""
+    d = call.fitting_dest()
+    if d is None or not call.tensors:
+        return None
+    whole = run_view(call.tensors)
+    if whole is None or whole.numel() != d.numel() or whole.data_ptr() != d.data_ptr() or whole.dtype != d.dtype:
+        return None
+    return d
 
 
 def _wire_buffer(codec: Codec, call: Call, spare: int = 0) -> torch.Tensor | None:

@@ -568,7 +568,7 @@ def test_dry_run_bucket_layout_sums_a_plain_call_in_place(monkeypatch):
     loose = dry_run(Identity(), xs, world_size=4)
     assert used.pop() is None  # loose tensors: concatenated into a new buffer
     inplace = dry_run(Identity(), xs, world_size=4, bucket=True)
-    assert used.pop().data_ptr() == inplace.out.data_ptr()  # the bucket, summed as it is
+    assert not used  # the bucket, summed as it is: no payloads to lay out (and see the next test)
     assert inplace.plain and loose.plain
     assert all(torch.equal(x, b) for x, b in zip(xs, before))
     assert torch.equal(inplace.out, loose.out)
@@ -596,6 +596,25 @@ def test_dry_run_on_a_given_bucket_writes_the_result_into_it():
         dry_run(Identity(), xs, world_size=2, bucket=flat)
     with pytest.raises(ValueError, match="views, back to back"):
         dry_run(Identity(), [flat[:15], flat[16:]], world_size=2, bucket=flat)
+
+
+def test_a_plain_call_on_ddps_bucket_encodes_nothing(monkeypatch):
+    """Identity on DDP's bucket (the tensors its views from its start): the bucket is divided
+    and summed as it is, no payload a tensor and no decode; loose tensors take the payload
+    path; the result and the bytes are the same."""
+    calls = []
+    real = Identity.compress
+    monkeypatch.setattr(Identity, "compress", lambda self, x, ctx=None: calls.append(1) or real(self, x, ctx))
+    xs = [sample((3, 5), seed=1), sample((7,), seed=2)]
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    got = dry_run(Identity(), [flat[:15].view(3, 5), flat[15:]], world_size=4, bucket=flat)
+    assert not calls and got.out.data_ptr() == flat.data_ptr()
+    loose = dry_run(Identity(), xs, world_size=4)
+    assert len(calls) == 2 and torch.equal(got.out, loose.out)
+    assert [c.nbytes for c in got.collectives] == [c.nbytes for c in loose.collectives]
+    calls.clear()
+    dry_run(Identity(), xs, world_size=4, bucket=True)  # copied into a bucket of their own
+    assert not calls
 
 
 def test_measure_codec_times_a_plain_protocol_on_a_bucket(monkeypatch):
