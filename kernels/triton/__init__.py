@@ -91,6 +91,37 @@ def load_compensated(x_ptr, r_ptr, offs, mask, HAS_R: tl.constexpr):
     return v
 
 
+#: Launch tables of the segmented kernels' layouts so far (a TwoPhase call's layout recurs every step).
+_SEGMENT_TABLES: dict = {}
+_SEGMENT_TABLES_MAX = 256
+
+
+def segment_tables(key: tuple, device: torch.device, build) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch tables of a segmented kernel for the layout ``key``, built once and kept:
+    ``build()`` gives ``(rows, spans, step)``, a row of 5 int64 per segment and how far its
+    programs reach (programs start at ``0, step, 2 step, ...`` below its span). Returns each
+    program's segment (int32) and first index (int64), and the rows (int64, ``(segments, 5)``),
+    on ``device``."""
+    key = (*key, str(device))
+    got = _SEGMENT_TABLES.get(key)
+    if got is None:
+        rows, spans, step = build()
+        prog_seg, prog_first = [], []
+        for j, span in enumerate(spans):
+            for first in range(0, span, step):
+                prog_seg.append(j)
+                prog_first.append(first)
+        got = (
+            torch.tensor(prog_seg, dtype=torch.int32).to(device),
+            torch.tensor(prog_first, dtype=torch.int64).to(device),
+            torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(device),
+        )
+        if len(_SEGMENT_TABLES) >= _SEGMENT_TABLES_MAX:
+            _SEGMENT_TABLES.clear()
+        _SEGMENT_TABLES[key] = got
+    return got
+
+
 def check(name: str, t: torch.Tensor, dtypes, device: torch.device | None = None) -> None:
     """Raise Unsupported unless ``t`` is a contiguous tensor of one of ``dtypes`` that Triton can reach."""
     if t.dtype not in dtypes:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
 from ..quant import QUANT_KINDS, quant_layout
-from . import LAUNCH, check, row_tile, size, spec
+from . import LAUNCH, check, row_tile, segment_tables, size, spec
 
 __all__ = [
     "decode_add_bitmap2_triton",
@@ -303,11 +303,6 @@ def decode_add_quant_triton(
     )
 
 
-#: Launch tables of the segment layouts decoded so far (a TwoPhase call's layout recurs every step).
-_SEGMENT_TABLES: dict = {}
-_SEGMENT_TABLES_MAX = 256
-
-
 def decode_add_quant_segments_triton(
     out: torch.Tensor,
     bodies: Sequence[torch.Tensor],
@@ -330,25 +325,15 @@ def decode_add_quant_segments_triton(
         return
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
     base, offs = _bodies_in_one(bodies, 1)  # scales are read bytewise: no alignment needed
-    key = (tuple(starts), tuple(numels), tuple(offs), block, B, str(out.device))
-    tables = _SEGMENT_TABLES.get(key)
-    if tables is None:
-        rows, prog_seg, prog_first = [], [], []
-        for s, (st, n, off) in enumerate(zip(starts, numels, offs)):
+
+    def build():
+        rows = []
+        for st, n, off in zip(starts, numels, offs):
             nb, b = quant_layout(n, block)
             rows.append([st, n, max(b, 1), off, off + 4 * nb])
-            for first in range(0, n, B):
-                prog_seg.append(s)
-                prog_first.append(first)
-        dev = out.device
-        tables = (
-            torch.tensor(prog_seg, dtype=torch.int32).to(dev),
-            torch.tensor(prog_first, dtype=torch.int64).to(dev),
-            torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(dev),
-        )
-        if len(_SEGMENT_TABLES) >= _SEGMENT_TABLES_MAX:
-            _SEGMENT_TABLES.clear()
-        _SEGMENT_TABLES[key] = tables
+        return rows, list(numels), B
+
+    tables = segment_tables(("decode", tuple(starts), tuple(numels), tuple(offs), block, B), out.device, build)
     prog_seg, prog_first, seg = tables
     if prog_seg.numel():
         _decode_segments_kernel[(prog_seg.numel(),)](

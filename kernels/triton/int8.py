@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
 from ..quant import int8_scales, int8_segments_layout, quant_layout
-from . import LAUNCH, check, spec
+from . import LAUNCH, check, segment_tables, spec
 from .blocks import NUM_WARPS, STAT_MAX_ABS, TILE_GPU, block_stats_triton, tile_size
 
 __all__ = ["int8_encode_triton", "int8_encode_segments_triton"]
@@ -130,11 +130,6 @@ def _int8_segments_kernel(
         tl.store(res_ptr + xs + offs, v - q.to(tl.float32) * s[:, None], mask=mask)
 
 
-#: Launch tables of the segment layouts encoded so far (a TwoPhase call's layout recurs every step).
-_SEGMENT_TABLES: dict = {}
-_SEGMENT_TABLES_MAX = 256
-
-
 def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 1024, residual=None, tile=None):
     """Triton version of :func:`~gradzip.kernels.quant.int8_encode_segments_reference` (float32
     ``x``): one launch where every piece's block fits a program's tile (``block`` given, at
@@ -162,25 +157,16 @@ def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 
                     int8_apply_triton(residual[a:b], [body], block=block, subtract=True)
         return out, offsets
     rows = T // width
-    key = (tuple(bounds), int(block), rows, str(x.device))
-    tables = _SEGMENT_TABLES.get(key)
-    if tables is None:
-        table, prog_seg, prog_first = [], [], []
-        for j, (off, a, b) in enumerate(zip(offsets, bounds, bounds[1:])):
+
+    def build():
+        table, spans = [], []
+        for off, a, b in zip(offsets, bounds, bounds[1:]):
             nb, bl = quant_layout(b - a, block)
             table.append([a, b - a, bl, off, off + 4 * nb])
-            for first in range(0, nb, rows):
-                prog_seg.append(j)
-                prog_first.append(first)
-        dev = x.device
-        tables = (
-            torch.tensor(prog_seg, dtype=torch.int32).to(dev),
-            torch.tensor(prog_first, dtype=torch.int64).to(dev),
-            torch.tensor(table, dtype=torch.int64).reshape(-1, 5).to(dev),
-        )
-        if len(_SEGMENT_TABLES) >= _SEGMENT_TABLES_MAX:
-            _SEGMENT_TABLES.clear()
-        _SEGMENT_TABLES[key] = tables
+            spans.append(nb)
+        return table, spans, rows
+
+    tables = segment_tables(("int8", tuple(bounds), int(block), rows), x.device, build)
     prog_seg, prog_first, seg = tables
     if prog_seg.numel():
         _int8_segments_kernel[(prog_seg.numel(),)](
