@@ -128,7 +128,9 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
 
     ops = sum(1 for e in prof.events() if top(e))
     launches = sum(1 for e in prof.events() if e.name == LAUNCH)
-    scalars = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")  # item(), bool()
+    scalars = sum(  # item(), bool()
+        1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and not inside_launch(e)
+    )
     reset()
     pr = cProfile.Profile()
     pr.enable()

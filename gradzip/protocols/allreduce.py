@@ -49,7 +49,7 @@ class Allreduce(Protocol):
 
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
-        bucket = _bucket(call) if self.plain(call) else None
+        bucket = _bucket(call) if self.plain(call) and not call.wants_flag else None
         if bucket is not None:  # DDP's bucket, summed as it is: no payload a tensor, no decode
             with call.codec():
                 bucket.div_(call.world_size)
@@ -119,7 +119,8 @@ class Allreduce(Protocol):
 
 def _bucket(call: Call) -> torch.Tensor | None:
     """``call.dest`` where the call's tensors are its views, back to back from its start, in
-    the output dtype (DDP's bucket): a plain protocol sums it as it is; else None."""
+    the output dtype (DDP's bucket): a plain protocol sums it as it is (unless it is to carry
+    the engine's flag, which needs a buffer with room for it); else None."""
     d = call.fitting_dest()
     if d is None or not call.tensors:
         return None
