@@ -537,7 +537,7 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
     return out
 
 
-def _rows(msgs: list[torch.Tensor]) -> torch.Tensor | None:
+def row_view(msgs: list[torch.Tensor]) -> torch.Tensor | None:
     """``msgs`` as the rows of one 2-D view, where they are two or more contiguous uint8
     tensors of one length lying in one storage at one stride (a gathered round's fixed-length
     messages); else None."""
@@ -585,7 +585,7 @@ def unpack_many(
         return e.at(tensor=tensor, rank=ranks[j] if ranks is not None else None)
 
     lims = [min(m.numel(), _table_limit(len(shapes[j]))) for j, m in enumerate(msgs)]
-    rows = _rows(msgs)  # a round's messages at one stride in one buffer: one view of them all
+    rows = row_view(msgs)  # a round's messages at one stride in one buffer: one view of them all
     if rows is not None and len(set(lims)) == 1:
         host = rows[:, : lims[0]].cpu().numpy().tobytes()
     else:

@@ -11,7 +11,7 @@ import gradzip.kernels as K
 import gradzip.warmup as warmup
 
 from ..kernels import bitpack
-from ..wire import FMT_DENSE, FMT_EMPTY, FrameError, Payload, as_bytes, from_bytes, narrow
+from ..wire import FMT_DENSE, FMT_EMPTY, FrameError, Payload, as_bytes, from_bytes, narrow, row_view
 from .base import (
     Codec,
     TensorContext,
@@ -342,6 +342,10 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
         except FrameError:
             return None
         off += m
+    if len(set(plans)) == 1 and len(set(ns)) == 1:
+        rows = row_view(bodies)  # a round's frames of one layout at one stride: all at once
+        if rows is not None:
+            return _unpack_ef_rows(rows, bodies, ns[0], plans[0])
     flags, out = [], []
     for body, n, (k, pos, low, upper, llen, ulen) in zip(bodies, ns, plans):
         lows = _ef_lows(body, pos, llen, k, low)
@@ -362,6 +366,41 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
         flags.append(good & (idx[-1] < n))
         out.append((idx, body[pos + llen + ulen :]))
     return out if bool(torch.stack(flags).all()) else None
+
+
+def _bits_of(block: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Per row of ``block`` (bytes, ``(F, m)``), its first ``count`` ``width``-bit values packed
+    as :func:`~gradzip.kernels.bitpack.pack_uint` packs them: ``(F, count)`` int64."""
+    f, dev = block.shape[0], block.device
+    stream = ((block.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8, device=dev)) & 1).reshape(f, -1)
+    stream = stream[:, : count * width].reshape(f, count, width).to(torch.int64)
+    return (stream << torch.arange(width, dtype=torch.int64, device=dev)).sum(dim=2)
+
+
+def _unpack_ef_rows(rows: torch.Tensor, bodies: list, n: int, plan: tuple) -> list | None:
+    """:func:`unpack_ef_many` of frames of one layout (``plan``, from :func:`_ef_layout`) that
+    are the rows of one 2-D view: every step once for all of them, and one read of their flags."""
+    k, pos, low, upper, llen, ulen = plan
+    f, dev = rows.shape[0], rows.device
+    lows = _bits_of(rows[:, pos : pos + llen], k, low) if low else torch.zeros(f, k, dtype=torch.int64, device=dev)
+    ub = rows[:, pos + llen : pos + llen + ulen]
+    bits = _bits_of(ub, upper, 1)
+    rank = bits.cumsum(1) - 1  # the j-th set bit of a row has rank j
+    slot = torch.where((bits == 1) & (rank < k), rank, k)  # the rest to a slot dropped below
+    where = torch.zeros(f, k + 1, dtype=torch.int64, device=dev)
+    where.scatter_(1, slot, torch.arange(upper, device=dev).expand(f, upper))
+    idx = ((where[:, :k] - torch.arange(k, device=dev)) << low) | lows
+    good = bits.sum(dim=1) == k
+    if (k * low) % 8:
+        good = good & ((rows[:, pos + llen - 1] >> ((k * low) % 8)) == 0)
+    if upper % 8:
+        good = good & ((ub[:, -1] >> (upper % 8)) == 0)
+    if k > 1:
+        good = good & (idx[:, 1:] > idx[:, :-1]).all(dim=1)
+    good = good & (idx[:, -1] < n)
+    if not bool(good.all()):
+        return None
+    return [(idx[j], body[pos + llen + ulen :]) for j, body in enumerate(bodies)]
 
 
 class TopK(Codec):

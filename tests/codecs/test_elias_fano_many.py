@@ -95,3 +95,45 @@ def test_a_bitmap_with_one_bit_too_many_is_refused_together():
     with pytest.raises(FrameError, match="bitmap bits set"):
         unpack_ef(bad, n, 4)
     assert unpack_ef_many([body, bad], [n, n], [4, 4]) is None
+
+
+@PROPS
+@given(
+    st.integers(1, 3000),
+    st.floats(0.0005, 1.0),
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 10**6),
+    st.booleans(),
+    st.integers(0, 3),
+)
+def test_a_strided_round_of_one_layout_is_unpacked_at_once_as_one_by_one(n, frac, frames, vb, where, corrupt, gap):
+    """Frames of one (n, k) at one stride in one buffer (a round of Flat(TopK)'s frames): read
+    as the rows of one view (one pass for all; ``wire.row_view``), with the same acceptance
+    and positions as unpack_ef one by one."""
+    from gradzip import wire
+
+    k = max(1, min(n, round(frac * n)))
+    made = [_frame(n, k, where + j, vb) for j in range(frames)]
+    size = made[0][0].numel()
+    buf = torch.full((frames * (size + gap),), 0x5A, dtype=torch.uint8)  # 0x5A between frames
+    bodies = [buf[j * (size + gap) : j * (size + gap) + size] for j in range(frames)]
+    for b, (body, _) in zip(bodies, made):
+        b.copy_(body)
+    if corrupt:
+        b = bodies[where % frames]
+        b[(where // frames) % size] ^= 1 << ((where // 7) % 8)
+    assert frames == 1 or wire.row_view(bodies) is not None
+    want = []
+    for b in bodies:
+        try:
+            want.append(unpack_ef(b, n, vb))
+        except FrameError:
+            want.append(None)
+    got = unpack_ef_many(bodies, [n] * frames, [vb] * frames)
+    if any(w is None for w in want):
+        assert got is None
+        return
+    assert got is not None
+    for (gi, gr), (wi, wr) in zip(got, want):
+        assert torch.equal(gi, wi) and torch.equal(gr, wr) and gr.data_ptr() == wr.data_ptr()

@@ -584,7 +584,7 @@ def test_topk_checks_a_message_as_it_checks_frame_by_frame(codec):
 def test_unpack_many_reads_a_strided_round_as_one_view_and_still_names_the_sender(monkeypatch):
     """Fixed-length messages at one stride in one buffer (a round's receive buffer, a flag
     byte after each): their tables come to the host and their padding is tested through one
-    2-D view (``wire._rows``); the bytes between messages are no message's and are not read;
+    2-D view (``wire.row_view``); the bytes between messages are no message's and are not read;
     nonzero padding in one message is refused naming its sender."""
     codec, world = gz.Int8(block=16), 4
     x = torch.randn(100)
@@ -596,10 +596,10 @@ def test_unpack_many_reads_a_strided_round_as_one_view_and_still_names_the_sende
     buf[:, :size] = msg
     flat = buf.view(-1)
     msgs = [flat[j * (size + 1) : j * (size + 1) + size] for j in range(world)]
-    rows = wire._rows(msgs)
+    rows = wire.row_view(msgs)
     assert rows is not None and rows.shape == (world, size) and rows.data_ptr() == buf.data_ptr()
-    assert wire._rows(msgs[:1]) is None and wire._rows([msgs[0], msgs[2]]) is not None
-    assert wire._rows([msgs[0], msgs[1][:-1]]) is None and wire._rows([msgs[1], msgs[0]]) is None
+    assert wire.row_view(msgs[:1]) is None and wire.row_view([msgs[0], msgs[2]]) is not None
+    assert wire.row_view([msgs[0], msgs[1][:-1]]) is None and wire.row_view([msgs[1], msgs[0]]) is None
     args = ([[x.shape]] * world, [[torch.float32]] * world)
     got = wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
     assert all(torch.equal(codec.decompress(g[0]), codec.decompress(payload)) for g in got)
