@@ -766,12 +766,12 @@ def _segments_input(n, extreme=False):
     return x
 
 
-def _segments_check(encode, tile=None):
+def _segments_check(encode, tile=None, blocks=(None, 8, 100, 1024, 8192)):
     """``encode(x, bounds, block=, residual=)`` against the reference and against
     ``int8_encode_reference`` and ``int8_apply_`` piece by piece, bit for bit: the bodies, the
     residual (apart, and written over x) and the elements outside the pieces left alone."""
     for n, bounds in SEGMENT_BOUNDS:
-        for block in (None, 8, 100, 1024, 8192):
+        for block in blocks:
             for extreme in (False, True):
                 x = _segments_input(n, extreme)
                 want, woffs = Q.int8_encode_segments_reference(x, bounds, block=block)
@@ -815,7 +815,7 @@ def test_int8_encode_segments_kernel_matches_reference():
     from gradzip.kernels.triton.int8 import int8_encode_segments_triton
 
     _segments_check(int8_encode_segments_triton)
-    _segments_check(int8_encode_segments_triton, tile=512)
+    _segments_check(int8_encode_segments_triton, tile=512, blocks=(100, 1024))  # 1024: piece by piece
 
 
 def test_int8_encode_segments_checks_its_arguments():
