@@ -321,15 +321,14 @@ def _table_bytes(payloads: list[Payload], crc: bool) -> bytearray:
     return table
 
 
-def _put_bodies(msg: torch.Tensor, off: int, payloads: list[Payload]) -> int:
-    """Copy the payloads' bodies into ``msg`` from byte ``off``, back to back; returns the end."""
+def _put_bodies(msg: torch.Tensor, off: int, payloads: list[Payload]) -> None:
+    """Copy the payloads' bodies into ``msg`` from byte ``off``, back to back."""
     for p in payloads:
         b = p.body
         if b.dtype != torch.uint8 or b.dim() != 1 or not b.is_contiguous():
             b = as_bytes(b)
         msg[off : off + b.numel()] = b
         off += b.numel()
-    return off
 
 
 #: Byte positions of the entry tables of the rounds packed so far (a call's layout recurs every step).
@@ -599,7 +598,8 @@ def unpack_many(
         off += lim
     ends = {t[3] for t in tables}
     if rows is not None and len(ends) == 1:
-        pad = rows[:, min(ends) :]
+        (end,) = ends
+        pad = rows[:, end:]
         dirty = pad.numel() > 0 and bool(pad.any())
     else:
         pads = [m[t[3] :] for m, t in zip(msgs, tables) if t[3] < m.numel()]

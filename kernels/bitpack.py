@@ -150,21 +150,26 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_uint`: ``n`` int64 values of ``bits`` bits each."""
+    """Inverse of :func:`pack_uint`: ``n`` int64 values of ``bits`` bits each; for a 2-D
+    ``packed``, each row's first ``n`` values (``(rows, n)``: streams of one layout at once)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
     _check_n(n)
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_uint expects uint8, got {packed.dtype}")
-    if packed.numel() * 8 < n * bits:
-        raise ValueError(f"{packed.numel()} bytes hold fewer than {n} values of {bits} bits")
+    rows = packed.dim() == 2  # each row a stream of its own: (rows, n) values
+    width = packed.shape[1] if rows else packed.numel()
+    if width * 8 < n * bits:
+        raise ValueError(f"{width} bytes hold fewer than {n} values of {bits} bits")
+    lead = (packed.shape[0],) if rows else ()
     if not n:
-        return torch.zeros(0, dtype=torch.int64, device=packed.device)
-    flat = packed.reshape(-1)[: (n * bits + 7) // 8]
+        return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)
+    flat = (packed if rows else packed.reshape(-1))[..., : (n * bits + 7) // 8]
     if _NUMPY_BITS and flat.device.type == "cpu":
-        stream = torch.from_numpy(np.unpackbits(flat.contiguous().numpy(), count=n * bits, bitorder="little"))
+        got = np.unpackbits(flat.contiguous().numpy(), axis=-1, count=n * bits, bitorder="little")
+        stream = torch.from_numpy(got)
     else:
         shifts = torch.arange(8, dtype=torch.uint8, device=flat.device)
-        stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)[: n * bits]
+        stream = ((flat.unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)[..., : n * bits]
     shifts = torch.arange(bits, dtype=torch.int64, device=flat.device)
-    return (stream.view(n, bits).to(torch.int64) << shifts).sum(dim=1)
+    return (stream.reshape(*lead, n, bits).to(torch.int64) << shifts).sum(dim=-1)

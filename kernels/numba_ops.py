@@ -37,7 +37,7 @@ from .quant import (
     _split_body,
     each_segment,
     int8_encode_reference,
-    int8_segments_layout,
+    int8_segments_by,
     qsgd_bits,
     qsgd_encode_reference,
     qsgd_norms,
@@ -524,29 +524,22 @@ def int8_encode_numba(x, *, block=1024, scales=None):
 
 def int8_encode_segments_numba(x, bounds, *, block=1024, residual=None):
     """:func:`~gradzip.kernels.quant.int8_encode_segments_reference`: each piece by
-    :func:`int8_encode_numba`, written into its body, and its subtraction compiled (``_int8_add``,
+    :func:`int8_encode_numba`, its subtraction compiled from its scales and codes (``_int8_add``,
     as :func:`int8_apply_numba` subtracts a frame)."""
+
+    def subtract(r, _body, scales, codes):
+        _int8_add(r.numpy(), scales.numpy(), codes.numpy(), quant_layout(r.numel(), block)[1], -1)
+
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         raise Unsupported("Numba encodes a contiguous float32 CPU tensor")
-    offsets, total = int8_segments_layout(bounds, block)
-    out = torch.zeros(total, dtype=torch.uint8)
-    ob = out.numpy()
-    v = x.detach().reshape(-1)
-    rv = residual.detach().reshape(-1) if residual is not None else None
-    for off, a, b in zip(offsets, bounds, bounds[1:]):
-        if b == a:
-            continue
-        scales, codes = int8_encode_numba(v[a:b], block=block)
-        sc, cd = scales.numpy(), codes.numpy()
-        nb = sc.size
-        ob[off : off + 4 * nb] = sc.view(np.uint8)
-        ob[off + 4 * nb : off + 4 * nb + (b - a)] = cd.view(np.uint8)
-        if rv is not None:
-            r = rv[a:b]
-            if r.data_ptr() != v[a:b].data_ptr():
-                r.copy_(v[a:b])
-            _int8_add(r.numpy(), sc, cd, quant_layout(b - a, block)[1], -1)
-    return out, offsets
+    return int8_segments_by(
+        lambda v: int8_encode_numba(v, block=block),
+        subtract,
+        x.detach(),
+        bounds,
+        block,
+        None if residual is None else residual.detach(),
+    )
 
 
 def decode_add_quant_numba(out, bodies, kind, *, block=None, levels=0, bits=None):

@@ -362,17 +362,36 @@ def int8_encode_segments_reference(
     ``residual`` (flat, ``x``'s length and dtype; ``x`` itself allowed): ``residual = x -
     decode`` over every segment's elements, as :func:`int8_apply_` subtracts the frame
     (exact: see ``gradzip.codecs.quant``); elements outside the segments are not written."""
+    return int8_segments_by(
+        lambda v: int8_encode_reference(v, block=block),
+        lambda r, body, _scales, _codes: int8_apply_(r, [body], block=block, subtract=True),
+        x,
+        bounds,
+        block,
+        residual,
+    )
+
+
+def int8_segments_by(encode, subtract, x: torch.Tensor, bounds, block, residual) -> tuple[torch.Tensor, list[int]]:
+    """:func:`int8_encode_segments_reference` piece by piece with a backend's own ops:
+    ``encode(piece) -> (scales, codes)``, ``subtract(residual piece, body, scales, codes)`` its
+    ``int8_apply_(..., subtract=True)`` of the piece's frame."""
     offsets, total = int8_segments_layout(bounds, block)
-    v = x.reshape(-1)
     out = torch.zeros(total, dtype=torch.uint8, device=x.device)
+    v = x.reshape(-1)
+    rv = residual.reshape(-1) if residual is not None else None
     for off, a, b in zip(offsets, bounds, bounds[1:]):
-        scales, codes = int8_encode_reference(v[a:b], block=block)
+        if b == a:
+            continue
+        scales, codes = encode(v[a:b])
         body = out[off : off + 4 * scales.numel() + (b - a)]
         body[: 4 * scales.numel()] = scales.view(torch.uint8)
         body[4 * scales.numel() :] = codes.view(torch.uint8)
-        if residual is not None and b > a:
-            d = decode_quant_reference(body, b - a, "int8", acc=residual.dtype, block=block)
-            torch.sub(v[a:b].to(residual.dtype), d, out=residual.view(-1)[a:b])
+        if rv is not None:
+            r = rv[a:b]
+            if r.data_ptr() != v[a:b].data_ptr():
+                r.copy_(v[a:b])
+            subtract(r, body, scales, codes)
     return out, offsets
 
 

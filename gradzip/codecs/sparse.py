@@ -368,23 +368,18 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     return out if bool(torch.stack(flags).all()) else None
 
 
-def _bits_of(block: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """Per row of ``block`` (bytes, ``(F, m)``), its first ``count`` ``width``-bit values packed
-    as :func:`~gradzip.kernels.bitpack.pack_uint` packs them: ``(F, count)`` int64."""
-    f, dev = block.shape[0], block.device
-    stream = ((block.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8, device=dev)) & 1).reshape(f, -1)
-    stream = stream[:, : count * width].reshape(f, count, width).to(torch.int64)
-    return (stream << torch.arange(width, dtype=torch.int64, device=dev)).sum(dim=2)
-
-
 def _unpack_ef_rows(rows: torch.Tensor, bodies: list, n: int, plan: tuple) -> list | None:
     """:func:`unpack_ef_many` of frames of one layout (``plan``, from :func:`_ef_layout`) that
     are the rows of one 2-D view: every step once for all of them, and one read of their flags."""
     k, pos, low, upper, llen, ulen = plan
     f, dev = rows.shape[0], rows.device
-    lows = _bits_of(rows[:, pos : pos + llen], k, low) if low else torch.zeros(f, k, dtype=torch.int64, device=dev)
+    lows = (
+        bitpack.unpack_uint(rows[:, pos : pos + llen], k, low)
+        if low
+        else torch.zeros(f, k, dtype=torch.int64, device=dev)
+    )
     ub = rows[:, pos + llen : pos + llen + ulen]
-    bits = _bits_of(ub, upper, 1)
+    bits = bitpack.unpack_uint(ub, upper, 1)
     rank = bits.cumsum(1) - 1  # the j-th set bit of a row has rank j
     slot = torch.where((bits == 1) & (rank < k), rank, k)  # the rest to a slot dropped below
     where = torch.zeros(f, k + 1, dtype=torch.int64, device=dev)

@@ -3,7 +3,7 @@
 The payload bodies of the call's tensors are concatenated into one tensor of
 the wire dtype, pre-divided by the world size (as DDP does, so that the sum
 cannot overflow the wire dtype) and allreduced; every tensor is then decoded
-from its slice of the sum. Identity on DDP's bucket sends no copy at all: the
+from its slice of the sum. Identity on DDP's bucket sends no copy and makes no payload: the
 gradients already lie back to back in the bucket, which is also where the
 result goes, so the bucket is reduced in place, as DDP's own hook does.
 Where the protocol builds a buffer of its own and the engine wants its non-finite
@@ -19,7 +19,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..comm import Round
-from ..wire import Payload, run_view
+from ..wire import Payload
 from .base import Call, Exchange, Protocol
 
 __all__ = ["Allreduce", "back_to_back"]
@@ -49,8 +49,10 @@ class Allreduce(Protocol):
 
     def exchange(self, call: Call) -> Exchange:
         codec = self.codec
-        bucket = _bucket(call) if self.plain(call) and not call.wants_flag else None
-        if bucket is not None:  # DDP's bucket, summed as it is: no payload a tensor, no decode
+        bucket = back_to_back(call.tensors, call.dest) if self.plain(call) else None
+        if bucket is not None and bucket.dtype == call.out_dtype:
+            # DDP's bucket, summed as it is: no payload a tensor, no decode (and no room for the
+            # engine's flag, which then goes alone)
             with call.codec():
                 bucket.div_(call.world_size)
                 call.comm.stats.add(bytes_payload=bucket.numel() * bucket.element_size())
@@ -66,9 +68,6 @@ class Allreduce(Protocol):
             else:
                 payloads = [call.encode(codec, i) for i in range(len(call.tensors))]
             bodies = [p.body.reshape(-1) for p in payloads]
-            if flat is None and self.plain(call):
-                flat = back_to_back(bodies, call.dest)
-                wire = flat
             if flat is None:
                 dtype = (
                     functools.reduce(torch.promote_types, [b.dtype for b in bodies], bodies[0].dtype)
@@ -117,19 +116,6 @@ class Allreduce(Protocol):
         return out
 
 
-def _bucket(call: Call) -> torch.Tensor | None:
-    """``call.dest`` where the call's tensors are its views, back to back from its start, in
-    the output dtype (DDP's bucket): a plain protocol sums it as it is (unless it is to carry
-    the engine's flag, which needs a buffer with room for it); else None."""
-    d = call.fitting_dest()
-    if d is None or not call.tensors:
-        return None
-    whole = run_view(call.tensors)
-    if whole is None or whole.numel() != d.numel() or whole.data_ptr() != d.data_ptr() or whole.dtype != d.dtype:
-        return None
-    return d
-
-
 def _wire_buffer(codec: Codec, call: Call, spare: int = 0) -> torch.Tensor | None:
     """One flat buffer for all of the call's bodies (and ``spare`` elements after them) where
     the codec writes each tensor's elements one for one in a dtype of their own
@@ -144,8 +130,8 @@ def _wire_buffer(codec: Codec, call: Call, spare: int = 0) -> torch.Tensor | Non
 
 
 def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
-    """``dest[:n]`` when the bodies are its consecutive pieces from its start (DDP's
-    bucket gradients as Identity sends them), else None."""
+    """``dest[:n]`` when the tensors ``bodies`` are its consecutive pieces from its start
+    (DDP's bucket gradients), else None."""
     if dest is None or not bodies or not dest.is_contiguous():
         return None
     flat = dest.view(-1)
@@ -154,7 +140,8 @@ def back_to_back(bodies, dest: torch.Tensor | None) -> torch.Tensor | None:
         if b.dtype != flat.dtype or not b.is_contiguous():
             return None
         if b.numel() and (
-            b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or b.data_ptr() != flat[pos:].data_ptr()
+            b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+            or b.data_ptr() != flat.data_ptr() + pos * flat.element_size()
         ):
             return None
         pos += b.numel()

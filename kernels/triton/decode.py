@@ -221,11 +221,8 @@ def _bodies_in_one(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Te
     multiple of ``align``. Bodies that are views of one storage at such offsets (peers' frames
     in the gathered buffer) are read in place; otherwise they are copied into one buffer, each
     padded to a multiple of ``align``."""
-    st = bodies[0].untyped_storage()
-    if all(
-        b.is_contiguous() and b.untyped_storage().data_ptr() == st.data_ptr() and b.storage_offset() % align == 0
-        for b in bodies
-    ):
+    if _one_storage(bodies) and all(b.storage_offset() % align == 0 for b in bodies):
+        st = bodies[0].untyped_storage()
         base = torch.empty(0, dtype=torch.uint8, device=bodies[0].device).set_(st, 0, (st.nbytes(),))
         offsets = [b.storage_offset() for b in bodies]
     else:

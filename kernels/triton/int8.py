@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
-from ..quant import int8_scales, int8_segments_layout, quant_layout
+from ..quant import int8_scales, int8_segments_by, int8_segments_layout, quant_layout
 from . import LAUNCH, check, segment_tables, spec
 from .blocks import NUM_WARPS, STAT_MAX_ABS, TILE_GPU, block_stats_triton, tile_size
 
@@ -138,25 +138,22 @@ def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 
     if residual is not None:
         check("residual", residual, (torch.float32,), x.device)
     bounds = [int(v) for v in bounds]
-    offsets, total = int8_segments_layout(bounds, block)
-    out = torch.zeros(total, dtype=torch.uint8, device=x.device)
     T = tile_size(tile)
     width = triton.next_power_of_2(int(block)) if block is not None else None
     if width is None or width > T:  # a block longer than a program's tile: piece by piece
         from .decode import int8_apply_triton
 
-        for off, a, b in zip(offsets, bounds, bounds[1:]):
-            if b > a:
-                scales, codes = int8_encode_triton(x[a:b], block=block, tile=tile)
-                body = out[off : off + 4 * scales.numel() + (b - a)]
-                body[: 4 * scales.numel()] = scales.view(torch.uint8)
-                body[4 * scales.numel() :] = codes.view(torch.uint8)
-                if residual is not None:
-                    if residual.data_ptr() != x.data_ptr():
-                        residual[a:b].copy_(x[a:b])
-                    int8_apply_triton(residual[a:b], [body], block=block, subtract=True)
-        return out, offsets
+        return int8_segments_by(
+            lambda v: int8_encode_triton(v, block=block, tile=tile),
+            lambda r, body, _scales, _codes: int8_apply_triton(r, [body], block=block, subtract=True),
+            x,
+            bounds,
+            block,
+            residual,
+        )
     rows = T // width
+    offsets, total = int8_segments_layout(bounds, block)
+    out = torch.zeros(total, dtype=torch.uint8, device=x.device)
 
     def build():
         table, spans = [], []

@@ -72,6 +72,31 @@ def test_numpy_bit_packing_writes_the_torch_words(monkeypatch, n):
     assert torch.equal(bp.unpack_bits(slow, n), bits)
 
 
+@pytest.mark.parametrize("bits", [1, 3, 6, 17])
+@pytest.mark.parametrize("numpy_route", [True, False])
+def test_unpack_uint_reads_rows_as_it_reads_each_row(bits, numpy_route, monkeypatch):
+    """A 2-D ``packed`` (streams of one layout, e.g. a round's Elias-Fano frames, strided rows
+    of one buffer) unpacks row by row as the 1-D call unpacks each, on the numpy route (CPU)
+    and the torch one (GPUs); zero values give ``(rows, 0)``."""
+    import gradzip.kernels.bitpack as bp
+
+    monkeypatch.setattr(bp, "_NUMPY_BITS", bp._NUMPY_BITS and numpy_route)
+    g = torch.Generator().manual_seed(bits)
+    n = 37
+    streams = [bp.pack_uint(torch.randint(0, 1 << bits, (n,), generator=g), bits) for _ in range(4)]
+    width = streams[0].numel()
+    buf = torch.zeros(4, width + 3, dtype=torch.uint8)  # rows 3 bytes apart
+    for j, stream in enumerate(streams):
+        buf[j, :width] = stream
+    rows = buf[:, :width]
+    got = bp.unpack_uint(rows, n, bits)
+    assert got.shape == (4, n)
+    assert all(torch.equal(got[j], bp.unpack_uint(streams[j], n, bits)) for j in range(4))
+    assert bp.unpack_uint(rows, 0, bits).shape == (4, 0)
+    with pytest.raises(ValueError, match="hold fewer"):
+        bp.unpack_uint(rows, n + 8 * 3 // bits + 1, bits)
+
+
 @pytest.mark.parametrize("block", [None, 7, 100])
 @pytest.mark.parametrize("n", [1, 7, 33, 1009, (1 << 16) * 2 + 13])
 @pytest.mark.parametrize("acc", [torch.float32, torch.float64])
