@@ -31,11 +31,19 @@ operations the interpreter issues inside it are not; the count is then what the 
 host issues (its operations and launches) rather than the CPU path's Numba glue, up to the few
 branches on the device's type (``bitpack``'s numpy route, PowerSGD's buffer alignment).
 Elsewhere it is 0.
+
+``--gpu-branches`` takes, on the CPU, the GPU's side of those branches (PowerSGD's matrices
+stacked, :func:`gradzip.protocols.powersgd._stacked`; ``bitpack``'s torch route), so that with
+the interpreter the count is the GPU path's throughout:
+
+    GRADZIP_KERNELS=triton TRITON_INTERPRET=1 python -m benchmarks.dryrun_profile --device cpu \
+        --count --gpu-branches --steps 1 --methods "PowerSGD(rank=4)"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -155,7 +163,6 @@ def _launches_marked():
     kernel launch as a profiler range ``triton::launch``: ``count`` counts the ranges and leaves
     out the ATen operations the interpreter issues inside them, so a CPU run counts what the
     GPU path's host issues (operations and launches). Elsewhere: nothing."""
-    import contextlib
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -179,6 +186,22 @@ def _launches_marked():
     return patched()
 
 
+@contextlib.contextmanager
+def gpu_branches():
+    """Within it, the code's device-type branches take the GPU's side on any device
+    (``--gpu-branches``): PowerSGD's stacked matrices and ``bitpack``'s torch route (not
+    numpy's)."""
+    import gradzip.kernels.bitpack as bitpack
+    import gradzip.protocols.powersgd as powersgd
+
+    saved = powersgd._stacked, bitpack._NUMPY_BITS
+    powersgd._stacked, bitpack._NUMPY_BITS = (lambda call: True), False
+    try:
+        yield
+    finally:
+        powersgd._stacked, bitpack._NUMPY_BITS = saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -195,7 +218,16 @@ def main(argv=None) -> int:
     ap.add_argument("--count", action="store_true", help="time steps and count ATen operations, no cProfile")
     ap.add_argument("--steps", type=int, default=5, help="--count: timed steps a method (default 5)")
     ap.add_argument("--json", default=None, help="--count: write the figures to this JSON file")
+    ap.add_argument(
+        "--gpu-branches", action="store_true", help="on the CPU, take the GPU's side of the device-type branches"
+    )
     args = ap.parse_args(argv)
+    with gpu_branches() if args.gpu_branches else contextlib.nullcontext():
+        return run(args, argv)
+
+
+def run(args, argv) -> int:
+    """:func:`main`'s work, on its parsed arguments."""
     from gradzip.costmodel import ddp_buckets
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -248,6 +280,7 @@ def main(argv=None) -> int:
                     "buckets": len(buckets),
                     "world": args.world,
                     "steps": args.steps,
+                    "gpu_branches": args.gpu_branches,
                     "methods": rows,
                 },
             )

@@ -43,8 +43,14 @@ through an aligned buffer where its place in the output is not aligned. The copi
 are of ``P`` and ``Q`` only (``(n + m) k`` elements per matrix). The orthonormalization
 of a matrix depends on it alone (not on the others of the call, its place, the number of
 threads or the device: :mod:`gradzip.kernels.orth`). On GPUs the matrices
-of a shape stay batched (one ``bmm``); bit-exact resumption there relies on cuBLAS
-giving the same bits for a matrix alone and in a batch (not tested here: no GPU).
+of a shape stay stacked (:func:`_stacked`): one ``bmm`` a shape for ``P^T``, ``Q^T`` and
+``M_hat``, and the compensations, the copies to and from the wire buffers and the output, and
+the residuals, each one ``torch._foreach_*`` operation over the call (``Call.xs``,
+``Call.commit_many``), where each would be an operation a tensor: ResNet-50's 161 tensors at
+8 ranks issue 950 ATen operations a step instead of 2,757 (``benchmarks/dryrun_profile.py
+--gpu-branches``, docs/kernels.md). Bit-exact resumption there relies on cuBLAS giving the
+same bits for a matrix alone and in a batch (not tested here: no GPU); the stacked path is
+tested on CPU against the matrix-by-matrix one (to rounding).
 
 Unused parameters (``Call.frozen``: DDP with ``find_unused_parameters=True``): such a
 tensor is sent as zeros, but ``M_hat`` is one shared result rather than the sum of what
@@ -136,11 +142,24 @@ def _direct(dst: torch.Tensor, k: int) -> bool:
     return dst.device.type != "cpu" or k <= 4 or dst.data_ptr() % ALIGN == 0
 
 
+def _stacked(call) -> bool:
+    """Whether a call's matrices of one shape run stacked (:func:`_matrices`): one ``bmm`` a
+    shape for each product, ``M_hat`` included, and the decode's copies and residuals by
+    ``torch._foreach_*`` over them all. On GPUs, where every operation is a launch. On CPU
+    they run matrix by matrix (MKL's bits depend on alignment), block by block where
+    :func:`_fusable`."""
+    return call.device.type != "cpu"
+
+
 def _matrices(call, idx: list, n: int, m: int, k: int, wd):
-    """The group's compensated matrices: a ``(B, n, m)`` stack on GPUs, a list of ``(n, m)`` on CPU."""
-    mats = [call.x(i).reshape(n, m).to(wd) for i in idx]
-    if call.device.type != "cpu":
-        return torch.stack(mats) if len(mats) > 1 else mats[0].unsqueeze(0)
+    """The group's compensated matrices: a ``(B, n, m)`` stack where :func:`_stacked`, else a
+    list of ``(n, m)``."""
+    xs = call.xs(idx)
+    if _stacked(call):
+        if len({x.shape for x in xs}) > 1:  # one matrix shape, several tensor shapes
+            xs = [x.reshape(n, m) for x in xs]
+        return torch.stack(xs).view(len(idx), n, m).to(wd)
+    mats = [x.reshape(n, m).to(wd) for x in xs]
     if k == 1:  # MKL's matrix-vector product depends on the alignment of M
         mats = [a if a.data_ptr() % 64 == 0 else a.clone() for a in mats]
     return mats
@@ -157,7 +176,7 @@ def _fusable(call, idx: list, k: int, wd) -> bool:
     """Fused CPU passes for a group: compensation and ``P^T = Q^T M^T`` block by block, and
     ``M_hat`` with the residual block by block. Needs the compensated matrices in ``wd``
     (no cast), and for ``k = 1`` 64-byte aligned ones (MKL's matrix-vector products)."""
-    if call.device.type != "cpu":
+    if _stacked(call):
         return False
     for i in idx:
         t = call.tensors[i]
@@ -199,6 +218,12 @@ def _matmul(a: torch.Tensor, mats, out: torch.Tensor, *, transpose_m: bool) -> N
         return
     for j, mj in enumerate(mats):
         torch.mm(a[j], mj.t() if transpose_m else mj, out=out[j])
+
+
+def _views(buf: torch.Tensor, start: int, shapes: list) -> list:
+    """Consecutive views of ``buf`` from element ``start``, one of each shape in ``shapes``."""
+    sizes = [math.prod(s) for s in shapes]
+    return [p.view(s) for p, s in zip(buf[start : start + sum(sizes)].split(sizes), shapes)]
 
 
 def _slab(shapes: list, dtype, device) -> tuple[torch.Tensor, list, list]:
@@ -341,8 +366,9 @@ class PowerSGD(Protocol):
         the call is orthonormalized by one kernel call.
         """
         buf, qts, table = _slab([(len(idx), k, m) for (_n, m, k), idx in groups], wd, dev)
+        starts, dsts = [], []
         for ((_n, m, k), idx), qt in zip(groups, qts):
-            for j, i in enumerate(idx):
+            for i in idx:
                 ctx = call.contexts[i]
                 q = ctx.store.get("q") if self.warm_start else None
                 if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[0] != m:
@@ -351,7 +377,10 @@ class PowerSGD(Protocol):
                     q = q[:, :k]
                 elif q.shape[1] < k:
                     q = torch.cat([q.to(torch.float32).cpu(), self._draw(ctx, m, k)[:, q.shape[1] :]], dim=1)
-                qt[j].copy_(q.t())  # a copy: the stored Q is never changed in place
+                starts.append(q.t())
+            dsts.extend(qt.unbind(0))
+        if dsts:
+            torch._foreach_copy_(dsts, starts)  # a copy: the stored Q is never changed in place
         if qts:
             norms = torch.cat([torch.linalg.vector_norm(qt, dim=2).reshape(-1) for qt in qts])  # column norms
             if not bool(((norms > 0) & norms.isfinite()).all()):
@@ -407,18 +436,18 @@ class PowerSGD(Protocol):
             else:  # [uncompressed | norms | flag] in wd, the P^T's in their own buffer
                 flat = torch.empty(n_unc + len(track) + nflag, dtype=wd, device=dev)
                 pflat, p0, tail = torch.empty(n_p, dtype=fdt, device=dev), 0, n_unc
-            pos = 0
-            for i in unc:
-                x = call.x(i)
-                flat[pos : pos + x.numel()].copy_(x.reshape(-1))
-                call.commit(i, x)  # sent whole: residual zero
-                pos += x.numel()
-            flat[:pos].div_(world)
+            upieces = list(flat[:n_unc].split([call.tensors[i].numel() for i in unc])) if unc else []
+            if unc:
+                xs = call.xs(unc)
+                torch._foreach_copy_(upieces, [x if x.dim() == 1 else x.reshape(-1) for x in xs])
+                call.commit_many(unc, xs)  # sent whole: residual zero
+                flat[:n_unc].div_(world)
             # P^T and Q^T of every matrix are computed in storage of their own (_slots) and
             # copied to and from the wire buffers, whose offsets depend on the other tensors.
             work = []  # per group: (idx, M, P^T, Q^T, rows of a fused block or 0)
-            pos = p0
             pbuf, pts, ptable = _slab([(len(idx), k, n) for (n, m, k), idx in groups], wd, dev)
+            if _stacked(call):  # every matrix's compensation at once (on CPU, block by block below)
+                call.xs([i for _, idx in groups for i in idx])
             for ((n, m, k), idx), qtb, pt in zip(groups, self._start_qs(call, groups, wd, dev), pts):
                 rows = _block_rows(m, flat.element_size()) if _fusable(call, idx, k, wd) else 0
                 if rows:  # P^T = Q^T M^T, each block of M's rows as soon as it is compensated
@@ -429,9 +458,9 @@ class PowerSGD(Protocol):
                 else:
                     mats = _matrices(call, idx, n, m, k, wd)
                     _matmul(qtb, mats, pt, transpose_m=True)  # P^T = Q^T M^T
-                pflat[pos : pos + pt.numel()].view(pt.shape).copy_(pt)
-                pos += pt.numel()
                 work.append((idx, mats, pt, qtb, rows))
+            if work:
+                torch._foreach_copy_(_views(pflat, p0, [w[2].shape for w in work]), [w[2] for w in work])
             if fdt != wd and wd == torch.float64:
                 _check_bf16_range([w[2] for w in work], "P")
             if track:
@@ -452,15 +481,12 @@ class PowerSGD(Protocol):
                     self._accordion_update(call.contexts[i], v)
             if work:
                 qflat = torch.empty(sum(len(idx) * k * m for (n, m, k), idx in groups), dtype=fdt, device=dev)
-                ppos, qpos = p0, 0
-                for _, _, pt, _, _ in work:
-                    pt.copy_(pflat[ppos : ppos + pt.numel()].view(pt.shape))  # sum_w P_w^T
-                    ppos += pt.numel()
+                pts, qts = [w[2] for w in work], [w[3] for w in work]
+                torch._foreach_copy_(pts, _views(pflat, p0, [p.shape for p in pts]))  # sum_w P_w^T
                 K.orthonormalize_rows_(pbuf, ptable, self.eps)  # the columns of every P
                 for _, mats, pt, qt, _ in work:
                     _matmul(pt, mats, qt, transpose_m=False)  # Q^T = P^T M (over the start Q^T)
-                    qflat[qpos : qpos + qt.numel()].view(qt.shape).copy_(qt)
-                    qpos += qt.numel()
+                torch._foreach_copy_(_views(qflat, 0, [q.shape for q in qts]), qts)
                 if fdt != wd and wd == torch.float64:
                     _check_bf16_range([w[3] for w in work], "Q")
                 call.comm.stats.add(bytes_payload=qflat.numel() * qflat.element_size())
@@ -470,28 +496,40 @@ class PowerSGD(Protocol):
         # Last round done (a callback thread): decode only, never communicate.
         with call.codec():
             out = call.output()  # the inputs were all read before the first round
-            pos = 0
-            for i in unc:
-                k = call.tensors[i].numel()
-                out[call.slice(i)] = flat[pos : pos + k]
-                pos += k
-            qpos = 0
+            views = out.tensor_split(call.offsets[1:-1])  # tensor by tensor
+            if unc:
+                torch._foreach_copy_([views[i] for i in unc], upieces)
+            if work:
+                qts = [w[3] for w in work]
+                torch._foreach_copy_(qts, _views(qflat, 0, [q.shape for q in qts]))
+                torch._foreach_div_(qts, world)
+            sent_idx, sent, rows_out = [], [], []  # the stacked groups' M_hat, copied and subtracted at once
+            for ((n, m, _k), idx), (_, mats, pt, qt, _rows) in zip(groups, work):
+                if isinstance(mats, torch.Tensor):  # stacked: M_hat = P Q^T of the group at once
+                    mh = torch.bmm(pt.transpose(1, 2), qt)
+                    r = mh.view(len(idx), n * m)
+                    rows_out.extend((r if out.dtype == wd else narrow(r, out.dtype)).unbind(0))
+                    sent_idx.extend(idx)
+                    sent.extend(mh.unbind(0))
+            if sent_idx:
+                torch._foreach_copy_([views[i] for i in sent_idx], rows_out)
+                call.commit_many(sent_idx, sent)
             for ((n, m, k), idx), (_, mats, pt, qt, rows) in zip(groups, work):
-                qt.copy_(qflat[qpos : qpos + qt.numel()].view(qt.shape)).div_(world)
-                qpos += qt.numel()
                 for j, i in enumerate(idx):
-                    dst = out[call.slice(i)].view(n, m)
-                    if rows:
-                        _decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
-                    else:
-                        mhat = dst if dst.dtype == wd and _direct(dst, k) else _slots(1, n, m, wd, dev)[0]
-                        _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
-                        if mhat is not dst:
-                            dst.copy_(narrow(mhat, dst.dtype))
-                        call.commit(i, mhat.view(call.tensors[i].shape))
+                    if not isinstance(mats, torch.Tensor):
+                        dst = views[i].view(n, m)
+                        if rows:
+                            _decode_rows(call, i, mats[j], pt[j], qt[j], dst, rows)
+                        else:
+                            mhat = dst if dst.dtype == wd and _direct(dst, k) else _slots(1, n, m, wd, dev)[0]
+                            _low_rank_product(pt[j], qt[j], mhat)  # M_hat = P Q^T
+                            if mhat is not dst:
+                                dst.copy_(narrow(mhat, dst.dtype))
+                            call.commit(i, mhat.view(call.tensors[i].shape))
                     # Frozen here (unused on this rank): M_hat is every rank's share, not the
                     # zeros it sent; its residual pays for it unless no rank used the tensor.
-                    call.charge(i, dst)
-                    if self.warm_start:
-                        call.contexts[i].store["q"] = qt[j].t().contiguous()
+                    call.charge(i, views[i])
+                if self.warm_start:
+                    for i, q in zip(idx, qt.transpose(1, 2).contiguous().unbind(0)):
+                        call.contexts[i].store["q"] = q
         return out

@@ -212,6 +212,30 @@ def test_dryrun_profile_counts_and_profiles_a_step_on_the_cpu(tmp_path):
     assert "===== Int8():" in report.read_text()
 
 
+def test_dryrun_profile_takes_the_gpu_branches_on_the_cpu(tmp_path):
+    """--gpu-branches runs PowerSGD's stacked path on the CPU (the GPU's side of its device-type
+    branch): fewer ATen operations than its matrix-by-matrix CPU path on the tiny ResNet, the
+    flag recorded, and the branches as they were once the run is over."""
+    import json
+
+    import gradzip.kernels.bitpack as bitpack
+    import gradzip.protocols.powersgd as powersgd
+    from benchmarks import dryrun_profile
+
+    argv = ["--device", "cpu", "--model", "tiny", "--world", "2", "--count", "--steps", "1"]
+    argv += ["--methods", "PowerSGD(rank=2)"]
+    before = powersgd._stacked, bitpack._NUMPY_BITS
+    docs = {}
+    for flag in ([], ["--gpu-branches"]):
+        out = tmp_path / f"ops{len(flag)}.json"
+        assert dryrun_profile.main([*argv, *flag, "--json", str(out)]) == 0
+        docs[bool(flag)] = json.loads(out.read_text())
+    assert (powersgd._stacked, bitpack._NUMPY_BITS) == before
+    assert docs[True]["gpu_branches"] and not docs[False]["gpu_branches"]
+    ops = {k: d["methods"]["PowerSGD(rank=2)"]["aten_ops"] for k, d in docs.items()}
+    assert 0 < ops[True] < ops[False]
+
+
 def test_dryrun_profile_counts_the_gpu_paths_launches_under_the_interpreter(tmp_path, monkeypatch):
     """With Triton forced under the interpreter, --count counts every kernel launch and leaves
     out the ATen operations the interpreter issues inside them: Flat(Int8()) at 4 ranks on the

@@ -743,3 +743,67 @@ def test_bf16_factors_refuse_float64_values_beyond_float32_range():
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
     outs = Sim(PowerSGD(rank=2), 2).reduce(["w"], big)  # float64 factors
     assert torch.isfinite(outs[0]).all() and float(outs[0].abs().max()) > 1e38
+
+
+@pytest.mark.parametrize(
+    "dtype, ef, factors",
+    [
+        (torch.float32, True, None),
+        (torch.float32, False, None),
+        (torch.float16, True, None),
+        (torch.float64, True, None),
+        (torch.float32, True, "bf16"),
+    ],
+)
+def test_stacked_matrices_match_the_matrix_by_matrix_path(monkeypatch, dtype, ef, factors):
+    """The stacked path (GPUs: a ``bmm`` a shape, the decode's copies and residuals by
+    ``torch._foreach_*``), forced on CPU, against the CPU's matrix-by-matrix path: the same
+    averages, residuals and stored Q's to rounding, every rank the same result, and with error
+    feedback residual + M_hat == the compensated input. A shape class holds two tensor shapes
+    ((6, 2, 2, 2) and (6, 8)); the uncompressed tensors are 1-D, 0-D and 2-D."""
+    import gradzip.protocols.powersgd as ps
+
+    names = ["conv", "w", "b", "s", "thin", "w2", "v"]
+    shapes = [(6, 2, 2, 2), (6, 8), (6,), (), (2, 3), (6, 8), (40, 30)]
+    world = 3
+
+    def run(stacked):
+        monkeypatch.setattr(ps, "_stacked", lambda call: stacked)
+        sim = Sim(PowerSGD(rank=2, factors=factors), world, error_feedback=ef)
+        outs = []
+        for step in range(3):
+            grads = [
+                [_randn(s, seed=100 * step + 10 * r + j).to(dtype) for j, s in enumerate(shapes)] for r in range(world)
+            ]
+            res = [[sim.mems[r].residual(n) if ef else None for n in names] for r in range(world)]
+            out = sim.reduce(names, grads)
+            for r in range(1, world):
+                assert torch.equal(out[0], out[r])
+            if ef and dtype != torch.float16:  # (float16: M_hat in the output is rounded)
+                for r in range(world):
+                    pos = 0
+                    for j, (n, g) in enumerate(zip(names, grads[r])):
+                        k = g.numel()
+                        x = g.double() + (res[r][j].double() if res[r][j] is not None else 0)
+                        if PowerSGD(rank=2).compressed_rank(g.shape):
+                            mhat = out[r][pos : pos + k].view(g.shape).double()
+                            torch.testing.assert_close(sim.mems[r].residual(n).double() + mhat, x)
+                        else:
+                            assert not sim.mems[r].residual(n).any()
+                        pos += k
+            outs.append(out[0])
+        return outs, sim
+
+    got, sg = run(True)
+    want, sw = run(False)
+    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float16 or factors else {"rtol": 1e-5, "atol": 1e-6}
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
+    for n in names:
+        if ef:
+            torch.testing.assert_close(sg.mems[0].residual(n), sw.mems[0].residual(n), **tol)
+        if "q" in sw.stores[0][n]:
+            torch.testing.assert_close(sg.stores[0][n]["q"], sw.stores[0][n]["q"], **tol)
+        else:
+            assert "q" not in sg.stores[0][n]
