@@ -131,9 +131,13 @@ def unpack_nbit(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack non-negative integers below ``2**bits`` (``bits`` in [1, 63]) into a bit stream:
     value ``i`` holds bits ``[i * bits, (i + 1) * bits)``, least significant first, bytes
-    little-endian. ``ceil(len * bits / 8)`` bytes. Sparse frames' index deltas use it."""
+    little-endian. ``ceil(len * bits / 8)`` bytes. Sparse frames' index deltas use it. For a
+    2-D ``values``, each row packed as a stream of its own: ``(rows, ceil(n * bits / 8))``
+    (what :func:`unpack_uint` reads back from 2-D rows)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    if values.dim() == 2:
+        return _pack_rows(values.to(torch.int64), bits)
     v = values.reshape(-1).to(torch.int64)
     n = v.numel()
     nbytes = (n * bits + 7) // 8
@@ -147,6 +151,22 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     padded[: stream.numel()] = stream
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=v.device)
     return (padded.view(nbytes, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+
+
+def _pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_uint` of each row of the 2-D int64 ``v``, padded to a byte each."""
+    r, n = v.shape
+    nbytes = (n * bits + 7) // 8
+    if not r or not n:
+        return torch.zeros(r, nbytes, dtype=torch.uint8, device=v.device)
+    shifts = torch.arange(bits, dtype=torch.int64, device=v.device)
+    stream = ((v.unsqueeze(2) >> shifts) & 1).to(torch.uint8).reshape(r, n * bits)
+    if _NUMPY_BITS and stream.device.type == "cpu":
+        return torch.from_numpy(np.packbits(stream.numpy(), axis=1, bitorder="little"))
+    padded = torch.zeros(r, nbytes * 8, dtype=torch.uint8, device=v.device)
+    padded[:, : n * bits] = stream
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=v.device)
+    return (padded.view(r, nbytes, 8).to(torch.int32) * weights).sum(dim=2).to(torch.uint8)
 
 
 def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:

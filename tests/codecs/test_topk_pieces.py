@@ -1,0 +1,172 @@
+"""TopK.encode_pieces: a tensor's pieces of one length as the rows of one view (TwoPhase's
+owner pieces of a Flat bucket) against Codec.encode_pieces (an encode a piece)."""
+
+import pytest
+import torch
+
+import gradzip.codecs.sparse as sparse
+from gradzip.codecs.base import Codec, TensorContext
+from gradzip.codecs.sparse import FMT_SPARSE_EF, TopK
+from gradzip.kernels import bitpack
+from gradzip.wire import pack_frames, unpack_frames
+
+
+def _ctxs(pieces, dtype, step=0):
+    return [TensorContext(name=f"t#{j}/{pieces}", step=step, dtype=dtype) for j in range(pieces)]
+
+
+def _inputs(n, dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    r = torch.randn(n, generator=g, dtype=acc) * 0.1
+    return x, r, acc
+
+
+def _same(a, b):
+    """Equal, NaN where the other has NaN (the piece with a NaN keeps it in its residual)."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = sparse._pack_ef_rows
+
+    def spy(idx, n):
+        calls.append(idx.shape)
+        return real(idx, n)
+
+    monkeypatch.setattr(sparse, "_pack_ef_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "dtype, values",
+    [(torch.float32, None), (torch.float16, None), (torch.float64, None), (torch.float32, "bf16")],
+    ids=str,
+)
+def test_rows_match_piece_by_piece_bit_for_bit(dtype, values, monkeypatch):
+    """Pieces below the prefilter's size (on the CPU the rows path runs only there, where encode
+    runs torch.topk over the whole piece): the frames as sent, the residuals (apart, and
+    compensated in place as TwoPhase hands it), without feedback too, a NaN in one piece and,
+    for float16, values beyond its range (saturated, the rest kept by error feedback)."""
+    calls = _spy(monkeypatch)
+    pieces, n = 4, 1000
+    x, r, acc = _inputs(pieces * n, dtype)
+    x[1234] = float("nan")
+    if dtype == torch.float16:
+        r[17] = 1e6  # compensated beyond float16's range
+    bounds = [j * n for j in range(pieces + 1)]
+    ctxs = _ctxs(pieces, dtype)
+    codec = TopK(0.01, values=values)
+    for residual in (r, None):
+        outs = [torch.full((pieces * n,), 9.0, dtype=acc) for _ in range(2)]
+        got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
+        want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
+        assert torch.equal(pack_frames(got), pack_frames(want))
+        assert _same(outs[0], outs[1]) and all(p.checked for p in got)
+        assert [(p.shape, p.dtype, p.fmt, p.vdtype) for p in got] == [(p.shape, p.dtype, p.fmt, p.vdtype) for p in want]
+        assert all(p.fmt == FMT_SPARSE_EF for p in got)
+        for p, q in zip(got, want):
+            assert torch.equal(p.parsed[0], q.parsed[0]) and _same(p.parsed[1], q.parsed[1])
+    v = x.to(acc) + r  # compensated already: encoded in place
+    a, b = v.clone(), v.clone()
+    got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
+    want = Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b)
+    assert torch.equal(pack_frames(got), pack_frames(want)) and _same(a, b)
+    got = codec.encode_pieces(x, bounds, ctxs)
+    assert torch.equal(pack_frames(got), pack_frames(Codec.encode_pieces(codec, x, bounds, ctxs)))
+    assert not any(p.checked for p in got)
+    assert calls == [(pieces, 10)] * 4
+
+
+def test_the_frames_decode_as_any_frame_does():
+    """Frames from the rows path, sent and parsed back by a receiver (which distrusts them):
+    every check passes and each decodes to its piece's sent values, where they were."""
+    pieces, n = 3, 700
+    x, r, _ = _inputs(pieces * n, torch.float32, seed=1)
+    bounds = [j * n for j in range(pieces + 1)]
+    codec = TopK(0.02)
+    out = torch.empty(pieces * n)
+    got = codec.encode_pieces(x, bounds, _ctxs(pieces, torch.float32), r, feedback=True, out=out)
+    frames = unpack_frames(pack_frames(got), [p.shape for p in got], [p.dtype for p in got])
+    codec.check_frames(frames)
+    v = x + r
+    for j, (sent, frame) in enumerate(zip(got, frames)):
+        dense = codec.decompress(frame)
+        idx = sent.parsed[0]
+        assert torch.equal(dense[idx], v[j * n : (j + 1) * n][idx])
+        assert int((dense != 0).sum()) == 14 and torch.equal(out[j * n : (j + 1) * n][idx], torch.zeros(14))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unequal pieces", "one piece", "mask smaller", "dense smaller", "two k", "sampled", "call scope", "sign"],
+)
+def test_other_pieces_go_one_by_one(case, monkeypatch):
+    """Where the rows path does not apply, the pieces are encoded one by one: the same frames
+    as Codec.encode_pieces, and no rows packed."""
+    calls = _spy(monkeypatch)
+    n, pieces, kw = 400, 4, {}
+    bounds = [j * n for j in range(pieces + 1)]
+    ctxs = _ctxs(pieces, torch.float32)
+    ratio = 0.01
+    if case == "unequal pieces":
+        bounds = [0, 400, 800, 1100, 1600]
+    elif case == "one piece":
+        bounds, ctxs = [0, 1600], ctxs[:1]
+    elif case == "mask smaller":
+        ratio = 0.3
+    elif case == "dense smaller":
+        ratio = 0.9
+    elif case == "two k":
+        ctxs[1].k = 7
+    elif case == "sampled":
+        kw = {"mode": "sampled"}
+    elif case == "call scope":
+        kw = {"scope": "call"}
+    else:
+        kw = {"values": "sign"}
+    x, r, _ = _inputs(1600, torch.float32)
+    codec = TopK(ratio, **kw)
+    outs = [torch.empty(1600) for _ in range(2)]
+    got = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[0])
+    want = Codec.encode_pieces(codec, x, bounds, ctxs, r, feedback=True, out=outs[1])
+    assert torch.equal(pack_frames(got), pack_frames(want)) and torch.equal(outs[0], outs[1])
+    assert calls == []
+
+
+def test_large_pieces_take_the_rows_path_on_a_gpu_only(monkeypatch):
+    """From the prefilter's size the CPU encodes piece by piece (its prefilter is faster than a
+    torch.topk over the piece); the GPU's choice (_rows_topk forced) gives the same frames where
+    no magnitudes tie at the k-th place (here: random normal values)."""
+    calls = _spy(monkeypatch)
+    n, pieces = sparse._PREFILTER_FROM + 8, 2
+    x, r, _ = _inputs(n * pieces, torch.float32, seed=3)
+    bounds = [0, n, 2 * n]
+    ctxs = _ctxs(pieces, torch.float32)
+    codec = TopK(0.01)
+    outs = [torch.empty(n * pieces) for _ in range(3)]
+    cpu = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[0])
+    assert calls == []
+    monkeypatch.setattr(sparse, "_rows_topk", lambda device, n, k: True)
+    rows = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[1])
+    assert len(calls) == 1
+    want = Codec.encode_pieces(codec, x, bounds, ctxs, r, feedback=True, out=outs[2])
+    assert torch.equal(pack_frames(cpu), pack_frames(want)) and torch.equal(pack_frames(rows), pack_frames(want))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("numpy_route", [True, False])
+@pytest.mark.parametrize("bits", [1, 3, 7, 8, 13])
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 37])
+def test_pack_uint_packs_each_row_as_its_own_stream(n, bits, numpy_route, monkeypatch):
+    monkeypatch.setattr(bitpack, "_NUMPY_BITS", numpy_route and bitpack._NUMPY_BITS)
+    g = torch.Generator().manual_seed(n * 100 + bits)
+    v = torch.randint(0, 1 << bits, (4, n), generator=g)
+    got = bitpack.pack_uint(v, bits)
+    assert got.shape == (4, (n * bits + 7) // 8) and got.dtype == torch.uint8
+    for j in range(4):
+        assert torch.equal(got[j], bitpack.pack_uint(v[j], bits))
+    if n:
+        assert torch.equal(bitpack.unpack_uint(got, n, bits), v)
