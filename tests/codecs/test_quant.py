@@ -729,3 +729,66 @@ def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels
         got = codec.encode_pieces(x, bounds, ctxs)
         assert torch.equal(pack_frames(got), pack_frames(Codec.encode_pieces(codec, x, bounds, ctxs)))
         assert not any(p.checked for p in got)
+
+
+@pytest.mark.parametrize("kernels", [None, "reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_signsgd_encodes_pieces_of_one_layout_together_as_piece_by_piece(dtype, kernels, monkeypatch):
+    """SignSGD.encode_pieces (one kernels.sign_ef over pieces whose blocks and sign words lie
+    within a piece) against Codec.encode_pieces (an encode a piece), bit for bit: the frames as
+    sent, the residuals (apart, and compensated in place as TwoPhase hands it), without feedback
+    too, under every backend; and pieces whose layout does not allow it (a length not a
+    multiple of 32, or of the block; unequal pieces) go one by one, with the same result."""
+    import os
+
+    import gradzip.kernels as K
+    from gradzip.codecs.base import Codec
+
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("forced Triton on the CPU needs the interpreter")
+    if kernels is None:
+        monkeypatch.delenv(K.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(K.ENV_VAR, kernels)
+    calls = []
+    real = K.sign_ef
+
+    def spy(x, *a, **kw):
+        calls.append(x.numel())
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(K, "sign_ef", spy)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(7)
+    cases = [  # (block, bounds, together)
+        (None, [0, 1024, 2048, 3072, 4096], True),
+        (64, [0, 1024, 2048, 3072, 4096], True),
+        (4096, [0, 1024, 2048, 3072, 4096], True),  # a block beyond the piece: the piece is one
+        (None, [0, 1000, 2000, 3000, 4000], False),  # not a multiple of 32
+        (96, [0, 1024, 2048, 3072, 4096], False),  # not a multiple of the block
+        (None, [0, 1024, 2048, 2048, 4096], False),  # unequal
+    ]
+    for block, bounds, together in cases:
+        n = bounds[-1]
+        x = (torch.randn(n, generator=g) * 3).to(dtype)
+        r = torch.randn(n, generator=g, dtype=acc) * 0.1
+        ctxs = [TensorContext(name=f"t#{j}/4", step=0) for j in range(len(bounds) - 1)]
+        codec = SignSGD(block=block)
+        for residual in (r, None):
+            outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
+            del calls[:]
+            got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
+            assert (calls == [n]) == together, (block, bounds, calls)
+            want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
+            assert torch.equal(pack_frames(got), pack_frames(want)), (block, bounds, residual is None)
+            assert torch.equal(outs[0], outs[1])
+            assert [(p.shape, p.dtype, p.checked) for p in got] == [(p.shape, p.dtype, p.checked) for p in want]
+        v = x.to(acc) + r  # compensated already: encoded in place, as TwoPhase hands it
+        a, b = v.clone(), v.clone()
+        got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
+        want = Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b)
+        assert torch.equal(pack_frames(got), pack_frames(want)) and torch.equal(a, b)
+        got = codec.encode_pieces(x, bounds, ctxs)
+        want = Codec.encode_pieces(codec, x, bounds, ctxs)
+        assert torch.equal(pack_frames(got), pack_frames(want))
+        assert [(p.shape, p.dtype) for p in got] == [(p.shape, p.dtype) for p in want]
