@@ -369,9 +369,27 @@ def pack_round(groups: list[list[Payload]], out: torch.Tensor, sizes: list[int])
         _TABLE_AT[key] = at
     out.zero_()
     out.index_put_((at,), torch.frombuffer(blob, dtype=torch.uint8).to(out.device))
+    rows = _body_rows(groups, sizes, where)
+    if rows is not None:  # one frame a message, the rows of one view, to one place in each
+        src, n = rows
+        torch.as_strided(out, src.shape, (sizes[0], 1), out.storage_offset() + n).copy_(src)
+        return msgs
     for msg, g, (_, n) in zip(msgs, groups, where):
         _put_bodies(msg, n, g)
     return msgs
+
+
+def _body_rows(groups: list[list[Payload]], sizes: list[int], where: list) -> tuple[torch.Tensor, int] | None:
+    """For :func:`pack_round`: ``(the bodies as the rows of one 2-D view, the table's bytes)``
+    where every message holds one frame, all messages and tables have one length and the bodies
+    lie as rows (a codec's pieces encoded together: TwoPhase's first round of a ``Flat``
+    bucket), so that one strided copy writes every body; else None."""
+    if len(groups) < 2 or any(len(g) != 1 for g in groups):
+        return None
+    if len(set(sizes)) != 1 or len({n for _, n in where}) != 1:
+        return None
+    src = row_view([g[0].body for g in groups])
+    return None if src is None else (src, where[0][1])
 
 
 def pack_frames(

@@ -122,6 +122,43 @@ def test_pack_frames_pads_in_the_same_copy(checksum):
 
 
 @pytest.mark.parametrize("checksum", [False, True])
+def test_pack_round_writes_bodies_that_are_rows_by_one_copy(checksum, monkeypatch):
+    """A round of one frame a message whose bodies are the rows of one view (a codec's pieces
+    encoded together, TwoPhase's first round of a Flat bucket): every body by one strided copy,
+    the same bytes as pack_frames message by message; bodies that are not rows (apart at
+    unequal strides, or messages of unequal size) go one by one, with the same bytes."""
+    import gradzip as gz
+
+    before = wire.checksum_enabled()
+    wire.set_checksum(checksum)
+    one_by_one = []
+    real = wire._put_bodies
+    monkeypatch.setattr(wire, "_put_bodies", lambda *a: one_by_one.append(1) or real(*a))
+    try:
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(4 * 1024, generator=g)
+        bounds = [0, 1024, 2048, 3072, 4096]
+        ctxs = [gz.TensorContext(name=f"t#{j}/4", step=0) for j in range(4)]
+        pieces = gz.SignSGD().encode_pieces(x, bounds, ctxs)
+        assert wire.row_view([p.body for p in pieces]) is not None
+        loose = [gz.SignSGD().compress(x[a:b]) for a, b in zip(bounds, bounds[1:])]
+        for groups, extra, rows in (
+            ([[p] for p in pieces], (3, 3, 3, 3), True),
+            ([[p] for p in pieces], (3, 0, 3, 3), False),
+            ([[p] for p in loose], (3, 3, 3, 3), False),
+        ):
+            sizes = [wire.message_capacity(grp) + e for grp, e in zip(groups, extra)]
+            want = torch.cat([wire.pack_frames(grp, size=n) for grp, n in zip(groups, sizes)])
+            out = torch.full((sum(sizes),), 0xAB, dtype=torch.uint8)
+            del one_by_one[:]
+            wire.pack_round(groups, out, sizes)
+            assert torch.equal(out, want)
+            assert (not one_by_one) == (rows and not checksum)
+    finally:
+        wire.set_checksum(before)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
 def test_pack_round_is_pack_frames_per_message(checksum):
     """``pack_round`` writes each message as ``pack_frames(out=its slice)`` does, byte for byte
     (frames of several codecs and scales, messages of unequal length and padding, an empty
