@@ -369,7 +369,7 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     if len(set(plans)) == 1 and len(set(ns)) == 1:
         rows = row_view(bodies)  # a round's frames of one layout at one stride: all at once
         if rows is not None:
-            return _unpack_ef_rows(rows, bodies, ns[0], plans[0])
+            return _unpack_ef_rows(rows, ns[0], plans[0])
     flags, out = [], []
     for body, n, (k, pos, low, upper, llen, ulen) in zip(bodies, ns, plans):
         lows = _ef_lows(body, pos, llen, k, low)
@@ -392,9 +392,11 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     return out if bool(torch.stack(flags).all()) else None
 
 
-def _unpack_ef_rows(rows: torch.Tensor, bodies: list, n: int, plan: tuple) -> list | None:
+def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple) -> list | None:
     """:func:`unpack_ef_many` of frames of one layout (``plan``, from :func:`_ef_layout`) that
-    are the rows of one 2-D view: every step once for all of them, and one read of their flags."""
+    are the rows of one 2-D view: every step once for all of them, and one read of their flags.
+    The bytes after the positions (the values) are views of the rows, or, where they are not
+    8-byte aligned, of one aligned copy of all rows' values."""
     k, pos, low, upper, llen, ulen = plan
     f, dev = rows.shape[0], rows.device
     lows = (
@@ -419,7 +421,10 @@ def _unpack_ef_rows(rows: torch.Tensor, bodies: list, n: int, plan: tuple) -> li
     good = good & (idx[:, -1] < n)
     if not bool(good.all()):
         return None
-    return [(idx[j], body[pos + llen + ulen :]) for j, body in enumerate(bodies)]
+    tail = rows[:, pos + llen + ulen :]
+    if tail.shape[1] and (tail.storage_offset() % 8 or tail.stride(0) % 8):
+        tail = tail.contiguous()  # the values aligned by one copy of all rows, not one a frame
+    return [(idx[j], tail[j]) for j in range(f)]
 
 
 class TopK(Codec):
@@ -836,6 +841,28 @@ class TopK(Codec):
         idx, vals = self._split(payload, v.numel())
         flat = v.view(-1)
         flat.index_put_((idx,), flat[idx] - vals.to(v.dtype))
+
+    def accumulate_segments(self, payloads, out: torch.Tensor, starts) -> None:
+        """TwoPhase's owners' pieces, disjoint segments of a flat ``out``: the sparse frames'
+        positions, each offset by its segment's start, and their values added by one
+        ``scatter_add_sparse`` where each frame took one. Every element receives at most one
+        value either way, so the sums are :meth:`accumulate`'s frame by frame, bit for bit.
+        Dense and empty frames go one by one; frames of several value dtypes all do."""
+        payloads, starts = list(payloads), [int(st) for st in starts]
+        for p, st in zip(payloads, starts):
+            if st < 0 or st + p.numel > out.numel():
+                raise ValueError(f"a frame of {p.numel} elements at {st} decoded into {out.numel()}")
+            self.validated(p)
+        sparse = [(p, st) for p, st in zip(payloads, starts) if p.fmt not in (FMT_EMPTY, FMT_DENSE)]
+        if len(sparse) < 2 or len({p.vdtype for p, _ in sparse}) > 1 or out.dim() != 1:
+            super().accumulate_segments(payloads, out, starts)
+            return
+        for p, st in zip(payloads, starts):
+            if p.fmt == FMT_DENSE:
+                self.accumulate(p, out[st : st + p.numel])
+        parts = [(self._split(p, p.numel), st) for p, st in sparse]
+        idx = torch.cat([i if st == 0 else i + st for (i, _), st in parts])
+        K.scatter_add_sparse(out, idx, torch.cat([v for (_, v), _ in parts]))
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         if out.numel() != payload.numel:

@@ -170,3 +170,37 @@ def test_pack_uint_packs_each_row_as_its_own_stream(n, bits, numpy_route, monkey
         assert torch.equal(got[j], bitpack.pack_uint(v[j], bits))
     if n:
         assert torch.equal(bitpack.unpack_uint(got, n, bits), v)
+
+
+@pytest.mark.parametrize("kw", [{}, {"values": "sign"}, {"mode": "sampled", "sample": 64}, {"scope": "call"}], ids=str)
+def test_segments_decode_together_as_frame_by_frame(kw, monkeypatch):
+    """TopK.accumulate_segments (TwoPhase's owners' pieces into disjoint ranges: one
+    scatter_add_sparse for all sparse frames) against Codec.accumulate_segments (an accumulate
+    a frame), bit for bit, frames as received (parsed by the checks), a dense frame among them;
+    a range beyond the output is refused."""
+    from gradzip.kernels import scatter_add_sparse
+
+    launches = []
+    monkeypatch.setattr(sparse.K, "scatter_add_sparse", lambda *a: launches.append(1) or scatter_add_sparse(*a))
+    g = torch.Generator().manual_seed(2)
+    codec = TopK(0.05, **kw)
+    sizes = [300, 257, 1, 300]  # one element: a DENSE frame (its value takes what it would)
+    xs = [torch.randn(n, generator=g) for n in sizes]
+    k = 9 if kw.get("scope") == "call" else None
+    sent = [
+        codec.compress(x, TensorContext(name=f"p{j}", k=k if n > 1 else 1)) for j, (n, x) in enumerate(zip(sizes, xs))
+    ]
+    assert (sent[2].fmt == sparse.FMT_DENSE) == ("values" not in kw)
+    starts = [0, 300, 557, 558]
+
+    def received():
+        return unpack_frames(pack_frames(sent), [p.shape for p in sent], [p.dtype for p in sent])
+
+    outs = [torch.randn(858, generator=torch.Generator().manual_seed(9)) for _ in range(2)]
+    outs[1] = outs[0].clone()
+    codec.accumulate_segments(received(), outs[0], starts)
+    assert len(launches) == 1
+    Codec.accumulate_segments(codec, received(), outs[1], starts)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="decoded into"):
+        codec.accumulate_segments(received(), torch.zeros(857), starts)
