@@ -687,17 +687,12 @@ def test_frames_in_one_buffer_are_read_in_place_and_others_joined_by_a_copy():
     assert codec._clean([(p, quant_layout(p.numel, 4)[0]) for p in ps])
 
 
-@pytest.mark.parametrize("kernels", [None, "reference", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels, monkeypatch):
-    """Int8.encode_pieces (one kernels.int8_encode_segments) against Codec.encode_pieces (an
-    encode, a frame and a subtraction a piece), bit for bit: the frames as sent, the residuals
-    (apart, and compensated in place as TwoPhase hands it), without feedback too, under every
-    backend (Numba on the CPU, the reference, Triton under the interpreter)."""
+def _force_kernels(kernels, monkeypatch) -> None:
+    """The kernels a test runs: None (the default choice), ``"reference"``, or ``"triton"``
+    (on the CPU under the interpreter only: skipped elsewhere)."""
     import os
 
     import gradzip.kernels as K
-    from gradzip.codecs.base import Codec
 
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("forced Triton on the CPU needs the interpreter")
@@ -705,6 +700,43 @@ def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels
         monkeypatch.delenv(K.ENV_VAR, raising=False)
     else:
         monkeypatch.setenv(K.ENV_VAR, kernels)
+
+
+def _pieces_as_one_by_one(codec, x, r, bounds, ctxs, acc) -> None:
+    """``codec.encode_pieces`` against ``Codec.encode_pieces`` (an encode a piece), bit for bit:
+    the frames as sent, the residuals (apart, and compensated in place as TwoPhase hands it),
+    without feedback too; the payloads' shapes, dtypes and checked marks."""
+    from gradzip.codecs.base import Codec
+
+    def same(got, want):
+        assert torch.equal(pack_frames(got), pack_frames(want))
+        assert [(p.shape, p.dtype, p.checked) for p in got] == [(p.shape, p.dtype, p.checked) for p in want]
+
+    n = x.numel()
+    for residual in (r, None):
+        outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
+        same(
+            codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0]),
+            Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1]),
+        )
+        assert torch.equal(outs[0], outs[1])
+    a, b = x.to(acc) + r, x.to(acc) + r  # compensated already: encoded in place
+    same(
+        codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a),
+        Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b),
+    )
+    assert torch.equal(a, b)
+    same(codec.encode_pieces(x, bounds, ctxs), Codec.encode_pieces(codec, x, bounds, ctxs))
+
+
+@pytest.mark.parametrize("kernels", [None, "reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels, monkeypatch):
+    """Int8.encode_pieces (one kernels.int8_encode_segments) against Codec.encode_pieces (an
+    encode, a frame and a subtraction a piece), bit for bit: the frames as sent, the residuals
+    (apart, and compensated in place as TwoPhase hands it), without feedback too, under every
+    backend (Numba on the CPU, the reference, Triton under the interpreter)."""
+    _force_kernels(kernels, monkeypatch)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     g = torch.Generator().manual_seed(5)
     n = 4 * 1031 + 2
@@ -713,22 +745,7 @@ def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels
     r = torch.randn(n, generator=g, dtype=acc) * 0.1
     ctxs = [TensorContext(name=f"t#{j}/4", step=0) for j in range(4)]
     for block in (64, 1024, None):
-        codec = Int8(block=block)
-        for residual in (r, None):
-            outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
-            got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
-            want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
-            assert torch.equal(pack_frames(got), pack_frames(want)), (block, residual is None)
-            assert torch.equal(outs[0], outs[1]) and all(p.checked for p in got)
-            assert [(p.shape, p.dtype) for p in got] == [(p.shape, p.dtype) for p in want]
-        v = x.to(acc) + r  # compensated already: encoded in place, as TwoPhase hands it
-        a, b = v.clone(), v.clone()
-        got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
-        want = Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b)
-        assert torch.equal(pack_frames(got), pack_frames(want)) and torch.equal(a, b)
-        got = codec.encode_pieces(x, bounds, ctxs)
-        assert torch.equal(pack_frames(got), pack_frames(Codec.encode_pieces(codec, x, bounds, ctxs)))
-        assert not any(p.checked for p in got)
+        _pieces_as_one_by_one(Int8(block=block), x, r, bounds, ctxs, acc)
 
 
 @pytest.mark.parametrize("kernels", [None, "reference", "triton"])
@@ -739,17 +756,9 @@ def test_signsgd_encodes_pieces_of_one_layout_together_as_piece_by_piece(dtype, 
     sent, the residuals (apart, and compensated in place as TwoPhase hands it), without feedback
     too, under every backend; and pieces whose layout does not allow it (a length not a
     multiple of 32, or of the block; unequal pieces) go one by one, with the same result."""
-    import os
-
     import gradzip.kernels as K
-    from gradzip.codecs.base import Codec
 
-    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("forced Triton on the CPU needs the interpreter")
-    if kernels is None:
-        monkeypatch.delenv(K.ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(K.ENV_VAR, kernels)
+    _force_kernels(kernels, monkeypatch)
     calls = []
     real = K.sign_ef
 
@@ -774,21 +783,7 @@ def test_signsgd_encodes_pieces_of_one_layout_together_as_piece_by_piece(dtype, 
         r = torch.randn(n, generator=g, dtype=acc) * 0.1
         ctxs = [TensorContext(name=f"t#{j}/4", step=0) for j in range(len(bounds) - 1)]
         codec = SignSGD(block=block)
-        for residual in (r, None):
-            outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
-            del calls[:]
-            got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
-            assert (calls == [n]) == together, (block, bounds, calls)
-            want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
-            assert torch.equal(pack_frames(got), pack_frames(want)), (block, bounds, residual is None)
-            assert torch.equal(outs[0], outs[1])
-            assert [(p.shape, p.dtype, p.checked) for p in got] == [(p.shape, p.dtype, p.checked) for p in want]
-        v = x.to(acc) + r  # compensated already: encoded in place, as TwoPhase hands it
-        a, b = v.clone(), v.clone()
-        got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
-        want = Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b)
-        assert torch.equal(pack_frames(got), pack_frames(want)) and torch.equal(a, b)
-        got = codec.encode_pieces(x, bounds, ctxs)
-        want = Codec.encode_pieces(codec, x, bounds, ctxs)
-        assert torch.equal(pack_frames(got), pack_frames(want))
-        assert [(p.shape, p.dtype) for p in got] == [(p.shape, p.dtype) for p in want]
+        del calls[:]
+        codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=torch.empty(n, dtype=acc))
+        assert (calls == [n]) == together, (block, bounds, calls)
+        _pieces_as_one_by_one(codec, x, r, bounds, ctxs, acc)
