@@ -202,7 +202,13 @@ _OPS = {
         decode_add_quant_reference,
         {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
     ),
-    "quant_body_stats": (quant_body_stats_reference, {"numba": (".numba_ops", "quant_body_stats_numba")}),
+    "quant_body_stats": (
+        quant_body_stats_reference,
+        {
+            "numba": (".numba_ops", "quant_body_stats_numba"),
+            "triton": (".triton.decode", "quant_body_stats_triton"),
+        },
+    ),
     "orthonormalize_rows_": (
         orthonormalize_rows_reference,
         {

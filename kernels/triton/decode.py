@@ -50,6 +50,7 @@ __all__ = [
     "decode_add_quant_segments_triton",
     "scatter_add_signed_triton",
     "scatter_add_sparse_triton",
+    "quant_body_stats_triton",
 ]
 
 NUM_WARPS = 8
@@ -387,6 +388,82 @@ _DEC_SIG = {
     "levels": "fp32",
 }
 
+
+@triton.jit
+def _body_stats_kernel(
+    w_ptr, codes_ptr, at_ptr, out_ptr, n, ns, nbp, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The frame checks' pass (:func:`quant_body_stats_triton`): programs ``[0, nbp)`` read
+    ``BLOCK`` bytes each against the per-byte layout ``codes`` (Int8: a code byte?; packed
+    codes: how many codes the byte holds) into ``out[1]``; the rest read ``BLOCK`` scales each,
+    ``at`` holding every scale byte's position (a scale's first byte at ``at[4 s]``), into
+    ``out[0]`` (1 where a scale is below zero: the sign bit set, not -0.0, not NaN)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < nbp:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        b = tl.load(w_ptr + offs, mask=m, other=0).to(tl.int32)
+        c = tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32)
+        if KIND == 3:  # int8: a code byte of -128
+            top = ((b == 128) & (c != 0)).to(tl.int32)
+        else:  # the largest of the byte's first c codes
+            top = tl.zeros([BLOCK], dtype=tl.int32)
+            for k in tl.static_range(8 // BITS):
+                code = (b >> (k * BITS)) & ((1 << BITS) - 1)
+                top = tl.maximum(top, tl.where(c > k, code, 0))
+        tl.atomic_max(out_ptr + 1, tl.max(top, axis=0).to(tl.int64))
+    else:
+        s = (pid - nbp) * BLOCK + tl.arange(0, BLOCK)
+        m = s < ns
+        p = tl.load(at_ptr + 4 * s, mask=m, other=0)
+        b0 = tl.load(w_ptr + p, mask=m, other=0).to(tl.int32)
+        b1 = tl.load(w_ptr + p + 1, mask=m, other=0).to(tl.int32)
+        b2 = tl.load(w_ptr + p + 2, mask=m, other=0).to(tl.int32)
+        b3 = tl.load(w_ptr + p + 3, mask=m, other=0).to(tl.int32)
+        mag = b0 | (b1 << 8) | (b2 << 16) | ((b3 & 0x7F) << 24)
+        neg = ((b3 & 0x80) != 0) & (mag != 0) & (mag <= 0x7F800000)
+        tl.atomic_max(out_ptr, tl.max(neg.to(tl.int32), axis=0).to(tl.int64))
+
+
+STATS_GPU = 4096  # bytes (or scales) per program of _body_stats_kernel
+STATS_INTERPRETER = 16384
+
+
+def quant_body_stats_triton(whole: torch.Tensor, frames, kind: str, bits: int, *, block: int | None = None):
+    """Triton version of :func:`~gradzip.kernels.quant.quant_body_stats_reference`: one launch
+    (and the zeroed result) over the bytes and the scales, with the reference's per-layout
+    byte tables (:func:`~gradzip.kernels.quant._body_layout`, cached on the device)."""
+    from ..quant import _body_layout
+
+    check("whole", whole, (torch.uint8,))
+    frames = tuple((int(o), int(nb), int(k)) for o, nb, k in frames)
+    n, dev = whole.numel(), whole.device
+    out = torch.zeros(2, dtype=torch.int64, device=dev)
+    if n == 0:
+        return out
+    at, codes = _body_layout(frames, n, kind, bits, dev)
+    B = size("block", block, STATS_GPU, STATS_INTERPRETER)
+    ns = at.numel() // 4
+    nbp = 0 if codes is None else triton.cdiv(n, B)
+    grid = nbp + triton.cdiv(ns, B)
+    if grid:
+        _body_stats_kernel[(grid,)](
+            whole,
+            whole if codes is None else codes,
+            at,
+            out,
+            n,
+            ns,
+            nbp,
+            KIND=KIND_CODE[kind],
+            BITS=bits,
+            BLOCK=B,
+            num_warps=4,
+            **LAUNCH,
+        )
+    return out
+
+
 AOT_SPECS = (
     [
         spec(
@@ -446,6 +523,24 @@ AOT_SPECS = (
             divisible=(),
         )
         for k, bits in (("sign1", 8), ("qsgd", 4), ("tern2", 8), ("int8", 8))
+    ]
+    + [  # the frame checks' pass (quant_body_stats_triton)
+        spec(
+            _body_stats_kernel,
+            {
+                "w_ptr": "*u8",
+                "codes_ptr": "*u8",
+                "at_ptr": "*i64",
+                "out_ptr": "*i64",
+                "n": "i64",
+                "ns": "i64",
+                "nbp": "i64",
+            },
+            {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": STATS_GPU},
+            num_warps=4,
+            divisible=(),
+        )
+        for k, bits in (("sign1", 1), ("qsgd", 4), ("qsgd", 2), ("qsgd", 8), ("tern2", 2), ("int8", 8))
     ]
     + [  # Int8's error-feedback subtraction (int8_apply_triton)
         spec(

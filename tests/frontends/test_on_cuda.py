@@ -70,15 +70,15 @@ METHODS = {
     "diloco": ["Identity()", "TopK(0.05, mode='sampled', sample=512)", "TernGrad(block=1024)", "Int8()"],
     "fsdp": ["Identity()", "Int8()", "TopK(0.05)", "TopK(0.05, mode='approx', sample=512)", "QSGD(7)"],
 }
-# The kernels a method must run on CUDA tensors (its encoder; the quantizers' decode too;
-# PowerSGD's Gram-Schmidt).
+# The kernels a method must run on CUDA tensors (its encoder; the quantizers' decode and frame
+# checks too; PowerSGD's Gram-Schmidt).
 KERNELS = {
     "PowerSGD": ["orthonormalize_rows_"],
     "Threshold": ["threshold_ef"],
-    "SignSGD": ["sign_ef", "decode_add_quant"],
-    "QSGD": ["qsgd_encode", "decode_add_quant"],
-    "TernGrad": ["terngrad_encode", "decode_add_quant"],
-    "Int8": ["int8_encode", "decode_add_quant", "int8_apply_"],
+    "SignSGD": ["sign_ef", "decode_add_quant", "quant_body_stats"],
+    "QSGD": ["qsgd_encode", "decode_add_quant", "quant_body_stats"],
+    "TernGrad": ["terngrad_encode", "decode_add_quant", "quant_body_stats"],
+    "Int8": ["int8_encode", "decode_add_quant", "int8_apply_", "quant_body_stats"],
 }
 # The CPU interpreter run (slow: 0.03-0.13 s a kernel call on these sizes) covers each kernel
 # family once, spread over the front ends, for INTERPRETED_STEPS steps.
@@ -99,7 +99,7 @@ def expected_kernels(spec: str, frontend: str = "ddp") -> list[str]:
     ops = list(KERNELS.get(name, []))
     if name == "Int8" and frontend == "fsdp":
         # FSDP's reduce-scatter encodes a tensor's pieces together, error feedback included
-        ops = ["int8_encode_segments", "decode_add_quant"]
+        ops = ["int8_encode_segments", "decode_add_quant", "quant_body_stats"]
     if name == "TopK" and ("sampled" in spec or "approx" in spec):
         ops.append("abs_select")
     return ops

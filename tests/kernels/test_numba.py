@@ -339,14 +339,27 @@ def _clean(whole, kind, bits, frames):
 
 @pytest.mark.parametrize("gap", [0, 5])
 @pytest.mark.parametrize("kind,bits", [("int8", 8), ("sign1", 1), ("qsgd", 2), ("qsgd", 4), ("qsgd", 8), ("tern2", 2)])
-def test_quant_body_stats_matches_reference(kind, bits, gap, both):
+def test_quant_body_stats_matches_reference(kind, bits, gap, both, monkeypatch):
     """Random bytes (negative, NaN, infinite and -0.0 scales; every code), then a clean message
-    with one planted fault at a time: the Numba pass reads what the reference reads, padding
-    bits of a frame's last byte and the bytes between frames left out."""
+    with one planted fault at a time: the Numba pass, and the Triton kernel under the
+    interpreter (small programs: several of bytes and of scales), read what the reference reads,
+    padding bits of a frame's last byte and the bytes between frames left out."""
+    import os
+
     frames, size = _frames(kind, bits, gap)
 
     def stats(w):
-        return both("quant_body_stats", lambda: K.quant_body_stats(w, frames, kind, bits=bits))
+        got, want = both("quant_body_stats", lambda: K.quant_body_stats(w, frames, kind, bits=bits))
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from gradzip.kernels.triton.decode import quant_body_stats_triton
+
+            for block in (None, 8):
+                assert torch.equal(quant_body_stats_triton(w, frames, kind, bits, block=block), want)
+            monkeypatch.setenv(K.ENV_VAR, "triton")
+            assert torch.equal(K.quant_body_stats(w, frames, kind, bits=bits), want)
+            assert K.backend_report()["ops"]["quant_body_stats"]["chosen"]["cpu"]["backend"] == "triton"
+            monkeypatch.delenv(K.ENV_VAR, raising=False)
+        return got, want
 
     for seed in range(4):
         whole = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
