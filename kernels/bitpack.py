@@ -19,6 +19,7 @@ Index arithmetic is int64; nothing here knows about compressors or communication
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -32,6 +33,30 @@ _WORD = 32
 # element 8k + j is bit j of byte k, so 4 bytes read little-endian are the int32 word):
 # the same words, without the int64 temporaries of the shift-and-sum below.
 _NUMPY_BITS = sys.byteorder == "little"
+#: :func:`pack_uint` and :func:`unpack_uint` run the Triton kernels (``kernels/triton/bits.py``)
+#: on CUDA tensors, and on CPU tensors where this is set (under the Triton interpreter: the
+#: tests, ``dryrun_profile --gpu-branches``).
+_TRITON_ON_CPU = False
+_TRITON_OK: list = []  # [whether the Triton kernels import], once known
+
+
+def _triton_bits(device: torch.device) -> bool:
+    """Whether :func:`pack_uint` and :func:`unpack_uint` take the Triton kernels for tensors on
+    ``device``: on CUDA (``_TRITON_ON_CPU``: on the CPU too) where they import and
+    ``GRADZIP_KERNELS`` forces no backend other than Triton (forced ``reference``: the torch
+    route below, the kernels' reference)."""
+    if device.type != "cuda" and not (_TRITON_ON_CPU and device.type == "cpu"):
+        return False
+    if os.environ.get("GRADZIP_KERNELS", "triton") not in ("", "triton"):
+        return False
+    if not _TRITON_OK:
+        try:
+            from .triton import bits  # noqa: F401
+        except Exception:  # no triton: the torch route
+            _TRITON_OK.append(False)
+        else:
+            _TRITON_OK.append(True)
+    return _TRITON_OK[0]
 
 
 def _check_nbits(bits: int) -> None:
@@ -136,6 +161,10 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     (what :func:`unpack_uint` reads back from 2-D rows)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    if _triton_bits(values.device) and values.dim() <= 2:
+        from .triton.bits import pack_uint_triton
+
+        return pack_uint_triton(values.to(torch.int64), bits)
     if values.dim() == 2:
         return _pack_rows(values.to(torch.int64), bits)
     v = values.reshape(-1).to(torch.int64)
@@ -184,6 +213,10 @@ def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     lead = (packed.shape[0],) if rows else ()
     if not n:
         return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)
+    if _triton_bits(packed.device):
+        from .triton.bits import unpack_uint_triton
+
+        return unpack_uint_triton(packed if rows else packed.reshape(-1), n, bits)
     flat = (packed if rows else packed.reshape(-1))[..., : (n * bits + 7) // 8]
     if _NUMPY_BITS and flat.device.type == "cpu":
         got = np.unpackbits(flat.contiguous().numpy(), axis=-1, count=n * bits, bitorder="little")

@@ -4,7 +4,8 @@ Modules: :mod:`.threshold` (threshold + error feedback), :mod:`.decode` (decode 
 accumulate of every frame format), :mod:`.topk` (the top-k compaction), and the
 quantizer encoders :mod:`.sign` (scaled sign + error feedback), :mod:`.stochastic`
 (QSGD and TernGrad) and :mod:`.int8` (block-wise absmax int8), which share :mod:`.blocks`
-(block statistics, tiles, routes); :mod:`.orth` (PowerSGD's Gram-Schmidt, a matrix a program).
+(block statistics, tiles, routes); :mod:`.orth` (PowerSGD's Gram-Schmidt, a matrix a program);
+:mod:`.bits` (``bitpack.pack_uint``/``unpack_uint`` at any width: top-k's positions).
 
 Each module holds private ``_..._kernel`` functions, public launchers
 ``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every
@@ -40,7 +41,7 @@ __all__ = [
     "MODULES",
 ]
 
-MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic", "int8", "orth")
+MODULES = ("threshold", "decode", "topk", "blocks", "sign", "stochastic", "int8", "orth", "bits")
 LAUNCH = {"enable_fp_fusion": False}
 
 

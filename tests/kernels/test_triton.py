@@ -409,3 +409,43 @@ def test_benchmark_smoke(tmp_path):
         "sampled_topk_approx",
     } <= names
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in data["results"])
+
+
+# -- bit packing of any width (kernels/triton/bits.py) ------------------------------------------
+@interp
+@pytest.mark.parametrize("bits", [1, 2, 3, 6, 7, 8, 9, 13, 31, 32, 33, 63])
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 37, 300])
+def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
+    """pack_uint_triton and unpack_uint_triton against bitpack's torch route (numpy off), bit for
+    bit: 1-D streams and 2-D rows (each padded to a byte), several programs a row (a small
+    block), values up to 2**bits - 1; and bitpack's own functions take the kernels on the CPU
+    when asked (_TRITON_ON_CPU), as on CUDA."""
+    from gradzip.kernels import bitpack
+    from gradzip.kernels.triton.bits import pack_uint_triton, unpack_uint_triton
+
+    monkeypatch.setattr(bitpack, "_NUMPY_BITS", False)
+    g = torch.Generator().manual_seed(bits * 1000 + n)
+    hi = (1 << bits) - 1
+    v = torch.randint(0, 1 << min(bits, 62), (3, n), generator=g, dtype=torch.int64)
+    if n:
+        v[0, -1] = hi  # the largest value, in the last place of a row
+        v[1, 0] = hi
+    want = bitpack.pack_uint(v, bits)
+    for block in (None, 8):
+        got = pack_uint_triton(v, bits, block=block)
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert torch.equal(pack_uint_triton(v[1], bits, block=block), bitpack.pack_uint(v[1], bits))
+        if n:
+            assert torch.equal(unpack_uint_triton(want, n, bits, block=block), v)
+            assert torch.equal(unpack_uint_triton(want[2], n, bits, block=block), v[2])
+            wide = torch.cat([want, torch.full((3, 3), 0xFF, dtype=torch.uint8)], dim=1)  # rows apart
+            assert torch.equal(unpack_uint_triton(wide, n, bits, block=block), v)
+    monkeypatch.setattr(bitpack, "_TRITON_ON_CPU", True)
+    calls = []
+    import gradzip.kernels.triton.bits as tb
+
+    real = tb.pack_uint_triton
+    monkeypatch.setattr(tb, "pack_uint_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert torch.equal(bitpack.pack_uint(v, bits), want) and calls == [1]
+    if n:
+        assert torch.equal(bitpack.unpack_uint(want, n, bits), v)
