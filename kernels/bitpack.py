@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -57,6 +58,22 @@ def _triton_bits(device: torch.device) -> bool:
         else:
             _TRITON_OK.append(True)
     return _TRITON_OK[0]
+
+
+def _run_triton(name: str, *args):
+    """``kernels/triton/bits.py``'s ``name`` on ``args``; where it raises on a device (a kernel
+    that does not build there), a warning, the torch route from then on, and None (as the
+    dispatch disables a backend that raises). Under ``_TRITON_ON_CPU`` (the tests) it raises."""
+    from .triton import bits
+
+    try:
+        return getattr(bits, name)(*args)
+    except Exception as e:
+        if _TRITON_ON_CPU:
+            raise
+        warnings.warn(f"bitpack: the Triton kernel {name} failed ({e!r}); the torch route from now on", stacklevel=3)
+        _TRITON_OK[:] = [False]
+        return None
 
 
 def _check_nbits(bits: int) -> None:
@@ -162,9 +179,9 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
     if _triton_bits(values.device) and values.dim() <= 2:
-        from .triton.bits import pack_uint_triton
-
-        return pack_uint_triton(values.to(torch.int64), bits)
+        got = _run_triton("pack_uint_triton", values.to(torch.int64), bits)
+        if got is not None:
+            return got
     if values.dim() == 2:
         return _pack_rows(values.to(torch.int64), bits)
     v = values.reshape(-1).to(torch.int64)
@@ -214,9 +231,9 @@ def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     if not n:
         return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)
     if _triton_bits(packed.device):
-        from .triton.bits import unpack_uint_triton
-
-        return unpack_uint_triton(packed if rows else packed.reshape(-1), n, bits)
+        got = _run_triton("unpack_uint_triton", packed if rows else packed.reshape(-1), n, bits)
+        if got is not None:
+            return got
     flat = (packed if rows else packed.reshape(-1))[..., : (n * bits + 7) // 8]
     if _NUMPY_BITS and flat.device.type == "cpu":
         got = np.unpackbits(flat.contiguous().numpy(), axis=-1, count=n * bits, bitorder="little")

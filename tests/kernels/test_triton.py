@@ -449,3 +449,28 @@ def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
     assert torch.equal(bitpack.pack_uint(v, bits), want) and calls == [1]
     if n:
         assert torch.equal(bitpack.unpack_uint(want, n, bits), v)
+
+
+def test_bit_packing_falls_back_to_the_torch_route_where_the_kernel_fails(monkeypatch):
+    """On a device where the Triton kernel raises (one that does not build there), pack_uint
+    warns once, gives the torch route's bytes and keeps to that route; under _TRITON_ON_CPU (the
+    tests) the failure is raised instead."""
+    import gradzip.kernels.triton.bits as tb
+    from gradzip.kernels import bitpack
+
+    def broken(*a, **k):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(tb, "pack_uint_triton", broken)
+    monkeypatch.setattr(bitpack, "_NUMPY_BITS", False)
+    monkeypatch.setattr(bitpack, "_TRITON_OK", [True])
+    v = torch.arange(10, dtype=torch.int64)
+    want = bitpack.pack_uint(v, 5)  # the torch route (CPU, _TRITON_ON_CPU off)
+    monkeypatch.setattr(bitpack, "_triton_bits", lambda device: bitpack._TRITON_OK[0])
+    with pytest.warns(UserWarning, match="pack_uint_triton failed"):
+        assert torch.equal(bitpack.pack_uint(v, 5), want)
+    assert bitpack._TRITON_OK == [False]
+    monkeypatch.setattr(bitpack, "_TRITON_OK", [True])
+    monkeypatch.setattr(bitpack, "_TRITON_ON_CPU", True)
+    with pytest.raises(RuntimeError, match="no such device"):
+        bitpack.pack_uint(v, 5)
