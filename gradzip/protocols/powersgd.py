@@ -377,7 +377,7 @@ class PowerSGD(Protocol):
                     q = q[:, :k]
                 elif q.shape[1] < k:
                     q = torch.cat([q.to(torch.float32).cpu(), self._draw(ctx, m, k)[:, q.shape[1] :]], dim=1)
-                starts.append(q.t())
+                starts.append(q.t() if q.device == dev else q.t().to(dev))  # (a drawn Q is on the CPU)
             dsts.extend(qt.unbind(0))
         if dsts:
             torch._foreach_copy_(dsts, starts)  # a copy: the stored Q is never changed in place
