@@ -34,8 +34,8 @@ Elsewhere it is 0.
 
 ``--gpu-branches`` takes, on the CPU, the GPU's side of those branches (PowerSGD's matrices
 stacked, :func:`gradzip.protocols.powersgd._stacked`; TopK's pieces as rows at any size,
-:func:`gradzip.codecs.sparse._rows_topk`; ``bitpack``'s Triton kernels under the interpreter,
-else its torch route), so that with the interpreter the count is the GPU path's throughout:
+:func:`gradzip.codecs.sparse._rows_topk`; ``bitpack``'s torch route), so that with the
+interpreter the count is the GPU path's throughout:
 
     GRADZIP_KERNELS=triton TRITON_INTERPRET=1 python -m benchmarks.dryrun_profile --device cpu \
         --count --gpu-branches --steps 1 --methods "PowerSGD(rank=4)"
@@ -191,21 +191,18 @@ def _launches_marked():
 def gpu_branches():
     """Within it, the code's device-type branches take the GPU's side on any device
     (``--gpu-branches``): PowerSGD's stacked matrices, TopK's pieces as rows at any size
-    (``sparse._rows_topk``), ``bitpack``'s torch route (not numpy's), and under the Triton
-    interpreter ``bitpack``'s Triton kernels (as on CUDA)."""
-    import os
-
+    (``sparse._rows_topk``) and ``bitpack``'s torch route (not numpy's)."""
     import gradzip.codecs.sparse as sparse
     import gradzip.kernels.bitpack as bitpack
     import gradzip.protocols.powersgd as powersgd
 
-    saved = powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS, bitpack._TRITON_ON_CPU
+    saved = powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS
     powersgd._stacked, sparse._rows_topk = (lambda call: True), (lambda device, n, k: True)
-    bitpack._NUMPY_BITS, bitpack._TRITON_ON_CPU = False, os.environ.get("TRITON_INTERPRET") == "1"
+    bitpack._NUMPY_BITS = False
     try:
         yield
     finally:
-        powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS, bitpack._TRITON_ON_CPU = saved
+        powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS = saved
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import bitpack
 from .dispatch import (
     BACKENDS,
     ENV_VAR,
@@ -120,6 +121,8 @@ __all__ = [
     "decode_add_quant_segments",
     "decode_quant",
     "quant_body_stats",
+    "pack_uint",
+    "unpack_uint",
     "philox_uniform",
     "QUANT_KINDS",
     "quant_layout",
@@ -202,6 +205,8 @@ _OPS = {
         decode_add_quant_reference,
         {"numba": (".numba_ops", "decode_add_quant_numba"), "triton": (".triton.decode", "decode_add_quant_triton")},
     ),
+    "pack_uint": (bitpack.pack_uint, {"triton": (".triton.bits", "pack_uint_triton")}),
+    "unpack_uint": (bitpack.unpack_uint, {"triton": (".triton.bits", "unpack_uint_triton")}),
     "quant_body_stats": (
         quant_body_stats_reference,
         {
@@ -619,6 +624,39 @@ def quant_body_stats(whole: torch.Tensor, frames, kind: str, *, bits: int | None
     if not whole.is_contiguous():
         whole = whole.contiguous()
     return _call("quant_body_stats", whole.device, whole, frames, kind, bits)
+
+
+# -- bit packing ---------------------------------------------------------------------------------
+
+
+def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`gradzip.kernels.bitpack.pack_uint` (non-negative integers below ``2**bits`` as a bit
+    stream; 2-D ``values``: a stream a row), dispatched: on CUDA one Triton launch
+    (``kernels/triton/bits.py``), on the CPU ``bitpack``'s numpy route."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
+        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    v = values.to(torch.int64)
+    if v.dim() != 2:
+        v = v.reshape(-1)
+    return _call("pack_uint", v.device, v, bits)
+
+
+def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """:func:`gradzip.kernels.bitpack.unpack_uint` (``n`` int64 values of ``bits`` bits; 2-D
+    ``packed``: a stream a row), dispatched as :func:`pack_uint` is."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
+        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an integer in [0, inf), got {n!r}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_uint expects uint8, got {packed.dtype}")
+    p = packed if packed.dim() == 2 else packed.reshape(-1)
+    width = p.shape[-1]
+    if width * 8 < n * bits:
+        raise ValueError(f"{width} bytes hold fewer than {n} values of {bits} bits")
+    if not n:
+        return torch.zeros(*p.shape[:-1], 0, dtype=torch.int64, device=p.device)
+    return _call("unpack_uint", p.device, p, n, bits)
 
 
 # -- low rank ------------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ Index arithmetic is int64; nothing here knows about compressors or communication
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 
 import numpy as np
 import torch
@@ -34,46 +32,6 @@ _WORD = 32
 # element 8k + j is bit j of byte k, so 4 bytes read little-endian are the int32 word):
 # the same words, without the int64 temporaries of the shift-and-sum below.
 _NUMPY_BITS = sys.byteorder == "little"
-#: :func:`pack_uint` and :func:`unpack_uint` run the Triton kernels (``kernels/triton/bits.py``)
-#: on CUDA tensors, and on CPU tensors where this is set (under the Triton interpreter: the
-#: tests, ``dryrun_profile --gpu-branches``).
-_TRITON_ON_CPU = False
-_TRITON_OK: list = []  # [whether the Triton kernels import], once known
-
-
-def _triton_bits(device: torch.device) -> bool:
-    """Whether :func:`pack_uint` and :func:`unpack_uint` take the Triton kernels for tensors on
-    ``device``: on CUDA (``_TRITON_ON_CPU``: on the CPU too) where they import and
-    ``GRADZIP_KERNELS`` forces no backend other than Triton (forced ``reference``: the torch
-    route below, the kernels' reference)."""
-    if device.type != "cuda" and not (_TRITON_ON_CPU and device.type == "cpu"):
-        return False
-    if os.environ.get("GRADZIP_KERNELS", "triton") not in ("", "triton"):
-        return False
-    if not _TRITON_OK:
-        try:
-            from .triton import bits  # noqa: F401
-        except Exception:  # no triton: the torch route
-            _TRITON_OK.append(False)
-        else:
-            _TRITON_OK.append(True)
-    return _TRITON_OK[0]
-
-
-def _run_triton(name: str, *args):
-    """``kernels/triton/bits.py``'s ``name`` on ``args``; where it raises on a device (a kernel
-    that does not build there), a warning, the torch route from then on, and None (as the
-    dispatch disables a backend that raises). Under ``_TRITON_ON_CPU`` (the tests) it raises."""
-    from .triton import bits
-
-    try:
-        return getattr(bits, name)(*args)
-    except Exception as e:
-        if _TRITON_ON_CPU:
-            raise
-        warnings.warn(f"bitpack: the Triton kernel {name} failed ({e!r}); the torch route from now on", stacklevel=3)
-        _TRITON_OK[:] = [False]
-        return None
 
 
 def _check_nbits(bits: int) -> None:
@@ -178,10 +136,6 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     (what :func:`unpack_uint` reads back from 2-D rows)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
-    if _triton_bits(values.device) and values.dim() <= 2:
-        got = _run_triton("pack_uint_triton", values.to(torch.int64), bits)
-        if got is not None:
-            return got
     if values.dim() == 2:
         return _pack_rows(values.to(torch.int64), bits)
     v = values.reshape(-1).to(torch.int64)
@@ -230,10 +184,6 @@ def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     lead = (packed.shape[0],) if rows else ()
     if not n:
         return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)
-    if _triton_bits(packed.device):
-        got = _run_triton("unpack_uint_triton", packed if rows else packed.reshape(-1), n, bits)
-        if got is not None:
-            return got
     flat = (packed if rows else packed.reshape(-1))[..., : (n * bits + 7) // 8]
     if _NUMPY_BITS and flat.device.type == "cpu":
         got = np.unpackbits(flat.contiguous().numpy(), axis=-1, count=n * bits, bitorder="little")

@@ -10,7 +10,6 @@ import gradzip.args as args
 import gradzip.kernels as K
 import gradzip.warmup as warmup
 
-from ..kernels import bitpack
 from ..wire import FMT_DENSE, FMT_EMPTY, FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, row_view
 from .base import (
     Codec,
@@ -176,7 +175,7 @@ def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: 
     words = gaps if extra is None else (gaps << extra_bits) | extra.to(torch.int64)
     width = max(1, int(words.max()).bit_length()) if words.numel() else 1
     head = bytearray([width]) + _leb128(idx.numel())
-    return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), bitpack.pack_uint(words, width)])
+    return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), K.pack_uint(words, width)])
 
 
 def gaps_nbytes(idx: torch.Tensor) -> int:
@@ -208,7 +207,7 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
             f"corrupt sparse frame: {body.numel()} bytes for {k} positions of {width} bits "
             f"(and {value_bytes} value bytes each)",
         )
-    words = bitpack.unpack_uint(body[pos : pos + plen], k, width)
+    words = K.unpack_uint(body[pos : pos + plen], k, width)
     used = k * width
     if used % 8 and int(body[pos + plen - 1]) >> (used % 8):
         raise FrameError("body.padding", "corrupt sparse frame: nonzero padding bits after the last gap")
@@ -254,10 +253,10 @@ def pack_ef(idx: torch.Tensor, n: int) -> torch.Tensor:
     dev = idx.device
     parts = [torch.frombuffer(_leb128(k), dtype=torch.uint8).to(dev)]
     if low and k:
-        parts.append(bitpack.pack_uint(idx & ((1 << low) - 1), low))
+        parts.append(K.pack_uint(idx & ((1 << low) - 1), low))
     bits = torch.zeros(upper, dtype=torch.int64, device=dev)
     bits[(idx >> low) + torch.arange(k, device=dev)] = 1
-    parts.append(bitpack.pack_uint(bits, 1))
+    parts.append(K.pack_uint(bits, 1))
     return torch.cat(parts)
 
 
@@ -270,10 +269,10 @@ def _pack_ef_rows(idx: torch.Tensor, n: int) -> torch.Tensor:
     dev = idx.device
     parts = [torch.frombuffer(_leb128(k), dtype=torch.uint8).to(dev).expand(rows, -1)]
     if low and k:
-        parts.append(bitpack.pack_uint(idx & ((1 << low) - 1), low))
+        parts.append(K.pack_uint(idx & ((1 << low) - 1), low))
     bits = torch.zeros(rows, upper, dtype=torch.int64, device=dev)
     bits.scatter_(1, (idx >> low) + torch.arange(k, device=dev), 1)
-    parts.append(bitpack.pack_uint(bits, 1))
+    parts.append(K.pack_uint(bits, 1))
     return torch.cat(parts, dim=1)
 
 
@@ -305,7 +304,7 @@ def _ef_layout(head: list, n: int, value_bytes: int, nbytes: int) -> tuple[int, 
 def _ef_lows(body: torch.Tensor, pos: int, llen: int, k: int, low: int) -> torch.Tensor:
     """The ``k`` positions' low bits (int64; zeros where ``low`` is 0)."""
     if low:
-        return bitpack.unpack_uint(body[pos : pos + llen], k, low)
+        return K.unpack_uint(body[pos : pos + llen], k, low)
     return torch.zeros(k, dtype=torch.int64, device=body.device)
 
 
@@ -320,7 +319,7 @@ def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     dev = body.device
     lows = _ef_lows(body, pos, llen, k, low)
     ub = body[pos + llen : pos + llen + ulen]
-    bits = bitpack.unpack_uint(ub, upper, 1)
+    bits = K.unpack_uint(ub, upper, 1)
     where = bits.nonzero().reshape(-1)
     zero = torch.zeros((), dtype=torch.bool, device=dev)
     lpad = (body[pos + llen - 1] >> ((k * low) % 8)).bool() if (k * low) % 8 else zero
@@ -374,7 +373,7 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     for body, n, (k, pos, low, upper, llen, ulen) in zip(bodies, ns, plans):
         lows = _ef_lows(body, pos, llen, k, low)
         ub = body[pos + llen : pos + llen + ulen]
-        bits = bitpack.unpack_uint(ub, upper, 1)
+        bits = K.unpack_uint(ub, upper, 1)
         rank = bits.cumsum(0) - 1  # the j-th set bit has rank j
         slot = torch.where((bits == 1) & (rank < k), rank, k)  # the rest to a slot dropped below
         where = torch.zeros(k + 1, dtype=torch.int64, device=dev)
@@ -399,13 +398,9 @@ def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple) -> list | None:
     8-byte aligned, of one aligned copy of all rows' values."""
     k, pos, low, upper, llen, ulen = plan
     f, dev = rows.shape[0], rows.device
-    lows = (
-        bitpack.unpack_uint(rows[:, pos : pos + llen], k, low)
-        if low
-        else torch.zeros(f, k, dtype=torch.int64, device=dev)
-    )
+    lows = K.unpack_uint(rows[:, pos : pos + llen], k, low) if low else torch.zeros(f, k, dtype=torch.int64, device=dev)
     ub = rows[:, pos + llen : pos + llen + ulen]
-    bits = bitpack.unpack_uint(ub, upper, 1)
+    bits = K.unpack_uint(ub, upper, 1)
     rank = bits.cumsum(1) - 1  # the j-th set bit of a row has rank j
     slot = torch.where((bits == 1) & (rank < k), rank, k)  # the rest to a slot dropped below
     where = torch.zeros(f, k + 1, dtype=torch.int64, device=dev)
@@ -572,7 +567,7 @@ class TopK(Codec):
         if (n + 7) // 8 < positions.numel():  # a bit per element is smaller
             mask = torch.zeros(n, dtype=torch.int64, device=v.device)
             mask[idx] = 1
-            fmt, positions = FMT_SPARSE_MASK, bitpack.pack_uint(mask, 1)
+            fmt, positions = FMT_SPARSE_MASK, K.pack_uint(mask, 1)
         body = torch.cat([positions, as_bytes(sent)])
         if body.numel() >= n * v.element_size():
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
@@ -679,7 +674,7 @@ class TopK(Codec):
         codes = torch.zeros(n, dtype=torch.int64, device=v.device)
         codes[idx] = torch.where(neg, 2, 1)
         return Payload(
-            body=bitpack.pack_uint(codes, 2),
+            body=K.pack_uint(codes, 2),
             shape=x.shape,
             dtype=x.dtype,
             fmt=FMT_SPARSE_SIGN2,
@@ -807,7 +802,7 @@ class TopK(Codec):
                 raise FrameError("length", f"corrupt sparse frame: {nbytes} bytes for a mask of {n} positions")
             if n % 8 and int(payload.body[mlen - 1]) >> (n % 8):
                 raise FrameError("body.padding", "corrupt sparse frame: mask bits set beyond the tensor")
-            idx = bitpack.unpack_uint(payload.body[:mlen], n, 1).nonzero().reshape(-1)
+            idx = K.unpack_uint(payload.body[:mlen], n, 1).nonzero().reshape(-1)
             if idx.numel() * vsize != nbytes - mlen:
                 raise FrameError(
                     "length", f"corrupt sparse frame: {idx.numel()} positions for {nbytes - mlen} value bytes"
@@ -886,7 +881,7 @@ def _signs2(body: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and signs (True: negative) of a 2-bit map (0 -> 0, 1 -> +, 2 -> -), refusing
     code 3, set padding codes and a map with nothing set (an encoder writes EMPTY then)."""
     check_codes2(body, n)
-    codes = bitpack.unpack_uint(body, n, 2)
+    codes = K.unpack_uint(body, n, 2)
     idx = codes.nonzero().reshape(-1)
     return idx, codes[idx] == 2
 

@@ -5,7 +5,7 @@ accumulate of every frame format), :mod:`.topk` (the top-k compaction), and the
 quantizer encoders :mod:`.sign` (scaled sign + error feedback), :mod:`.stochastic`
 (QSGD and TernGrad) and :mod:`.int8` (block-wise absmax int8), which share :mod:`.blocks`
 (block statistics, tiles, routes); :mod:`.orth` (PowerSGD's Gram-Schmidt, a matrix a program);
-:mod:`.bits` (``bitpack.pack_uint``/``unpack_uint`` at any width: top-k's positions).
+:mod:`.bits` (``pack_uint``/``unpack_uint``, bit packing at any width: top-k's positions).
 
 Each module holds private ``_..._kernel`` functions, public launchers
 ``..._triton`` that the dispatch calls, and ``AOT_SPECS``: the signatures every

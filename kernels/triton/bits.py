@@ -1,5 +1,5 @@
-"""Bit packing of unsigned integers of any width (:func:`gradzip.kernels.bitpack.pack_uint` and
-:func:`~gradzip.kernels.bitpack.unpack_uint` on CUDA tensors), in Triton.
+"""Bit packing of unsigned integers of any width (the dispatched :func:`gradzip.kernels.pack_uint`
+and :func:`~gradzip.kernels.unpack_uint`, whose reference is ``bitpack``'s), in Triton.
 
 * :func:`_pack_uint_kernel`: a program writes ``BLOCK`` output bytes of one row, each the OR
   of the bits of the at most ``MAXV`` values that reach into it.

@@ -290,23 +290,22 @@ def test_compiled_int8_encode_segments_matches_reference_and_is_chosen(monkeypat
 
 @pytest.mark.gpu
 def test_compiled_bit_packing_matches_the_cpu(monkeypatch):
-    """bitpack.pack_uint and unpack_uint on CUDA tensors take the Triton kernels: the bytes and
-    values of the CPU route, bit for bit, at the widths top-k's positions use (1 for the
-    Elias-Fano bitmap, 6-7 low bits, wide gaps) and 63, for 1-D streams and 2-D rows (a round's
-    frames, rows apart), a ResNet-50 bucket's piece among them."""
+    """K.pack_uint and K.unpack_uint on CUDA tensors take the Triton kernels: the bytes and values
+    of the CPU route, bit for bit, at the widths top-k's positions use (1 for the Elias-Fano
+    bitmap, 6-7 low bits, wide gaps) and 63, for 1-D streams and 2-D rows (a round's frames, rows
+    apart), a ResNet-50 bucket's piece among them."""
     pytest.importorskip("triton", reason="triton is not installed")
-    from gradzip.kernels import bitpack
-
     monkeypatch.delenv(K.ENV_VAR, raising=False)
-    assert bitpack._triton_bits(torch.device("cuda"))
     g = torch.Generator().manual_seed(0)
     for bits, n in ((1, 2 * 8192 + 130_000), (6, 8192), (7, 8193), (13, 1009), (63, 37)):
         v = torch.randint(0, 1 << min(bits, 62), (8, n), generator=g, dtype=torch.int64)
         v[:, -1] = (1 << bits) - 1
-        want = bitpack.pack_uint(v, bits)
-        got = bitpack.pack_uint(v.cuda(), bits)
+        want = K.pack_uint(v, bits)
+        got = K.pack_uint(v.cuda(), bits)
         assert torch.equal(got.cpu(), want), bits
-        assert torch.equal(bitpack.pack_uint(v[3].cuda(), bits).cpu(), bitpack.pack_uint(v[3], bits)), bits
+        assert torch.equal(K.pack_uint(v[3].cuda(), bits).cpu(), K.pack_uint(v[3], bits)), bits
         wide = torch.cat([want, torch.full((8, 5), 0xFF, dtype=torch.uint8)], dim=1).cuda()[:, : want.shape[1] + 2]
-        assert torch.equal(bitpack.unpack_uint(wide, n, bits).cpu(), v), bits
-        assert torch.equal(bitpack.unpack_uint(want[5].cuda(), n, bits).cpu(), v[5]), bits
+        assert torch.equal(K.unpack_uint(wide, n, bits).cpu(), v), bits
+        assert torch.equal(K.unpack_uint(want[5].cuda(), n, bits).cpu(), v[5]), bits
+    for op in ("pack_uint", "unpack_uint"):
+        assert K.backend_report()["ops"][op]["chosen"]["cuda"]["backend"] == "triton", op

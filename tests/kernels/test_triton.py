@@ -418,8 +418,8 @@ def test_benchmark_smoke(tmp_path):
 def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
     """pack_uint_triton and unpack_uint_triton against bitpack's torch route (numpy off), bit for
     bit: 1-D streams and 2-D rows (each padded to a byte), several programs a row (a small
-    block), values up to 2**bits - 1; and bitpack's own functions take the kernels on the CPU
-    when asked (_TRITON_ON_CPU), as on CUDA."""
+    block), values up to 2**bits - 1; and the dispatched K.pack_uint and K.unpack_uint choose
+    them where Triton is forced (as on CUDA unforced)."""
     from gradzip.kernels import bitpack
     from gradzip.kernels.triton.bits import pack_uint_triton, unpack_uint_triton
 
@@ -440,37 +440,9 @@ def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
             assert torch.equal(unpack_uint_triton(want[2], n, bits, block=block), v[2])
             wide = torch.cat([want, torch.full((3, 3), 0xFF, dtype=torch.uint8)], dim=1)  # rows apart
             assert torch.equal(unpack_uint_triton(wide, n, bits, block=block), v)
-    monkeypatch.setattr(bitpack, "_TRITON_ON_CPU", True)
-    calls = []
-    import gradzip.kernels.triton.bits as tb
-
-    real = tb.pack_uint_triton
-    monkeypatch.setattr(tb, "pack_uint_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert torch.equal(bitpack.pack_uint(v, bits), want) and calls == [1]
+    monkeypatch.setenv(K.ENV_VAR, "triton")  # the dispatched ops take the kernels, as on CUDA
+    assert torch.equal(K.pack_uint(v, bits), want)
+    assert K.backend_report()["ops"]["pack_uint"]["chosen"]["cpu"]["backend"] == "triton"
     if n:
-        assert torch.equal(bitpack.unpack_uint(want, n, bits), v)
-
-
-def test_bit_packing_falls_back_to_the_torch_route_where_the_kernel_fails(monkeypatch):
-    """On a device where the Triton kernel raises (one that does not build there), pack_uint
-    warns once, gives the torch route's bytes and keeps to that route; under _TRITON_ON_CPU (the
-    tests) the failure is raised instead."""
-    import gradzip.kernels.triton.bits as tb
-    from gradzip.kernels import bitpack
-
-    def broken(*a, **k):
-        raise RuntimeError("no such device")
-
-    monkeypatch.setattr(tb, "pack_uint_triton", broken)
-    monkeypatch.setattr(bitpack, "_NUMPY_BITS", False)
-    monkeypatch.setattr(bitpack, "_TRITON_OK", [True])
-    v = torch.arange(10, dtype=torch.int64)
-    want = bitpack.pack_uint(v, 5)  # the torch route (CPU, _TRITON_ON_CPU off)
-    monkeypatch.setattr(bitpack, "_triton_bits", lambda device: bitpack._TRITON_OK[0])
-    with pytest.warns(UserWarning, match="pack_uint_triton failed"):
-        assert torch.equal(bitpack.pack_uint(v, 5), want)
-    assert bitpack._TRITON_OK == [False]
-    monkeypatch.setattr(bitpack, "_TRITON_OK", [True])
-    monkeypatch.setattr(bitpack, "_TRITON_ON_CPU", True)
-    with pytest.raises(RuntimeError, match="no such device"):
-        bitpack.pack_uint(v, 5)
+        assert torch.equal(K.unpack_uint(want, n, bits), v)
+        assert K.backend_report()["ops"]["unpack_uint"]["chosen"]["cpu"]["backend"] == "triton"
