@@ -413,8 +413,8 @@ def test_benchmark_smoke(tmp_path):
 
 # -- bit packing of any width (kernels/triton/bits.py) ------------------------------------------
 @interp
-@pytest.mark.parametrize("bits", [1, 2, 3, 6, 7, 8, 9, 13, 31, 32, 33, 63])
-@pytest.mark.parametrize("n", [0, 1, 5, 8, 37, 300])
+@pytest.mark.parametrize("bits", [1, 3, 7, 8, 13, 33, 63])
+@pytest.mark.parametrize("n", [0, 1, 37, 300])
 def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
     """pack_uint_triton and unpack_uint_triton against bitpack's torch route (numpy off), bit for
     bit: 1-D streams and 2-D rows (each padded to a byte), several programs a row (a small
