@@ -620,7 +620,7 @@ class TopK(Codec):
         value dtype, whose frames :meth:`compress` would write as Elias-Fano (not the mask, not
         dense), on a device and size :func:`_rows_topk` allows; else None."""
         bounds = [int(b) for b in bounds]
-        if not self.fixed_frames or len(bounds) < 3 or x.dim() != 1:
+        if not self.fixed_frames or len(bounds) < 3 or x.dim() != 1 or not x.is_contiguous():
             return None
         n = bounds[1] - bounds[0]
         if n <= 0 or any(b - a != n for a, b in zip(bounds, bounds[1:])):

@@ -101,7 +101,17 @@ def test_the_frames_decode_as_any_frame_does():
 
 @pytest.mark.parametrize(
     "case",
-    ["unequal pieces", "one piece", "mask smaller", "dense smaller", "two k", "sampled", "call scope", "sign"],
+    [
+        "unequal pieces",
+        "one piece",
+        "mask smaller",
+        "dense smaller",
+        "two k",
+        "sampled",
+        "call scope",
+        "sign",
+        "strided",
+    ],
 )
 def test_other_pieces_go_one_by_one(case, monkeypatch):
     """Where the rows path does not apply, the pieces are encoded one by one: the same frames
@@ -125,9 +135,12 @@ def test_other_pieces_go_one_by_one(case, monkeypatch):
         kw = {"mode": "sampled"}
     elif case == "call scope":
         kw = {"scope": "call"}
-    else:
+    elif case == "sign":
         kw = {"values": "sign"}
     x, r, _ = _inputs(1600, torch.float32)
+    if case == "strided":  # every other element of a buffer: not viewable as rows
+        x = torch.stack([x, x]).t().reshape(-1)[::2]
+        assert not x.is_contiguous()
     codec = TopK(ratio, **kw)
     outs = [torch.empty(1600) for _ in range(2)]
     got = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[0])
