@@ -633,8 +633,7 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`gradzip.kernels.bitpack.pack_uint` (non-negative integers below ``2**bits`` as a bit
     stream; 2-D ``values``: a stream a row), dispatched: on CUDA one Triton launch
     (``kernels/triton/bits.py``), on the CPU ``bitpack``'s numpy route."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
-        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    bitpack.check_uint_bits(bits)
     v = values.to(torch.int64)
     if v.dim() != 2:
         v = v.reshape(-1)
@@ -644,16 +643,8 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """:func:`gradzip.kernels.bitpack.unpack_uint` (``n`` int64 values of ``bits`` bits; 2-D
     ``packed``: a stream a row), dispatched as :func:`pack_uint` is."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
-        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an integer in [0, inf), got {n!r}")
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_uint expects uint8, got {packed.dtype}")
+    bitpack.check_unpack(packed, n, bits)
     p = packed if packed.dim() == 2 else packed.reshape(-1)
-    width = p.shape[-1]
-    if width * 8 < n * bits:
-        raise ValueError(f"{width} bytes hold fewer than {n} values of {bits} bits")
     if not n:
         return torch.zeros(*p.shape[:-1], 0, dtype=torch.int64, device=p.device)
     return _call("unpack_uint", p.device, p, n, bits)

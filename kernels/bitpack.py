@@ -134,23 +134,10 @@ def pack_uint(values: torch.Tensor, bits: int) -> torch.Tensor:
     little-endian. ``ceil(len * bits / 8)`` bytes. Sparse frames' index deltas use it. For a
     2-D ``values``, each row packed as a stream of its own: ``(rows, ceil(n * bits / 8))``
     (what :func:`unpack_uint` reads back from 2-D rows)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
-        raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+    check_uint_bits(bits)
     if values.dim() == 2:
         return _pack_rows(values.to(torch.int64), bits)
-    v = values.reshape(-1).to(torch.int64)
-    n = v.numel()
-    nbytes = (n * bits + 7) // 8
-    if not n:
-        return torch.zeros(0, dtype=torch.uint8, device=values.device)
-    shifts = torch.arange(bits, dtype=torch.int64, device=v.device)
-    stream = ((v.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    if _NUMPY_BITS and stream.device.type == "cpu":
-        return torch.from_numpy(np.packbits(stream.numpy(), bitorder="little"))
-    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=v.device)
-    padded[: stream.numel()] = stream
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=v.device)
-    return (padded.view(nbytes, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+    return _pack_rows(values.reshape(1, -1).to(torch.int64), bits)[0]  # one stream: one row
 
 
 def _pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
@@ -169,18 +156,29 @@ def _pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
     return (padded.view(r, nbytes, 8).to(torch.int32) * weights).sum(dim=2).to(torch.uint8)
 
 
-def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_uint`: ``n`` int64 values of ``bits`` bits each; for a 2-D
-    ``packed``, each row's first ``n`` values (``(rows, n)``: streams of one layout at once)."""
+def check_uint_bits(bits: int) -> None:
+    """:func:`pack_uint`'s and :func:`unpack_uint`'s width: an integer in [1, 63]."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 63:
         raise ValueError(f"bits must be an integer in [1, 63], got {bits!r}")
+
+
+def check_unpack(packed: torch.Tensor, n: int, bits: int) -> None:
+    """:func:`unpack_uint`'s arguments: a width, a count, and uint8 bytes (a row of them, for
+    2-D ``packed``) that hold ``n`` values of ``bits`` bits."""
+    check_uint_bits(bits)
     _check_n(n)
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_uint expects uint8, got {packed.dtype}")
-    rows = packed.dim() == 2  # each row a stream of its own: (rows, n) values
-    width = packed.shape[1] if rows else packed.numel()
+    width = packed.shape[1] if packed.dim() == 2 else packed.numel()
     if width * 8 < n * bits:
         raise ValueError(f"{width} bytes hold fewer than {n} values of {bits} bits")
+
+
+def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_uint`: ``n`` int64 values of ``bits`` bits each; for a 2-D
+    ``packed``, each row's first ``n`` values (``(rows, n)``: streams of one layout at once)."""
+    check_unpack(packed, n, bits)
+    rows = packed.dim() == 2  # each row a stream of its own: (rows, n) values
     lead = (packed.shape[0],) if rows else ()
     if not n:
         return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)

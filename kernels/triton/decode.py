@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
-from ..quant import QUANT_KINDS, quant_layout
+from ..quant import QUANT_KINDS, _body_layout, quant_layout
 from . import LAUNCH, check, row_tile, segment_tables, size, spec
 
 __all__ = [
@@ -433,8 +433,6 @@ def quant_body_stats_triton(whole: torch.Tensor, frames, kind: str, bits: int, *
     """Triton version of :func:`~gradzip.kernels.quant.quant_body_stats_reference`: one launch
     (and the zeroed result) over the bytes and the scales, with the reference's per-layout
     byte tables (:func:`~gradzip.kernels.quant._body_layout`, cached on the device)."""
-    from ..quant import _body_layout
-
     check("whole", whole, (torch.uint8,))
     frames = tuple((int(o), int(nb), int(k)) for o, nb, k in frames)
     n, dev = whole.numel(), whole.device

@@ -217,3 +217,28 @@ def test_segments_decode_together_as_frame_by_frame(kw, monkeypatch):
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="decoded into"):
         codec.accumulate_segments(received(), torch.zeros(857), starts)
+
+
+def test_the_dispatched_bit_packing_is_bitpacks_and_refuses_as_it_does():
+    """K.pack_uint/K.unpack_uint on the CPU: bitpack's bytes and values (1-D, 2-D rows, other
+    shapes flattened, other integer dtypes widened), and bitpack's refusals."""
+    import gradzip.kernels as K
+
+    v = torch.randint(0, 1 << 11, (3, 50), generator=torch.Generator().manual_seed(1))
+    for x in (v, v[1], v.reshape(3, 5, 10), v.to(torch.int32)):
+        want = bitpack.pack_uint(x.reshape(-1) if x.dim() != 2 else x, 11)
+        assert torch.equal(K.pack_uint(x, 11), want)
+    packed = K.pack_uint(v, 11)
+    assert torch.equal(K.unpack_uint(packed, 50, 11), v) and torch.equal(K.unpack_uint(packed[2], 50, 11), v[2])
+    assert K.unpack_uint(packed[0], 0, 11).shape == (0,) and K.unpack_uint(packed, 0, 11).shape == (3, 0)
+    with pytest.raises(ValueError, match="fewer than 51 values"):
+        K.unpack_uint(packed, 51, 11)
+    for bad in (0, 64, True):
+        with pytest.raises(ValueError, match="bits must be"):
+            K.pack_uint(v, bad)
+        with pytest.raises(ValueError, match="bits must be"):
+            K.unpack_uint(packed, 5, bad)
+    with pytest.raises(TypeError, match="uint8"):
+        K.unpack_uint(packed.to(torch.int32), 5, 11)
+    with pytest.raises(ValueError, match="n must be"):
+        K.unpack_uint(packed, -1, 11)
