@@ -32,10 +32,10 @@ host issues (its operations and launches) rather than the CPU path's Numba glue,
 branches on the device's type (``bitpack``'s numpy route, PowerSGD's buffer alignment).
 Elsewhere it is 0.
 
-``--gpu-branches`` takes, on the CPU, the GPU's side of those branches (PowerSGD's matrices
-stacked, :func:`gradzip.protocols.powersgd._stacked`; TopK's pieces as rows at any size,
-:func:`gradzip.codecs.sparse._rows_topk`; ``bitpack``'s torch route), so that with the
-interpreter the count is the GPU path's throughout:
+``--gpu-branches`` takes, on the CPU, the GPU's side of those branches
+(:func:`gradzip.kernels.gpu_side_on_cpu`: PowerSGD's matrices stacked, TopK's pieces as rows at
+any size, ``bitpack``'s torch route), so that with the interpreter the count is the GPU path's
+throughout:
 
     GRADZIP_KERNELS=triton TRITON_INTERPRET=1 python -m benchmarks.dryrun_profile --device cpu \
         --count --gpu-branches --steps 1 --methods "PowerSGD(rank=4)"
@@ -53,6 +53,7 @@ import time
 
 import torch
 
+import gradzip.kernels as K
 from benchmarks.gpu_step import ResNet, Steps
 
 
@@ -187,24 +188,6 @@ def _launches_marked():
     return patched()
 
 
-@contextlib.contextmanager
-def gpu_branches():
-    """Within it, the code's device-type branches take the GPU's side on any device
-    (``--gpu-branches``): PowerSGD's stacked matrices, TopK's pieces as rows at any size
-    (``sparse._rows_topk``) and ``bitpack``'s torch route (not numpy's)."""
-    import gradzip.codecs.sparse as sparse
-    import gradzip.kernels.bitpack as bitpack
-    import gradzip.protocols.powersgd as powersgd
-
-    saved = powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS
-    powersgd._stacked, sparse._rows_topk = (lambda call: True), (lambda device, n, k: True)
-    bitpack._NUMPY_BITS = False
-    try:
-        yield
-    finally:
-        powersgd._stacked, sparse._rows_topk, bitpack._NUMPY_BITS = saved
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -225,7 +208,7 @@ def main(argv=None) -> int:
         "--gpu-branches", action="store_true", help="on the CPU, take the GPU's side of the device-type branches"
     )
     args = ap.parse_args(argv)
-    with gpu_branches() if args.gpu_branches else contextlib.nullcontext():
+    with K.gpu_side_on_cpu() if args.gpu_branches else contextlib.nullcontext():
         return run(args, argv)
 
 

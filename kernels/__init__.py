@@ -5,7 +5,9 @@ Every op has a pure-PyTorch reference (:mod:`.reference` for the sparsifying ops
 kernels (:mod:`.triton`, :mod:`.cupy_ops`) and of the CPU kernels (:mod:`.numba_ops`),
 which give its results bit for bit.
 :mod:`.dispatch` picks the implementation of each call (see its docstring for the
-rules and ``GRADZIP_KERNELS``); every choice is in :func:`backend_report`.
+rules and ``GRADZIP_KERNELS``); every choice is in :func:`backend_report`. Code that picks
+how to compute by the device's type asks :func:`gpu_side` (true on the CPU too within
+:func:`gpu_side_on_cpu`: the GPU path's host work, counted on the CPU).
 Importing this package never imports numba, triton or cupy. Kernels know nothing of
 compressors or torch.distributed.
 
@@ -46,6 +48,8 @@ from .dispatch import (
     _call_reference,
     _forced,
     backend_report,
+    gpu_side,
+    gpu_side_on_cpu,
     register_kernel,
     reset_dispatch,
     uses_kernel,
@@ -138,6 +142,8 @@ __all__ = [
     "register_kernel",
     "reset_dispatch",
     "uses_kernel",
+    "gpu_side",
+    "gpu_side_on_cpu",
     "Unsupported",
     "KernelBackendError",
     "BACKENDS",

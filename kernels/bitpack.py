@@ -24,6 +24,8 @@ import sys
 import numpy as np
 import torch
 
+from .dispatch import gpu_side
+
 __all__ = ["NBITS", "pack_bits", "unpack_bits", "pack_nbit", "unpack_nbit", "packed_nbytes", "pack_uint", "unpack_uint"]
 
 NBITS = (2, 4, 8)
@@ -66,7 +68,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack_bits expects bits of value 0 or 1")
     n = flat.numel()
     nwords = (n + _WORD - 1) // _WORD
-    if _NUMPY_BITS and flat.device.type == "cpu":
+    if _NUMPY_BITS and not gpu_side(flat.device):
         packed = np.zeros(4 * nwords, dtype=np.uint8)
         packed[: (n + 7) // 8] = np.packbits(flat.contiguous().numpy(), bitorder="little")
         return torch.from_numpy(packed.view(np.int32))
@@ -84,7 +86,7 @@ def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
     _check_n(n)
     if words.numel() * _WORD < n:
         raise ValueError(f"{words.numel()} words hold fewer than n={n} bits")
-    if _NUMPY_BITS and words.device.type == "cpu":
+    if _NUMPY_BITS and not gpu_side(words.device):
         raw = words.reshape(-1).contiguous().numpy().view(np.uint8)
         return torch.from_numpy(np.unpackbits(raw, count=n, bitorder="little").view(np.bool_))
     w = words.reshape(-1, 1).to(torch.int64) & 0xFFFFFFFF
@@ -148,7 +150,7 @@ def _pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
         return torch.zeros(r, nbytes, dtype=torch.uint8, device=v.device)
     shifts = torch.arange(bits, dtype=torch.int64, device=v.device)
     stream = ((v.unsqueeze(2) >> shifts) & 1).to(torch.uint8).reshape(r, n * bits)
-    if _NUMPY_BITS and stream.device.type == "cpu":
+    if _NUMPY_BITS and not gpu_side(stream.device):
         return torch.from_numpy(np.packbits(stream.numpy(), axis=1, bitorder="little"))
     padded = torch.zeros(r, nbytes * 8, dtype=torch.uint8, device=v.device)
     padded[:, : n * bits] = stream
@@ -183,7 +185,7 @@ def unpack_uint(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     if not n:
         return torch.zeros(*lead, 0, dtype=torch.int64, device=packed.device)
     flat = (packed if rows else packed.reshape(-1))[..., : (n * bits + 7) // 8]
-    if _NUMPY_BITS and flat.device.type == "cpu":
+    if _NUMPY_BITS and not gpu_side(flat.device):
         got = np.unpackbits(flat.contiguous().numpy(), axis=-1, count=n * bits, bitorder="little")
         stream = torch.from_numpy(got)
     else:

@@ -24,6 +24,7 @@ Importing this module never imports numba, triton or cupy: backends are imported
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -43,6 +44,8 @@ __all__ = [
     "backend_report",
     "uses_kernel",
     "reset_dispatch",
+    "gpu_side",
+    "gpu_side_on_cpu",
 ]
 
 BACKENDS = ("reference", "numba", "triton", "cupy")
@@ -59,6 +62,35 @@ class Unsupported(Exception):
 
 class KernelBackendError(RuntimeError):
     """A backend forced with ``GRADZIP_KERNELS`` could not run a call."""
+
+
+_GPU_SIDE_ON_CPU = False  # set only within gpu_side_on_cpu()
+
+
+def gpu_side(device: torch.device) -> bool:
+    """Whether code on ``device`` takes the GPU's side of a branch that picks *how* to compute
+    by the device's type: on a GPU every operation is a launch, so that side issues few
+    operations (matrices stacked for one ``bmm``, pieces as the rows of one ``torch.topk``,
+    torch's bit packing rather than numpy's); on the CPU the other side is faster or gives
+    MKL's bits at every alignment. True on every device but the CPU, and on the CPU within
+    :func:`gpu_side_on_cpu`. Branches on what a device *can* do (a kernel's device, a dtype a
+    backend takes) do not ask it."""
+    return device.type != "cpu" or _GPU_SIDE_ON_CPU
+
+
+@contextlib.contextmanager
+def gpu_side_on_cpu():
+    """Within it, :func:`gpu_side` is true on the CPU too: the GPU path's host work, counted on
+    the CPU (``benchmarks/dryrun_profile.py --gpu-branches``), and the tests that check the GPU
+    side against the CPU's. The same results up to what each side documents (PowerSGD's
+    stacked products are MKL's at another alignment; TopK's rows may break a tie at the k-th
+    magnitude otherwise). A process-wide setting, not per thread; it nests."""
+    global _GPU_SIDE_ON_CPU
+    saved, _GPU_SIDE_ON_CPU = _GPU_SIDE_ON_CPU, True
+    try:
+        yield
+    finally:
+        _GPU_SIDE_ON_CPU = saved
 
 
 # op -> {backend: callable, or (module relative to this package, function name)}, in order of preference.

@@ -280,7 +280,7 @@ def _rows_topk(device: torch.device, n: int, k: int) -> bool:
     """Whether :meth:`TopK.encode_pieces` selects pieces of ``n`` elements as the rows of one
     ``torch.topk``: on GPUs always (no host sync a piece), on the CPU where :func:`topk_abs`
     itself runs ``torch.topk`` over the whole piece (its prefilter is faster from there)."""
-    return device.type != "cpu" or n < _PREFILTER_FROM or 8 * k > n
+    return K.gpu_side(device) or n < _PREFILTER_FROM or 8 * k > n
 
 
 def _ef_layout(head: list, n: int, value_bytes: int, nbytes: int) -> tuple[int, int, int, int, int, int]:

@@ -126,7 +126,7 @@ def _low_rank_product(pt: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> 
     each, 2-4x faster than MKL's gemm at such small inner dimension); else ``mm``.
     """
     k = pt.shape[0]
-    if out.device.type != "cpu" or k > 4:
+    if K.gpu_side(out.device) or k > 4:
         return torch.mm(pt.t(), qt, out=out)
     torch.mul(pt[0].unsqueeze(1), qt[0].unsqueeze(0), out=out)
     for c in range(1, k):
@@ -139,7 +139,7 @@ def _direct(dst: torch.Tensor, k: int) -> bool:
     set by the other tensors): on CPU with ``k > 4`` it is a gemm, whose last bits depend on
     the output's alignment, so it goes through an aligned buffer unless ``dst`` is aligned.
     The outer products of ``k <= 4`` are elementwise: the same bits at any address."""
-    return dst.device.type != "cpu" or k <= 4 or dst.data_ptr() % ALIGN == 0
+    return K.gpu_side(dst.device) or k <= 4 or dst.data_ptr() % ALIGN == 0
 
 
 def _stacked(call) -> bool:
@@ -148,7 +148,7 @@ def _stacked(call) -> bool:
     ``torch._foreach_*`` over them all. On GPUs, where every operation is a launch. On CPU
     they run matrix by matrix (MKL's bits depend on alignment), block by block where
     :func:`_fusable`."""
-    return call.device.type != "cpu"
+    return K.gpu_side(call.device)
 
 
 def _matrices(call, idx: list, n: int, m: int, k: int, wd):

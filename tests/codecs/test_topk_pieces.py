@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import gradzip.codecs.sparse as sparse
+import gradzip.kernels as K
 from gradzip.codecs.base import Codec, TensorContext
 from gradzip.codecs.sparse import FMT_SPARSE_EF, TopK
 from gradzip.kernels import bitpack
@@ -151,7 +152,7 @@ def test_other_pieces_go_one_by_one(case, monkeypatch):
 
 def test_large_pieces_take_the_rows_path_on_a_gpu_only(monkeypatch):
     """From the prefilter's size the CPU encodes piece by piece (its prefilter is faster than a
-    torch.topk over the piece); the GPU's choice (_rows_topk forced) gives the same frames where
+    torch.topk over the piece); the GPU's side (gpu_side_on_cpu) gives the same frames where
     no magnitudes tie at the k-th place (here: random normal values)."""
     calls = _spy(monkeypatch)
     n, pieces = sparse._PREFILTER_FROM + 8, 2
@@ -162,8 +163,8 @@ def test_large_pieces_take_the_rows_path_on_a_gpu_only(monkeypatch):
     outs = [torch.empty(n * pieces) for _ in range(3)]
     cpu = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[0])
     assert calls == []
-    monkeypatch.setattr(sparse, "_rows_topk", lambda device, n, k: True)
-    rows = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[1])
+    with K.gpu_side_on_cpu():
+        rows = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=outs[1])
     assert len(calls) == 1
     want = Codec.encode_pieces(codec, x, bounds, ctxs, r, feedback=True, out=outs[2])
     assert torch.equal(pack_frames(cpu), pack_frames(want)) and torch.equal(pack_frames(rows), pack_frames(want))

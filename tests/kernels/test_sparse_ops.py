@@ -276,6 +276,29 @@ def test_forced_backend_without_a_kernel_for_the_op_uses_the_reference(clean_dis
     assert "no kernel" in why
 
 
+def test_gpu_side_is_every_device_but_the_cpu_and_the_cpu_within_gpu_side_on_cpu():
+    """The switch the GPU path's host-strategy branches ask (dryrun_profile --gpu-branches): on
+    the CPU only inside the context, nested contexts restore the outer state, and an exception
+    inside restores it too; bitpack's torch route is then taken, with the same bits."""
+    from gradzip.kernels import bitpack
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # device objects; nothing touches a GPU
+    assert K.gpu_side(cuda) and not K.gpu_side(cpu)
+    bits = torch.arange(77) % 3 == 0
+    with K.gpu_side_on_cpu():
+        assert K.gpu_side(cpu)
+        with K.gpu_side_on_cpu():
+            assert K.gpu_side(cpu)
+        assert K.gpu_side(cpu)
+        torch_words = bitpack.pack_bits(bits)
+    assert not K.gpu_side(cpu)
+    assert torch.equal(torch_words, bitpack.pack_bits(bits))
+    with pytest.raises(RuntimeError, match="inside"):
+        with K.gpu_side_on_cpu():
+            raise RuntimeError("inside")
+    assert not K.gpu_side(cpu)
+
+
 def test_automatic_choice_falls_back_and_records_why(clean_dispatch):
     calls = []
 

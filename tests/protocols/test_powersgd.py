@@ -755,20 +755,25 @@ def test_bf16_factors_refuse_float64_values_beyond_float32_range():
         (torch.float32, True, "bf16"),
     ],
 )
-def test_stacked_matrices_match_the_matrix_by_matrix_path(monkeypatch, dtype, ef, factors):
+def test_stacked_matrices_match_the_matrix_by_matrix_path(dtype, ef, factors):
     """The stacked path (GPUs: a ``bmm`` a shape, the decode's copies and residuals by
     ``torch._foreach_*``), forced on CPU, against the CPU's matrix-by-matrix path: the same
     averages, residuals and stored Q's to rounding, every rank the same result, and with error
     feedback residual + M_hat == the compensated input. A shape class holds two tensor shapes
     ((6, 2, 2, 2) and (6, 8)); the uncompressed tensors are 1-D, 0-D and 2-D."""
-    import gradzip.protocols.powersgd as ps
+    import contextlib
+
+    import gradzip.kernels as K
 
     names = ["conv", "w", "b", "s", "thin", "w2", "v"]
     shapes = [(6, 2, 2, 2), (6, 8), (6,), (), (2, 3), (6, 8), (40, 30)]
     world = 3
 
     def run(stacked):
-        monkeypatch.setattr(ps, "_stacked", lambda call: stacked)
+        with K.gpu_side_on_cpu() if stacked else contextlib.nullcontext():
+            return steps()
+
+    def steps():
         sim = Sim(PowerSGD(rank=2, factors=factors), world, error_feedback=ef)
         outs = []
         for step in range(3):
