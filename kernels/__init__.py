@@ -16,7 +16,8 @@ Ops:
 * sparsification: :func:`threshold_ef`, :func:`decode_add_bitmap2`,
   :func:`scatter_add_signed`, :func:`scatter_add_sparse`, :func:`abs_select` and the
   composite :func:`sampled_topk`;
-* quantizers: :func:`sign_ef`, :func:`qsgd_encode`, :func:`terngrad_encode`,
+* quantizers: :func:`sign_ef`, :func:`sign_ef_segments` (a tensor's pieces, one scale each, and
+  their error feedback at once), :func:`qsgd_encode`, :func:`terngrad_encode`,
   :func:`int8_scales`, :func:`int8_encode`, :func:`int8_encode_segments` (a tensor's pieces
   and their error feedback at once), :func:`decode_add_quant`, :func:`decode_quant`,
   :func:`quant_body_stats` (the frame checks' pass over the bodies), with the block layout
@@ -72,6 +73,8 @@ from .quant import (
     quant_pad,
     quant_per_element,
     sign_ef_reference,
+    sign_ef_segments_reference,
+    sign_segments_layout,
     terngrad_encode_reference,
 )
 from .quant import (
@@ -114,6 +117,8 @@ __all__ = [
     "threshold_select_reference",
     # quantizers
     "sign_ef",
+    "sign_ef_segments",
+    "sign_segments_layout",
     "qsgd_encode",
     "terngrad_encode",
     "int8_scales",
@@ -176,6 +181,10 @@ _OPS = {
     "sign_ef": (
         sign_ef_reference,
         {"numba": (".numba_ops", "sign_ef_numba"), "triton": (".triton.sign", "sign_ef_triton")},
+    ),
+    "sign_ef_segments": (
+        sign_ef_segments_reference,
+        {"numba": (".numba_ops", "sign_ef_segments_numba"), "triton": (".triton.sign", "sign_ef_segments_triton")},
     ),
     "qsgd_encode": (
         qsgd_encode_reference,
@@ -430,6 +439,27 @@ def sign_ef(
     _check_residual(x, residual)
     _check_out(x, out, new_residual)
     return _run("sign_ef", x, x, residual, block=_check_block(block), new_residual=new_residual, out=out)
+
+
+def sign_ef_segments(
+    x: torch.Tensor, bounds: Sequence[int], *, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """SIGN1 frame bodies of the pieces ``[bounds[j], bounds[j+1])`` of a flat contiguous ``x``,
+    each as :func:`sign_ef` writes it for the piece alone with one scale (``block=None``):
+    ``S = mean |v|`` of the piece, then its sign words, in one uint8 buffer at the offsets
+    returned (:func:`sign_segments_layout`). ``residual`` compensates ``x`` and ``out`` receives
+    the new residual over the pieces' elements, as for :func:`sign_ef`: a tensor's ``TwoPhase``
+    pieces and their error feedback in one call (on CUDA three launches for any number of
+    pieces, Numba on the CPU). See :func:`~gradzip.kernels.quant.sign_ef_segments_reference`."""
+    _check_float("x", x)
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a flat contiguous tensor, got {tuple(x.shape)}")
+    bounds = [int(v) for v in bounds]
+    if not bounds or bounds[0] < 0 or bounds[-1] > x.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must be non-decreasing offsets within x's {x.numel()} elements, got {bounds}")
+    _check_residual(x, residual)
+    _check_out(x, out, None)
+    return _run("sign_ef_segments", x, x, bounds, residual=residual, out=out)
 
 
 def qsgd_encode(x: torch.Tensor, levels: int, seed: int, *, block: int | None = 64, bits: int | None = None):

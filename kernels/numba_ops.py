@@ -45,6 +45,7 @@ from .quant import (
     quant_counts,
     quant_layout,
     sign_scales,
+    sign_segments_by,
     terngrad_encode_reference,
     terngrad_scales,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "terngrad_encode_numba",
     "int8_encode_numba",
     "int8_encode_segments_numba",
+    "sign_ef_segments_numba",
     "decode_add_quant_numba",
     "int8_apply_numba",
     "sign_ef_numba",
@@ -520,6 +522,17 @@ def int8_encode_numba(x, *, block=1024, scales=None):
     out = np.empty(n, dtype=np.int8)
     _int8_codes(v.numpy(), scales.numpy(), b, out)
     return scales, _tensor(out)
+
+
+def sign_ef_segments_numba(x, bounds, *, residual=None, out=None):
+    """:func:`~gradzip.kernels.quant.sign_ef_segments_reference`: each piece by :func:`sign_ef_numba`
+    (whose refusals are all made here, before the first piece writes its residual)."""
+    _float32_vector(x[:0])
+    if residual is not None and (residual.device.type != "cpu" or residual.dtype != torch.float32):
+        raise Unsupported("a float32 CPU residual")
+    return sign_segments_by(
+        lambda v, r, o: sign_ef_numba(v, r, new_residual=o is not None, out=o), x.detach(), bounds, residual, out
+    )
 
 
 def int8_encode_segments_numba(x, bounds, *, block=1024, residual=None):

@@ -67,6 +67,8 @@ __all__ = [
     "terngrad_scales",
     "int8_scales",
     "sign_ef_reference",
+    "sign_segments_layout",
+    "sign_ef_segments_reference",
     "qsgd_encode_reference",
     "terngrad_encode_reference",
     "int8_encode_reference",
@@ -251,6 +253,48 @@ def sign_ef_reference(
         s = quant_per_element(scales.to(v.dtype), nb, b, n)
         r = store_residual(v, torch.where(neg, -s, s), out)
     return scales, words, r
+
+
+def sign_segments_layout(bounds: Sequence[int]) -> tuple[list[int], int]:
+    """Where :func:`sign_ef_segments_reference` puts segment ``j``'s SIGN1 body (its
+    ``[bounds[j], bounds[j+1])`` with one scale: 4 bytes of scale, then ``4 * ceil(n_j / 32)``
+    bytes of sign words; none for an empty segment): the body offsets, each a multiple of 4,
+    and the buffer's length."""
+    offsets, pos = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        offsets.append(pos)
+        n = b - a
+        pos += 4 * (1 + (n + 31) // 32) if n else 0
+    return offsets, pos
+
+
+def sign_ef_segments_reference(
+    x: torch.Tensor, bounds: Sequence[int], *, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Segment ``j`` of a flat ``x`` (elements ``[bounds[j], bounds[j+1])``) encoded as
+    :func:`sign_ef_reference` encodes it alone with one scale (``block=None``), compensated by
+    ``residual``'s elements when given: every SIGN1 body (scale, then words) in one uint8 buffer
+    at the offsets of :func:`sign_segments_layout`. With ``out`` (flat, the accumulation dtype;
+    ``x`` or ``residual`` allowed), each segment's new residual is written over its elements;
+    elements outside the segments are not written."""
+    return sign_segments_by(
+        lambda v, r, o: sign_ef_reference(v, r, new_residual=o is not None, out=o), x, bounds, residual, out
+    )
+
+
+def sign_segments_by(encode, x: torch.Tensor, bounds, residual, out) -> tuple[torch.Tensor, list[int]]:
+    """:func:`sign_ef_segments_reference` piece by piece with a backend's own
+    ``encode(x piece, residual piece or None, out piece or None) -> (scales, words, _)``."""
+    offsets, total = sign_segments_layout(bounds)
+    buf = torch.zeros(total // 4, dtype=torch.int32, device=x.device)
+    for off, a, b in zip(offsets, bounds, bounds[1:]):
+        if b == a:
+            continue
+        piece = lambda t: None if t is None else t[a:b]  # noqa: E731
+        scales, words, _ = encode(x[a:b], piece(residual), piece(out))
+        buf[off // 4] = scales.view(torch.int32)[0]
+        buf[off // 4 + 1 : off // 4 + 1 + words.numel()] = words
+    return buf.view(torch.uint8), offsets
 
 
 def qsgd_encode_reference(

@@ -317,35 +317,44 @@ class SignSGD(_Quantizer):
         return payload, (new.view(x.shape) if feedback else None)
 
     def encode_pieces(self, x, bounds, ctxs, residual=None, *, feedback=False, out=None):
-        """Pieces of one length ``n`` whose scale blocks lie within a piece (``n`` a multiple of
-        the block; ``block=None``: a piece is one block) and whose sign words do too (``n`` a
-        multiple of 32) by one ``kernels.sign_ef`` over them all at that block size, their bodies
-        the rows of one buffer: on CUDA 2 to 3 launches in all instead of a piece, and no frame
-        a piece. The payloads and residuals of :meth:`encode` piece by piece, bit for bit (a
-        block's scale and signs depend on that block alone). Other pieces: one by one."""
+        """Every piece in one call, the payloads and residuals of :meth:`encode` piece by piece,
+        bit for bit (a block's scale and signs depend on that block alone), the bodies views of
+        one buffer, with no frame a piece:
+
+        * pieces of one length ``n``, a multiple of the block (``block=None``: a piece is one
+          block) and of 32 (the sign words lie within a piece): one ``kernels.sign_ef`` over
+          them all at that block size, their bodies the rows of one buffer;
+        * else, with ``block=None``: pieces of any lengths by one ``kernels.sign_ef_segments``
+          (on CUDA three launches in all, not three a piece; on the CPU Numba piece by piece).
+
+        Other pieces: one by one."""
         check_input(x)
         bounds = [int(v) for v in bounds]
-        n = bounds[1] - bounds[0] if len(bounds) > 2 else 0
-        nb, b = K.quant_layout(n, self.block) if n > 0 else (0, 1)
-        if x.dim() != 1 or n <= 0 or n % 32 or n % b or any(e - s != n for s, e in zip(bounds, bounds[1:])):
+        if x.dim() != 1 or len(bounds) < 3:
             return super().encode_pieces(x, bounds, ctxs, residual, feedback=feedback, out=out)
         lo, hi, rows = bounds[0], bounds[-1], len(bounds) - 1
+        n = bounds[1] - bounds[0]
+        nb, b = K.quant_layout(n, self.block) if n > 0 else (0, 1)
+        one_layout = n > 0 and n % 32 == 0 and n % b == 0 and all(e - s == n for s, e in zip(bounds, bounds[1:]))
+        if not one_layout and self.block is not None:
+            return super().encode_pieces(x, bounds, ctxs, residual, feedback=feedback, out=out)
+        dtype, shape = (accum_dtype(x.dtype) if feedback else x.dtype), torch.Size
+        res = residual[lo:hi] if feedback and residual is not None else None
+        dst = out[lo:hi] if feedback and out is not None else None
         flat = x[lo:hi].contiguous()
         if flat.dtype not in K.KERNEL_DTYPES and flat.dtype != torch.float64:
             flat = flat.float()
-        scales, words, _ = K.sign_ef(
-            flat,
-            residual[lo:hi] if residual is not None else None,
-            block=b,
-            new_residual=feedback,
-            out=out[lo:hi] if feedback and out is not None else None,
-        )
-        body = torch.cat([scales.view(rows, nb).view(torch.uint8), words.view(rows, n // 32).view(torch.uint8)], dim=1)
-        dtype = accum_dtype(x.dtype) if feedback else x.dtype
-        shape = torch.Size([n])
+        if one_layout:
+            scales, words, _ = K.sign_ef(flat, res, block=b, new_residual=feedback, out=dst)
+            body = torch.cat([scales.view(rows, nb).view(torch.uint8), words.view(rows, n // 32).view(torch.uint8)], 1)
+            bodies = [body[j] for j in range(rows)]
+        else:
+            buf, offsets = K.sign_ef_segments(flat, [v - lo for v in bounds], residual=res, out=dst)
+            sizes = [4 * (1 + (e - s + 31) // 32) if e > s else 0 for s, e in zip(bounds, bounds[1:])]
+            bodies = [buf[o : o + size] for o, size in zip(offsets, sizes)]
         return [
-            Payload(body=body[j], shape=shape, dtype=dtype, fmt=FMT_SIGN1, vdtype=torch.float32, scale=0.0)
-            for j in range(rows)
+            Payload(body=body, shape=shape([e - s]), dtype=dtype, fmt=FMT_SIGN1, vdtype=torch.float32, scale=0.0)
+            for body, s, e in zip(bodies, bounds, bounds[1:])
         ]
 
 

@@ -10,7 +10,15 @@ where a program can own whole blocks, else two (the block chunks' sums by
 The residual may be written over the residual read (``out`` is ``residual``) or over ``x``:
 each element is loaded before it is stored, by the same program, in both routes.
 
-Reference: :func:`gradzip.kernels.quant.sign_ef_reference`.
+:func:`sign_ef_segments_triton`: a tensor's pieces (``TwoPhase``'s owners' pieces), each with
+one scale as :func:`sign_ef_triton` encodes it alone, in three launches for any number of
+pieces: every tile's float64 sum of ``|v|`` (:func:`_sign_seg_sums_kernel`), every piece's
+scale from its tiles' sums (:func:`_sign_seg_scales_kernel`), then every piece's words and
+residual (:func:`_sign_seg_encode_kernel`); a program per tile of one piece, by a table built
+once per layout and kept (:func:`~gradzip.kernels.triton.segment_tables`).
+
+Reference: :func:`gradzip.kernels.quant.sign_ef_reference`,
+:func:`gradzip.kernels.quant.sign_ef_segments_reference`.
 """
 
 from __future__ import annotations
@@ -20,9 +28,9 @@ import triton
 import triton.language as tl
 
 from ..dispatch import KERNEL_DTYPES
-from ..quant import quant_layout
+from ..quant import quant_layout, sign_segments_layout
 from ..reference import wants_residual
-from . import LAUNCH, check, load_compensated, row_tile, spec
+from . import LAUNCH, check, load_compensated, row_tile, segment_tables, spec
 from .blocks import (
     NUM_WARPS,
     STAT_SUM_ABS,
@@ -35,7 +43,7 @@ from .blocks import (
     tile_size,
 )
 
-__all__ = ["sign_ef_triton"]
+__all__ = ["sign_ef_triton", "sign_ef_segments_triton"]
 
 
 @triton.jit
@@ -168,6 +176,117 @@ def sign_ef_triton(
     return scales, words, (out if out is not None else rout)
 
 
+@triton.jit
+def _sign_seg_sums_kernel(
+    x_ptr, r_ptr, part_ptr, prog_seg_ptr, prog_first_ptr, seg_ptr, TILE: tl.constexpr, HAS_R: tl.constexpr
+):
+    """Program ``pid``: the float64 sum of ``|x + r|`` over elements ``first .. first + TILE`` of
+    segment ``prog_seg[pid]`` (its row of ``seg_ptr``: start in ``x``, length, first program,
+    programs, body offset in words), into ``part[pid]``."""
+    pid = tl.program_id(0)
+    row = seg_ptr + tl.load(prog_seg_ptr + pid).to(tl.int64) * 5
+    xs, n = tl.load(row), tl.load(row + 1)
+    offs = tl.load(prog_first_ptr + pid) + tl.arange(0, TILE)
+    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, offs < n, HAS_R)
+    tl.store(part_ptr + pid, tl.sum(tl.abs(v).to(tl.float64), axis=0))
+
+
+@triton.jit
+def _sign_seg_scales_kernel(part_ptr, seg_ptr, body_ptr, CHUNK: tl.constexpr):
+    """Program ``sg``: segment ``sg``'s scale, ``mean |v|`` from its programs' sums as
+    :func:`_sign_scales_kernel` computes a block's, as float32 bits at its body's first word."""
+    row = seg_ptr + tl.program_id(0).to(tl.int64) * 5
+    n, p0, count, off = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    acc = tl.zeros([CHUNK], dtype=tl.float64)
+    for c in range(0, count, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        acc += tl.load(part_ptr + p0 + j, mask=j < count, other=0.0)
+    total = tl.sum(acc, axis=0)
+    scale = _fit_f32(total / tl.maximum(n, 1).to(tl.float64), total)
+    tl.store(body_ptr + off, scale.to(tl.int32, bitcast=True), mask=n > 0)
+
+
+@triton.jit
+def _sign_seg_encode_kernel(
+    x_ptr,
+    r_ptr,
+    rout_ptr,
+    body_ptr,
+    prog_seg_ptr,
+    prog_first_ptr,
+    seg_ptr,
+    WORDS: tl.constexpr,
+    HAS_R: tl.constexpr,
+    WRITE_R: tl.constexpr,
+):
+    """Program ``pid``: the sign words of ``WORDS * 32`` elements of its segment (from ``first``,
+    a multiple of 32) after the segment's scale in its body, and their residual ``v - (+-S)``."""
+    pid = tl.program_id(0)
+    row = seg_ptr + tl.load(prog_seg_ptr + pid).to(tl.int64) * 5
+    xs, n, off = tl.load(row), tl.load(row + 1), tl.load(row + 4)
+    first = tl.load(prog_first_ptr + pid)
+    w = tl.arange(0, WORDS)
+    cols = tl.arange(0, 32)
+    offs = first + w[:, None] * 32 + cols[None, :]
+    mask = offs < n
+    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, mask, HAS_R)
+    neg = (v < 0) & mask
+    word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)  # disjoint bits: sum == OR
+    widx = first // 32 + w
+    tl.store(body_ptr + off + 1 + widx, word, mask=widx < (n + 31) // 32)
+    if WRITE_R:
+        s = tl.load(body_ptr + off).to(tl.float32, bitcast=True)
+        tl.store(rout_ptr + xs + offs, v - tl.where(neg, -s, s), mask=mask)
+
+
+SEG_CHUNK = 128  # programs' sums a step of _sign_seg_scales_kernel
+
+
+def sign_ef_segments_triton(x: torch.Tensor, bounds, *, residual=None, out=None, tile: int | None = None):
+    """Triton version of :func:`~gradzip.kernels.quant.sign_ef_segments_reference`: three
+    launches for every piece (sums, scales, then words and residual), the bodies in one buffer."""
+    check("x", x, KERNEL_DTYPES)
+    if residual is not None:
+        check("residual", residual, (torch.float32,), x.device)
+    if out is not None:
+        check("out", out, (torch.float32,), x.device)
+    bounds = [int(v) for v in bounds]
+    T = tile_size(tile)
+    offsets, total = sign_segments_layout(bounds)
+    body = torch.zeros(total // 4, dtype=torch.int32, device=x.device)
+
+    def build():
+        table, spans, p0 = [], [], 0
+        for off, a, b in zip(offsets, bounds, bounds[1:]):
+            count = -(-(b - a) // T)
+            table.append([a, b - a, p0, count, off // 4])
+            spans.append(b - a)
+            p0 += count
+        return table, spans, T
+
+    prog_seg, prog_first, seg = segment_tables(("sign", tuple(bounds), T), x.device, build)
+    if prog_seg.numel():
+        xf = x.reshape(-1)
+        r = xf if residual is None else residual.reshape(-1)
+        part = torch.empty(prog_seg.numel(), dtype=torch.float64, device=x.device)
+        has = {"HAS_R": residual is not None, "num_warps": NUM_WARPS, **LAUNCH}
+        _sign_seg_sums_kernel[(prog_seg.numel(),)](xf, r, part, prog_seg, prog_first, seg, TILE=T, **has)
+        _sign_seg_scales_kernel[(seg.shape[0],)](part, seg, body, CHUNK=SEG_CHUNK, num_warps=4, **LAUNCH)
+        _sign_seg_encode_kernel[(prog_seg.numel(),)](
+            xf,
+            r,
+            xf if out is None else out.reshape(-1),
+            body,
+            prog_seg,
+            prog_first,
+            seg,
+            WORDS=T // 32,
+            WRITE_R=out is not None,
+            **has,
+        )
+    return body.view(torch.uint8), offsets
+
+
 def _sign_sig(xp, ni="i32"):
     return {
         "x_ptr": xp,
@@ -184,7 +303,39 @@ def _onepass_sig(xp, ni="i32"):
     return dict(_sign_sig(xp, ni), nb=ni)
 
 
+_SEG_TABLES = {"prog_seg_ptr": "*i32", "prog_first_ptr": "*i64", "seg_ptr": "*i64"}
+
+
 AOT_SPECS = [
+    # A tensor's pieces, one scale each: float32 with its residual (compensated in place, or
+    # from the memory), bf16 with one.
+    *(
+        spec(
+            _sign_seg_sums_kernel,
+            {"x_ptr": xp, "r_ptr": "*fp32", "part_ptr": "*fp64", **_SEG_TABLES},
+            {"TILE": TILE_GPU, "HAS_R": has},
+            num_warps=NUM_WARPS,
+            divisible=(),
+        )
+        for xp, has in (("*fp32", False), ("*fp32", True), ("*bf16", True))
+    ),
+    spec(
+        _sign_seg_scales_kernel,
+        {"part_ptr": "*fp64", "seg_ptr": "*i64", "body_ptr": "*i32"},
+        {"CHUNK": SEG_CHUNK},
+        num_warps=4,
+        divisible=(),
+    ),
+    *(
+        spec(
+            _sign_seg_encode_kernel,
+            {"x_ptr": xp, "r_ptr": "*fp32", "rout_ptr": "*fp32", "body_ptr": "*i32", **_SEG_TABLES},
+            {"WORDS": TILE_GPU // 32, "HAS_R": has, "WRITE_R": True},
+            num_warps=NUM_WARPS,
+            divisible=(),
+        )
+        for xp, has in (("*fp32", False), ("*fp32", True), ("*bf16", True))
+    ),
     spec(
         _sign_scales_kernel,
         {"sums_ptr": "*fp64", "scales_ptr": "*fp32", "n": "i64", "b": "i64", "nb": "i32", "cb": "i32"},

@@ -750,32 +750,33 @@ def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels
 
 @pytest.mark.parametrize("kernels", [None, "reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_signsgd_encodes_pieces_of_one_layout_together_as_piece_by_piece(dtype, kernels, monkeypatch):
-    """SignSGD.encode_pieces (one kernels.sign_ef over pieces whose blocks and sign words lie
-    within a piece) against Codec.encode_pieces (an encode a piece), bit for bit: the frames as
-    sent, the residuals (apart, and compensated in place as TwoPhase hands it), without feedback
-    too, under every backend; and pieces whose layout does not allow it (a length not a
-    multiple of 32, or of the block; unequal pieces) go one by one, with the same result."""
+def test_signsgd_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels, monkeypatch):
+    """SignSGD.encode_pieces against Codec.encode_pieces (an encode a piece), bit for bit: the
+    frames as sent, the residuals (apart, and compensated in place as TwoPhase hands it),
+    without feedback too, under every backend. Pieces of one length, a multiple of 32 and of the
+    block (block=None: the piece), by one kernels.sign_ef; else with one scale a piece
+    (``block=None``) pieces of any lengths (not multiples of 32, empty, not from element 0) by
+    one kernels.sign_ef_segments; other layouts one by one, with the same result."""
     import gradzip.kernels as K
 
     _force_kernels(kernels, monkeypatch)
     calls = []
-    real = K.sign_ef
-
-    def spy(x, *a, **kw):
-        calls.append(x.numel())
-        return real(x, *a, **kw)
-
-    monkeypatch.setattr(K, "sign_ef", spy)
+    for op in ("sign_ef", "sign_ef_segments"):
+        real = getattr(K, op)
+        monkeypatch.setattr(
+            K, op, lambda x, *a, _op=op, _real=real, **kw: calls.append((_op, x.numel())) or _real(x, *a, **kw)
+        )
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     g = torch.Generator().manual_seed(7)
-    cases = [  # (block, bounds, together)
-        (None, [0, 1024, 2048, 3072, 4096], True),
-        (64, [0, 1024, 2048, 3072, 4096], True),
-        (4096, [0, 1024, 2048, 3072, 4096], True),  # a block beyond the piece: the piece is one
-        (None, [0, 1000, 2000, 3000, 4000], False),  # not a multiple of 32
-        (96, [0, 1024, 2048, 3072, 4096], False),  # not a multiple of the block
-        (None, [0, 1024, 2048, 2048, 4096], False),  # unequal
+    cases = [  # (block, bounds, the one call expected, or None: piece by piece)
+        (None, [0, 1024, 2048, 3072, 4096], "sign_ef"),
+        (None, [0, 1000, 2000, 3000, 4000], "sign_ef_segments"),  # not a multiple of 32
+        (None, [0, 1024, 2048, 2048, 4096], "sign_ef_segments"),  # unequal, one empty
+        (None, [5, 37, 38, 1100, 3001], "sign_ef_segments"),  # from element 5, one of one element
+        (64, [0, 1024, 2048, 3072, 4096], "sign_ef"),
+        (4096, [0, 1024, 2048, 3072, 4096], "sign_ef"),  # a block beyond the piece: the piece is one
+        (96, [0, 1024, 2048, 3072, 4096], None),  # not a multiple of the block
+        (64, [0, 1024, 2048, 2048, 4096], None),  # unequal
     ]
     for block, bounds, together in cases:
         n = bounds[-1]
@@ -785,5 +786,10 @@ def test_signsgd_encodes_pieces_of_one_layout_together_as_piece_by_piece(dtype, 
         codec = SignSGD(block=block)
         del calls[:]
         codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=torch.empty(n, dtype=acc))
-        assert (calls == [n]) == together, (block, bounds, calls)
+        want = (
+            [(together, bounds[-1] - bounds[0])]
+            if together
+            else [("sign_ef", b - a) for a, b in zip(bounds, bounds[1:])]
+        )
+        assert calls == want, (block, bounds, calls)
         _pieces_as_one_by_one(codec, x, r, bounds, ctxs, acc)

@@ -289,6 +289,41 @@ def test_compiled_int8_encode_segments_matches_reference_and_is_chosen(monkeypat
 
 
 @pytest.mark.gpu
+def test_compiled_sign_ef_segments_matches_reference_and_is_chosen(monkeypatch):
+    """A tensor's TwoPhase pieces, one scale each, with their error feedback in three launches
+    on the device: the bodies bit for bit with the CPU reference and the residual (written over
+    the input, as SignSGD.encode_pieces asks when TwoPhase compensated in place; a NaN matches
+    any NaN) on 8 pieces of a ResNet-50-sized bucket and on ragged, empty and one-element
+    pieces, float32 and bf16 inputs with a residual apart; chosen for CUDA tensors."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from gradzip.kernels.quant import sign_ef_segments_reference
+
+    def close(a, b):
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+            bits(a.masked_fill(a.isnan(), 0)), bits(b.masked_fill(b.isnan(), 0))
+        )
+
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    g = torch.Generator().manual_seed(0)
+    for n, bounds in ((6_553_600, [j * 6_553_600 // 8 for j in range(9)]), (5003, [3, 1250, 1250, 1251, 3751, 5000])):
+        x = torch.randn(n, generator=g) * 3
+        x[100], x[4000] = float("nan"), float("inf")
+        r_want = x.clone()
+        want, offs = sign_ef_segments_reference(r_want, bounds, out=r_want)
+        xc = x.cuda()
+        got, got_offs = K.sign_ef_segments(xc, bounds, out=xc)
+        assert got_offs == offs and torch.equal(got.cpu(), want), n
+        assert close(xc.cpu(), r_want), n
+        xb, r = x.bfloat16(), torch.randn(n, generator=g)
+        out_want = torch.zeros(n)
+        want, _ = sign_ef_segments_reference(xb, bounds, residual=r, out=out_want)
+        out = torch.zeros(n, device="cuda")
+        got, _ = K.sign_ef_segments(xb.cuda(), bounds, residual=r.cuda(), out=out)
+        assert torch.equal(got.cpu(), want) and close(out.cpu(), out_want), n
+    assert K.backend_report()["ops"]["sign_ef_segments"]["chosen"]["cuda"]["backend"] == "triton"
+
+
+@pytest.mark.gpu
 def test_compiled_bit_packing_matches_the_cpu(monkeypatch):
     """K.pack_uint and K.unpack_uint on CUDA tensors take the Triton kernels: the bytes and values
     of the CPU route, bit for bit, at the widths top-k's positions use (1 for the Elias-Fano

@@ -832,6 +832,82 @@ def test_int8_encode_segments_checks_its_arguments():
         K.int8_encode_segments(x, [0, 10], residual=torch.zeros(10, dtype=torch.float64))
 
 
+def _sign_segments_check(encode, tile=None, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    """``encode(x, bounds, residual=, out=)`` against the reference and against
+    ``sign_ef_reference`` piece by piece, bit for bit: the bodies, the new residual (apart,
+    written over the residual read, and over x compensated in place) and the elements outside
+    the pieces left alone; extreme pieces too (NaN, infinity, float32's ends: a scale of 0 or
+    NaN; a NaN residual matches any NaN: the backends' NaN payloads differ)."""
+
+    def close(a, b):
+        return torch.equal(a.isnan(), b.isnan()) and same(a.masked_fill(a.isnan(), 0.0), b.masked_fill(b.isnan(), 0.0))
+
+    kw = {} if tile is None else {"tile": tile}
+    for n, bounds in SEGMENT_BOUNDS:
+        for dtype in dtypes:
+            for extreme in (False, True):
+                x = _segments_input(n, extreme).to(dtype)
+                r = torch.randn(n, generator=gen(n)) * 0.5
+                want, woffs = Q.sign_ef_segments_reference(x, bounds)
+                assert woffs == Q.sign_segments_layout(bounds)[0]
+                out_want = torch.full((n,), 7.0)
+                want_r, _ = Q.sign_ef_segments_reference(x, bounds, residual=r, out=out_want)
+                for j, (a, b) in enumerate(zip(bounds, bounds[1:])):  # the reference is sign_ef per piece
+                    if a == b:
+                        continue
+                    sc, words, res = Q.sign_ef_reference(x[a:b], r[a:b], new_residual=True)
+                    body = want_r[woffs[j] : woffs[j] + 4 + 4 * words.numel()]
+                    assert same(body[:4].view(torch.float32), sc) and same(body[4:].view(torch.int32), words)
+                    assert close(out_want[a:b], res)
+                assert bool((out_want[: bounds[0]] == 7).all()) and bool((out_want[bounds[-1] :] == 7).all())
+                got, offs = encode(x, bounds, **kw)
+                assert offs == woffs and torch.equal(got, want), (n, dtype, extreme)
+                out = torch.full((n,), 7.0)
+                assert torch.equal(encode(x, bounds, residual=r, out=out, **kw)[0], want_r)
+                assert close(out, out_want), (n, dtype, extreme)
+                over = r.clone()  # the new residual over the one read
+                assert torch.equal(encode(x, bounds, residual=over, out=over, **kw)[0], want_r)
+                a, b = bounds[0], bounds[-1]
+                assert close(over[a:b], out_want[a:b]) and same(over[:a], r[:a]) and same(over[b:], r[b:])
+                if dtype == torch.float32:  # compensated already, encoded in place
+                    v = x + r
+                    assert torch.equal(encode(v, bounds, out=v, **kw)[0], want_r)
+                    assert close(v[a:b], out_want[a:b]) and same(v[:a], (x + r)[:a])
+
+
+@quiet[0]
+@quiet[1]
+def test_sign_ef_segments_is_sign_ef_per_piece():
+    """The op through the dispatch (Numba on the CPU, else the reference) and the reference."""
+    _sign_segments_check(K.sign_ef_segments)
+
+
+@interp
+@quiet[0]
+@quiet[1]
+def test_sign_ef_segments_kernels_match_reference():
+    """The three Triton launches with the interpreter's tile and a small one (256: a piece spanning
+    several programs, a program's words crossing no piece)."""
+    from gradzip.kernels.triton.sign import sign_ef_segments_triton
+
+    _sign_segments_check(sign_ef_segments_triton, dtypes=(torch.bfloat16,))
+    _sign_segments_check(sign_ef_segments_triton, tile=256, dtypes=(torch.float32, torch.float16))
+
+
+def test_sign_ef_segments_checks_its_arguments():
+    x = torch.zeros(10)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.sign_ef_segments(x, [0, 6, 5, 10])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        K.sign_ef_segments(x, [0, 11])
+    with pytest.raises(ValueError, match="flat contiguous"):
+        K.sign_ef_segments(x.view(2, 5), [0, 10])
+    with pytest.raises(ValueError, match="residual has 9"):
+        K.sign_ef_segments(x, [0, 10], residual=torch.zeros(9))
+    with pytest.raises(TypeError, match="out must be a torch.float32"):
+        K.sign_ef_segments(x, [0, 10], out=torch.zeros(10, dtype=torch.float64))
+
+
 @interp
 @quiet[0]
 @quiet[1]
