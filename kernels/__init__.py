@@ -14,7 +14,8 @@ compressors or torch.distributed.
 Ops:
 
 * sparsification: :func:`threshold_ef`, :func:`decode_add_bitmap2`,
-  :func:`scatter_add_signed`, :func:`scatter_add_sparse`, :func:`abs_select` and the
+  :func:`scatter_add_signed`, :func:`scatter_add_sparse`, :func:`scatter_add_sparse_many` (every
+  peer's frame at once, in order), :func:`abs_select` and the
   composite :func:`sampled_topk`;
 * quantizers: :func:`sign_ef`, :func:`sign_ef_segments` (a tensor's pieces, one scale each, and
   their error feedback at once), :func:`qsgd_encode`, :func:`terngrad_encode`,
@@ -93,6 +94,7 @@ from .reference import (
     sampled_topk_approx_reference,
     sampled_topk_reference,
     scatter_add_signed_reference,
+    scatter_add_sparse_many_reference,
     scatter_add_sparse_reference,
     threshold_ef_reference,
     threshold_select_reference,
@@ -106,6 +108,7 @@ __all__ = [
     "decode_add_bitmap2",
     "scatter_add_signed",
     "scatter_add_sparse",
+    "scatter_add_sparse_many",
     "abs_select",
     "sampled_topk",
     "approx_band",
@@ -170,6 +173,10 @@ _OPS = {
     "decode_add_bitmap2": (decode_add_bitmap2_reference, {"triton": (".triton.decode", "decode_add_bitmap2_triton")}),
     "scatter_add_signed": (scatter_add_signed_reference, {"triton": (".triton.decode", "scatter_add_signed_triton")}),
     "scatter_add_sparse": (scatter_add_sparse_reference, {"triton": (".triton.decode", "scatter_add_sparse_triton")}),
+    "scatter_add_sparse_many": (
+        scatter_add_sparse_many_reference,
+        {"triton": (".triton.decode", "scatter_add_sparse_many_triton")},
+    ),
     "abs_select": (
         abs_select_reference,
         {
@@ -378,6 +385,27 @@ def scatter_add_sparse(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor)
     if idx.numel() == 0:
         return
     _run("scatter_add_sparse", out, out, idx.reshape(-1), vals.reshape(-1))
+
+
+def scatter_add_sparse_many(out: torch.Tensor, idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]) -> None:
+    """:func:`scatter_add_sparse` of every peer's frame ``(idxs[j], vals[j])`` in order, each
+    frame's indices distinct and in range: an element's sum takes its peers' values in that
+    order, bit for bit as frame after frame (on CUDA one launch for all of them after a stable
+    sort of their indices, where each frame took one)."""
+    _check_float("out", out)
+    idxs, vals = list(idxs), list(vals)
+    if len(idxs) != len(vals):
+        raise ValueError(f"{len(idxs)} index tensors for {len(vals)} value tensors")
+    for i, v in zip(idxs, vals):
+        _check_float("vals", v)
+        if i.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be int32 or int64, got {i.dtype}")
+        if i.numel() != v.numel():
+            raise ValueError(f"{i.numel()} indices for {v.numel()} values")
+    flat = lambda t: t if t.dim() == 1 else t.reshape(-1)  # noqa: E731 (no operation for a flat one)
+    kept = [(flat(i), flat(v)) for i, v in zip(idxs, vals) if i.numel()]
+    if kept:
+        _run("scatter_add_sparse_many", out, out, [i for i, _ in kept], [v for _, v in kept])
 
 
 def abs_select(v: torch.Tensor, thr, expected: int | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ __all__ = [
     "decode_add_bitmap2_reference",
     "scatter_add_signed_reference",
     "scatter_add_sparse_reference",
+    "scatter_add_sparse_many_reference",
     "abs_select_reference",
     "sampled_topk_reference",
     "sampled_topk_threshold",
@@ -249,6 +250,15 @@ def scatter_add_signed_reference(out: torch.Tensor, words: torch.Tensor, tau: fl
 def scatter_add_sparse_reference(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
     """``out[idx] += vals`` (one peer's top-k frame; indices int32 or int64)."""
     out.index_add_(0, idx.to(torch.int64), vals.to(out.dtype))
+
+
+def scatter_add_sparse_many_reference(
+    out: torch.Tensor, idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]
+) -> None:
+    """:func:`scatter_add_sparse_reference` of every peer's frame, in order: each element's sum
+    takes its peers' values in the frames' order."""
+    for i, v in zip(idxs, vals):
+        scatter_add_sparse_reference(out, i, v)
 
 
 # -- top-k by a sampled threshold ----------------------------------------------------------

@@ -859,6 +859,24 @@ class TopK(Codec):
         idx = torch.cat([i if st == 0 else i + st for (i, _), st in parts])
         K.scatter_add_sparse(out, idx, torch.cat([v for (_, v), _ in parts]))
 
+    def accumulate_many(self, payloads, out: torch.Tensor) -> None:
+        """Every peer's frame of one tensor, in order: the sparse frames' positions and values
+        by one ``scatter_add_sparse_many`` (on CUDA one launch after a stable sort, where each
+        frame took one), each element's values added in the peers' order, so the sums are
+        :meth:`accumulate`'s frame by frame, bit for bit. With a dense frame among them, or
+        values of several dtypes, frame by frame."""
+        payloads = list(payloads)
+        for p in payloads:
+            if out.numel() != p.numel:
+                raise ValueError(f"a frame of {p.numel} elements decoded into {out.numel()}")
+            self.validated(p)
+        sparse = [p for p in payloads if p.fmt != FMT_EMPTY]
+        if len(sparse) < 2 or any(p.fmt == FMT_DENSE for p in sparse) or len({p.vdtype for p in sparse}) > 1:
+            super().accumulate_many(payloads, out)
+            return
+        parts = [self._split(p, out.numel()) for p in sparse]
+        K.scatter_add_sparse_many(out, [i for i, _ in parts], [v for _, v in parts])
+
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         if out.numel() != payload.numel:
             raise ValueError(f"a frame of {payload.numel} elements decoded into {out.numel()}")

@@ -17,6 +17,9 @@
 * :func:`_scatter_add_signed_kernel`: one peer's signed index words.
 * :func:`_scatter_add_sparse_kernel`: one peer's top-k frame (int32/int64
   indices, float32/16/bf16 values).
+* :func:`_scatter_add_runs_kernel`: every peer's top-k frame at once, their entries sorted by
+  index (stably: a run of one index holds its peers' values in peer order); the run's first
+  entry adds them, in that order.
 
 Bodies that live in one buffer (the all-gathered messages) are read in place
 through byte offsets from its base (:func:`_bodies_base`).
@@ -24,7 +27,8 @@ through byte offsets from its base (:func:`_bodies_base`).
 The scatters read, add and write each target once. The indices of one frame are
 distinct (every encoder here writes them so), so this is exact and needs no
 atomics; peers are applied one launch after the other, in order, because two
-peers may hit the same element and float addition does not commute bit for bit.
+peers may hit the same element and float addition does not commute bit for bit, or (the runs
+kernel) by one program per element that adds its peers' values in their order.
 
 References: ``decode_add_bitmap2_reference``, ``scatter_add_signed_reference``,
 ``scatter_add_sparse_reference`` in :mod:`gradzip.kernels.reference`;
@@ -39,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import KERNEL_DTYPES
+from ..dispatch import KERNEL_DTYPES, Unsupported
 from ..quant import QUANT_KINDS, _body_layout, quant_layout
 from . import LAUNCH, check, row_tile, segment_tables, size, spec
 
@@ -50,6 +54,7 @@ __all__ = [
     "decode_add_quant_segments_triton",
     "scatter_add_signed_triton",
     "scatter_add_sparse_triton",
+    "scatter_add_sparse_many_triton",
     "quant_body_stats_triton",
 ]
 
@@ -203,6 +208,26 @@ def _scatter_add_sparse_kernel(out_ptr, idx_ptr, val_ptr, k, n, BLOCK: tl.conste
     ok = m & (idx >= 0) & (idx < n)
     cur = tl.load(out_ptr + idx, mask=ok, other=0.0)
     tl.store(out_ptr + idx, cur + val, mask=ok)
+
+
+@triton.jit
+def _scatter_add_runs_kernel(out_ptr, idx_ptr, val_ptr, k, n, runs, BLOCK: tl.constexpr):
+    """Entries ``0 .. k`` sorted by index, stably, no run longer than ``runs``: the first entry
+    of each run reads its element once, adds the run's values in order and writes it once."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < k
+    idx = tl.load(idx_ptr + offs, mask=m, other=-1)
+    prev = tl.load(idx_ptr + offs - 1, mask=m & (offs > 0), other=-1)
+    head = m & (idx != prev) & (idx >= 0) & (idx < n)
+    acc = tl.load(out_ptr + idx, mask=head, other=0.0)
+    for t in range(0, runs):
+        j = offs + t
+        mine = head & (j < k)
+        mine = mine & (tl.load(idx_ptr + j, mask=mine, other=-1) == idx)
+        val = tl.load(val_ptr + j, mask=mine, other=0.0).to(tl.float32)
+        acc = tl.where(mine, acc + val, acc)  # (not acc + 0.0: -0.0 stays -0.0)
+    tl.store(out_ptr + idx, acc, mask=head)
 
 
 def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,6 +402,30 @@ def scatter_add_sparse_triton(
     _scatter_add_sparse_kernel[(triton.cdiv(k, B),)](out, idx, vals, k, out.numel(), BLOCK=B, num_warps=4, **LAUNCH)
 
 
+def scatter_add_sparse_many_triton(
+    out: torch.Tensor, idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor], *, block: int | None = None
+) -> None:
+    """Triton version of :func:`~gradzip.kernels.reference.scatter_add_sparse_many_reference`:
+    every frame's entries joined, sorted by index stably (each element's values stay in frame
+    order), then one launch of :func:`_scatter_add_runs_kernel`; one frame: its own launch."""
+    check("out", out, (torch.float32,))
+    for i, v in zip(idxs, vals):
+        check("idx", i, (torch.int32, torch.int64), out.device)
+        check("vals", v, KERNEL_DTYPES, out.device)
+    if len(idxs) == 1:
+        scatter_add_sparse_triton(out, idxs[0], vals[0], block=block)
+        return
+    if len({v.dtype for v in vals}) > 1:
+        raise Unsupported("values of several dtypes")
+    idx, order = torch.cat([i if i.dtype == torch.int64 else i.long() for i in idxs]).sort(stable=True)
+    val = torch.cat(list(vals))[order]
+    k = idx.numel()
+    B = size("block", block, SCATTER_GPU, SCATTER_INTERPRETER)
+    _scatter_add_runs_kernel[(triton.cdiv(k, B),)](
+        out, idx, val, k, out.numel(), len(idxs), BLOCK=B, num_warps=4, **LAUNCH
+    )
+
+
 _DEC_SIG = {
     "out_ptr": "*fp32",
     "base_ptr": "*u8",
@@ -494,6 +543,16 @@ AOT_SPECS = (
             divisible=(),
         )
         for ip, vp in (("*i32", "*fp32"), ("*i32", "*fp16"), ("*i64", "*bf16"))
+    ]
+    + [
+        spec(
+            _scatter_add_runs_kernel,
+            {"out_ptr": "*fp32", "idx_ptr": "*i64", "val_ptr": vp, "k": "i32", "n": "i64", "runs": "i32"},
+            {"BLOCK": SCATTER_GPU},
+            num_warps=4,
+            divisible=(),
+        )
+        for vp in ("*fp32", "*fp16", "*bf16")
     ]
     + [
         spec(

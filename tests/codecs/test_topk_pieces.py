@@ -243,3 +243,42 @@ def test_the_dispatched_bit_packing_is_bitpacks_and_refuses_as_it_does():
         K.unpack_uint(packed.to(torch.int32), 5, 11)
     with pytest.raises(ValueError, match="n must be"):
         K.unpack_uint(packed, -1, 11)
+
+
+@pytest.mark.parametrize(
+    "spec", ["TopK(0.3)", "TopK(0.01)", "TopK(0.05, values='sign')", "TopK(0.05, values='fp16')", "TopK(1.0)"]
+)
+def test_accumulate_many_adds_every_peer_at_once_as_frame_by_frame(spec, monkeypatch):
+    """TopK.accumulate_many (one kernels.scatter_add_sparse_many for the sparse frames) against
+    Codec.accumulate_many (an accumulate a frame), bit for bit: 4 peers' frames of one tensor,
+    bitmap, Elias-Fano, sign and fp16-value frames, positions shared between peers, an output
+    holding -0.0; dense frames (TopK(1.0)) go frame by frame. Under the interpreter the Triton
+    kernel (forced) too."""
+    import os
+
+    import gradzip as gz
+
+    calls = []
+    real = K.scatter_add_sparse_many
+    monkeypatch.setattr(K, "scatter_add_sparse_many", lambda *a: calls.append(len(a[1])) or real(*a))
+    codec = gz.parse(spec)
+    g = torch.Generator().manual_seed(11)
+    n = 1000
+    frames = [
+        codec.compress(torch.randn(n, generator=g) * 10.0**p, TensorContext(name="x", dtype=torch.float32))
+        for p in range(-1, 3)
+    ]
+    out0 = torch.randn(n, generator=g)
+    out0[::5] = -0.0
+    got, want = out0.clone(), out0.clone()
+    codec.accumulate_many(frames, got)
+    Codec.accumulate_many(codec, frames, want)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert calls == ([] if spec == "TopK(1.0)" else [4])
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setenv(K.ENV_VAR, "triton")
+        got = out0.clone()
+        codec.accumulate_many(frames, got)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="decoded into"):
+        codec.accumulate_many(frames, torch.zeros(n + 1))

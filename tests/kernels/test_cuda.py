@@ -218,6 +218,12 @@ def test_compiled_triton_kernels_match_reference(dtype, n):
     scatter_add_sparse_triton(a, idx.to(torch.int32), vals)
     R.scatter_add_sparse_reference(b, idx, vals)
     assert torch.equal(bits(a), bits(b))
+    idxs = [idx, torch.randperm(n, generator=g)[:k].cuda(), idx.flip(0)]  # peers sharing elements
+    peer_vals = [vals, torch.randn(k, generator=g).to(dtype).cuda(), -vals]
+    a, b = out0.clone(), out0.clone()
+    K.scatter_add_sparse_many(a, idxs, peer_vals)  # one launch after a stable sort
+    R.scatter_add_sparse_many_reference(b, idxs, peer_vals)
+    assert torch.equal(bits(a), bits(b))
     thr = x.abs().float().kthvalue(max(1, n - n // 100)).values.to(dtype)
     assert torch.equal(abs_select_triton(x, thr, expected=1), R.abs_select_reference(x, thr))
 

@@ -175,6 +175,48 @@ def test_scatter_add_sparse_matches_reference(vdtype, idtype, n, k):
     assert torch.equal(bits(got), bits(want))
 
 
+def _peer_frames(n, peers, vdtype, seed):
+    """``peers`` top-k frames of an ``n``-element tensor (distinct indices each, many shared
+    between frames, one frame empty, int32 and int64 indices), and an output holding -0.0."""
+    g = gen(seed)
+    idxs, vals = [], []
+    for p in range(peers):
+        k = 0 if p == 1 else int(torch.randint(1, n + 1, (1,), generator=g))
+        idx = torch.randperm(n, generator=g)[:k]
+        idxs.append(idx.to(torch.int32 if p % 2 else torch.int64))
+        v = torch.randn(k, generator=g) * 10.0 ** torch.randint(-3, 4, (k,), generator=g)
+        v[: k // 5] = -0.0 if p % 3 else 0.0  # signed zeros: -0.0 + -0.0 stays -0.0
+        vals.append(v.to(vdtype))
+    out0 = torch.randn(n, generator=g)
+    out0[::7] = -0.0
+    return idxs, vals, out0
+
+
+@interp
+@pytest.mark.parametrize("vdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,peers", [(1, 3), (33, 8), (4097, 5)])
+def test_scatter_add_sparse_many_matches_frame_by_frame(vdtype, n, peers):
+    """Every peer's frame in one launch (a stable sort, then a program per element's run) against
+    the reference frame by frame, bit for bit: indices shared by several peers (so each element's
+    order of addition matters), an empty frame, signed zeros; small blocks (a run crossing
+    programs) and the dispatch choosing the kernel where Triton is forced."""
+    from gradzip.kernels.triton.decode import scatter_add_sparse_many_triton
+
+    idxs, vals, out0 = _peer_frames(n, peers, vdtype, n * 10 + peers)
+    want = out0.clone()
+    R.scatter_add_sparse_many_reference(want, idxs, vals)
+    for block in (None, 4 if n < 100 else 512):
+        got = out0.clone()
+        scatter_add_sparse_many_triton(got, [i for i in idxs if i.numel()], [v for v in vals if v.numel()], block=block)
+        assert torch.equal(bits(got), bits(want)), block
+    got = out0.clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(K.ENV_VAR, "triton")
+        K.scatter_add_sparse_many(got, idxs, vals)
+        assert K.backend_report()["ops"]["scatter_add_sparse_many"]["chosen"]["cpu"]["backend"] == "triton"
+    assert torch.equal(bits(got), bits(want))
+
+
 # -- top-k compaction ----------------------------------------------------------------------------
 
 
