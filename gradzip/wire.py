@@ -211,6 +211,12 @@ class Payload:
         return n
 
 
+def itemsize(dtype: torch.dtype | None) -> int:
+    """Bytes per element of ``dtype`` (None: torch's default dtype, as ``torch.empty`` reads
+    it), with no tensor made: no operation on a step's path."""
+    return (dtype if dtype is not None else torch.get_default_dtype()).itemsize
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's bytes (a copy only if not contiguous)."""
     t = t.contiguous().reshape(-1)
@@ -256,7 +262,7 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return b
     if b.numel() == 0:
         return torch.empty(0, dtype=dtype, device=b.device)
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = itemsize(dtype)
     if b.storage_offset() % size or not b.is_contiguous():
         b = b.clone()
     return b.view(dtype)

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..registry import Registered
-from ..wire import FrameError, Payload, accum_dtype, formats
+from ..wire import FrameError, Payload, accum_dtype, formats, itemsize
 
 __all__ = ["Codec", "TensorContext", "tensor_seed", "check_input", "FrameError"]
 
@@ -292,7 +292,7 @@ def check_dense(codec, payload: Payload, vdtypes) -> None:
     """A ``DENSE`` frame: every element in one of ``vdtypes``, no scale."""
     check_vdtype(codec, payload, vdtypes)
     check_no_scale(codec, payload)
-    check_length(codec, payload, payload.numel * torch.empty(0, dtype=payload.vdtype).element_size())
+    check_length(codec, payload, payload.numel * itemsize(payload.vdtype))
 
 
 def check_empty(codec, payload: Payload, scale: str | None = None) -> None:

@@ -10,7 +10,18 @@ import gradzip.args as args
 import gradzip.kernels as K
 import gradzip.warmup as warmup
 
-from ..wire import FMT_DENSE, FMT_EMPTY, FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, row_view
+from ..wire import (
+    FMT_DENSE,
+    FMT_EMPTY,
+    FrameError,
+    Payload,
+    accum_dtype,
+    as_bytes,
+    from_bytes,
+    itemsize,
+    narrow,
+    row_view,
+)
 from .base import (
     Codec,
     TensorContext,
@@ -345,10 +356,12 @@ def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     return idx, body[pos + llen + ulen :]
 
 
-def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
+def unpack_ef_many(bodies: list, ns: list, value_bytes: list, vdtype: torch.dtype | None = None) -> list | None:
     """:func:`unpack_ef` of several frames with two host syncs in all (one copy of every
     frame's first bytes, one read of every frame's flags) instead of about three a frame: a
-    list of ``(indices, the bytes after the positions)``, or None where any frame is one
+    list of ``(indices, the bytes after the positions)`` (with ``vdtype``: those bytes as
+    ``vdtype`` values, by ``wire.from_bytes``; for frames that are rows of one view, one view of
+    all rows), or None where any frame is one
     :func:`unpack_ef` refuses (the caller then checks frame by frame, which names it). The
     positions come from the bitmap by a prefix sum and a scatter, not ``nonzero`` (whose output
     size is a host sync on a GPU): the same ascending positions wherever the bitmap holds ``k``
@@ -356,7 +369,11 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
     if not bodies:
         return []
     dev = bodies[0].device
-    heads = torch.cat([b[:10] for b in bodies]).cpu().tolist()
+    rows = row_view(bodies)  # a round's frames of one length at one stride: one view of them all
+    if rows is not None and rows.shape[1] >= 10:
+        heads = rows[:, :10].reshape(-1).cpu().tolist()
+    else:
+        heads = torch.cat([b[:10] for b in bodies]).cpu().tolist()
     plans, off = [], 0
     for body, n, vb in zip(bodies, ns, value_bytes):
         m = min(10, body.numel())
@@ -365,10 +382,8 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
         except FrameError:
             return None
         off += m
-    if len(set(plans)) == 1 and len(set(ns)) == 1:
-        rows = row_view(bodies)  # a round's frames of one layout at one stride: all at once
-        if rows is not None:
-            return _unpack_ef_rows(rows, ns[0], plans[0])
+    if rows is not None and len(set(plans)) == 1 and len(set(ns)) == 1:
+        return _unpack_ef_rows(rows, ns[0], plans[0], vdtype)  # one layout too: every step at once
     flags, out = [], []
     for body, n, (k, pos, low, upper, llen, ulen) in zip(bodies, ns, plans):
         lows = _ef_lows(body, pos, llen, k, low)
@@ -387,15 +402,17 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list) -> list | None:
         if k > 1:
             good = good & (idx[1:] > idx[:-1]).all()
         flags.append(good & (idx[-1] < n))
-        out.append((idx, body[pos + llen + ulen :]))
+        tail = body[pos + llen + ulen :]
+        out.append((idx, tail if vdtype is None else from_bytes(tail, vdtype)))
     return out if bool(torch.stack(flags).all()) else None
 
 
-def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple) -> list | None:
+def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype | None = None) -> list | None:
     """:func:`unpack_ef_many` of frames of one layout (``plan``, from :func:`_ef_layout`) that
     are the rows of one 2-D view: every step once for all of them, and one read of their flags.
-    The bytes after the positions (the values) are views of the rows, or, where they are not
-    8-byte aligned, of one aligned copy of all rows' values."""
+    The bytes after the positions (the values; with ``vdtype``, those values, by one view of
+    all rows) are views of the rows, or, where they are not 8-byte aligned, of one aligned copy
+    of all rows' values."""
     k, pos, low, upper, llen, ulen = plan
     f, dev = rows.shape[0], rows.device
     lows = K.unpack_uint(rows[:, pos : pos + llen], k, low) if low else torch.zeros(f, k, dtype=torch.int64, device=dev)
@@ -419,6 +436,8 @@ def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple) -> list | None:
     tail = rows[:, pos + llen + ulen :]
     if tail.shape[1] and (tail.storage_offset() % 8 or tail.stride(0) % 8):
         tail = tail.contiguous()  # the values aligned by one copy of all rows, not one a frame
+    if vdtype is not None and vdtype != torch.uint8 and tail.shape[1]:
+        tail = tail.view(vdtype)  # every row's values at once (rows and their starts 8-byte aligned)
     return [(idx[j], tail[j]) for j in range(f)]
 
 
@@ -548,8 +567,8 @@ class TopK(Codec):
             vdtype = _VALUE_DTYPES[self.values]
         else:
             vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
-        itemsize = torch.empty(0, dtype=vdtype).element_size()
-        if k * itemsize >= n * v.element_size():  # the values alone are no smaller than the input
+        vsize = itemsize(vdtype)
+        if k * vsize >= n * v.element_size():  # the values alone are no smaller than the input
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
         idx = self.select(v, k, ctx)
         vals = v[idx]
@@ -634,9 +653,9 @@ class TopK(Codec):
         if len(ks) != 1 or len(vdtypes) != 1:
             return None
         k, vdtype = ks.pop(), vdtypes.pop()
-        itemsize, dense = torch.empty(0, dtype=vdtype).element_size(), n * vtype.itemsize
+        vsize, dense = itemsize(vdtype), n * vtype.itemsize
         ef = ef_nbytes(n, k)
-        if not k or k * itemsize >= dense or (n + 7) // 8 < ef or ef + k * itemsize >= dense:
+        if not k or k * vsize >= dense or (n + 7) // 8 < ef or ef + k * vsize >= dense:
             return None
         if not _rows_topk(x.device, n, k):
             return None
@@ -721,11 +740,13 @@ class TopK(Codec):
             except FrameError:
                 parsed = None
             else:
-                vbs = [torch.empty(0, dtype=p.vdtype).element_size() for p in ef]
-                parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs)
+                vbs = [itemsize(p.vdtype) for p in ef]
+                vdtypes = {p.vdtype for p in ef}
+                one = vdtypes.pop() if len(vdtypes) == 1 else None  # values typed at once
+                parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs, one)
         # (a SPARSE_EF frame only where its positions take no more than a mask would)
         if parsed is not None and all(
-            p.body.numel() - r.numel() <= (p.numel + 7) // 8 for p, (_, r) in zip(ef, parsed)
+            p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8 for p, (_, r) in zip(ef, parsed)
         ):
             try:
                 for p in rest:
@@ -734,7 +755,7 @@ class TopK(Codec):
                 pass  # named below, frame by frame
             else:
                 for p, (idx, r) in zip(ef, parsed):
-                    p.parsed = (idx, from_bytes(r, p.vdtype))
+                    p.parsed = (idx, r if r.dtype == p.vdtype else from_bytes(r, p.vdtype))
                 return
         super().check_frames(payloads)
 
@@ -785,7 +806,7 @@ class TopK(Codec):
             payload.parsed = (idx, vals.masked_fill_(neg, -mu))
             return
         self._check_sparse_head(payload)
-        vsize = torch.empty(0, dtype=payload.vdtype).element_size()
+        vsize = itemsize(payload.vdtype)
         mlen = (n + 7) // 8
         if fmt in (FMT_SPARSE, FMT_SPARSE_EF):
             if fmt == FMT_SPARSE:

@@ -82,7 +82,7 @@ import gradzip.warmup as warmup
 from ..codecs.base import Codec, TensorContext, tensor_seed
 from ..comm import Round
 from ..registry import Registered, config_of
-from ..wire import accum_dtype, frame_nbytes
+from ..wire import accum_dtype, frame_nbytes, itemsize
 from .base import Call, Exchange, Protocol, as_protocol
 from .parallel import aligned_starts, parallel, scatter_routes
 
@@ -445,7 +445,7 @@ class Adaptive(Protocol):
     def _measure_lowrank(self, x: torch.Tensor, ctx: TensorContext) -> tuple[list[float], list[float]]:
         shape = tuple(x.shape)
         wd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        wsize = torch.empty(0, dtype=wd).element_size()
+        wsize = itemsize(wd)
         fsize = 2 if self.method.factors == "bf16" else wsize
         ks = [self.settings[v].compressed_rank(shape, v) for v in self.values]
         numel = x.numel()

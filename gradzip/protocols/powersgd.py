@@ -109,7 +109,7 @@ import gradzip.warmup as warmup
 
 from ..codecs.base import TensorContext, tensor_seed
 from ..comm import Round
-from ..wire import accum_dtype, narrow
+from ..wire import accum_dtype, itemsize, narrow
 from .base import Protocol
 
 __all__ = ["PowerSGD"]
@@ -234,7 +234,7 @@ def _slab(shapes: list, dtype, device) -> tuple[torch.Tensor, list, list]:
     products (MKL's last bits depend on the alignment of their operands) do not depend on how
     many others share the call or where they lie; its orthonormalization depends on it alone
     anyway."""
-    el = torch.empty((), dtype=dtype).element_size()
+    el = itemsize(dtype)
     per = ALIGN // el
     strides = [-(-(k * n) // per) * per for _c, k, n in shapes]
     buf = torch.empty(sum(c * s for (c, _k, _n), s in zip(shapes, strides)) + per, dtype=dtype, device=device)

@@ -142,3 +142,9 @@ def test_a_strided_round_of_one_layout_is_unpacked_at_once_as_one_by_one(n, frac
         # the values: where they lie (one by one, or 8-byte aligned rows), else one aligned copy
         aligned = wr.data_ptr() % 8 == 0 and (size + gap) % 8 == 0
         assert gr.data_ptr() == wr.data_ptr() if not rows or aligned or not gr.numel() else gr.data_ptr() % vb == 0
+    # with a value dtype: the values typed (one view of all rows), as wire.from_bytes types each
+    vdtype = {1: torch.uint8, 2: torch.float16, 4: torch.float32}[vb]
+    typed = unpack_ef_many(bodies, [n] * frames, [vb] * frames, vdtype)
+    for (ti, tv), (wi, wr) in zip(typed, want):
+        assert torch.equal(ti, wi) and tv.dtype == vdtype
+        assert torch.equal(tv.view(torch.uint8) if vb > 1 else tv, wr)

@@ -88,3 +88,9 @@ def test_dtype_codes():
         assert wire.code_dtype(wire.dtype_code(dt)) == dt
     with pytest.raises(TypeError):
         wire.dtype_code(torch.int32)
+
+
+def test_itemsize_is_the_element_size_without_a_tensor():
+    for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int64, torch.bool):
+        assert wire.itemsize(dt) == torch.empty(0, dtype=dt).element_size()
+    assert wire.itemsize(None) == torch.empty(0, dtype=None).element_size()  # torch's default dtype
