@@ -342,19 +342,20 @@ def _clean(whole, kind, bits, frames):
 def test_quant_body_stats_matches_reference(kind, bits, gap, both, monkeypatch):
     """Random bytes (negative, NaN, infinite and -0.0 scales; every code), then a clean message
     with one planted fault at a time: the Numba pass, and the Triton kernel under the
-    interpreter (small programs: several of bytes and of scales), read what the reference reads,
+    interpreter (small programs: several of bytes and of scales; one of the four random
+    messages), read what the reference reads,
     padding bits of a frame's last byte and the bytes between frames left out."""
     import os
 
     frames, size = _frames(kind, bits, gap)
 
-    def stats(w):
+    def stats(w, triton_too=True):
         got, want = both("quant_body_stats", lambda: K.quant_body_stats(w, frames, kind, bits=bits))
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if triton_too and os.environ.get("TRITON_INTERPRET") == "1":
             from gradzip.kernels.triton.decode import quant_body_stats_triton
 
-            for block in (None, 8):
-                assert torch.equal(quant_body_stats_triton(w, frames, kind, bits, block=block), want)
+            # small programs here; the dispatch below runs the default block
+            assert torch.equal(quant_body_stats_triton(w, frames, kind, bits, block=8), want)
             monkeypatch.setenv(K.ENV_VAR, "triton")
             assert torch.equal(K.quant_body_stats(w, frames, kind, bits=bits), want)
             assert K.backend_report()["ops"]["quant_body_stats"]["chosen"]["cpu"]["backend"] == "triton"
@@ -363,10 +364,10 @@ def test_quant_body_stats_matches_reference(kind, bits, gap, both, monkeypatch):
 
     for seed in range(4):
         whole = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-        got, want = stats(whole)
+        got, want = stats(whole, seed == 0)  # (the interpreter is slow: its random bytes once)
         assert torch.equal(got, want), (seed, got, want)
         clean = _clean(whole, kind, bits, frames)
-        got, want = stats(clean)
+        got, want = stats(clean, seed == 0)
         assert torch.equal(got, want) and got.tolist() == [0, 0]
     off = frames[1][0]  # the second frame: 2 scales, 13 elements
     for value, sign in ((-0.0, 0), (float("-inf"), 1), (float("nan"), 0), (-1e-45, 1), (-3.0, 1)):
