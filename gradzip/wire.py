@@ -202,6 +202,9 @@ class Payload:
     checked: bool = field(default=False, repr=False)
     #: what a validation parsed from the body (sparse positions), reused by the decode
     parsed: Any = field(default=None, repr=False, compare=False)
+    #: a received body's first bytes (up to :data:`HEAD_BYTES`), already on the host: read with
+    #: its message's table (:func:`unpack_many`), so a check of the body's own header needs no copy
+    head: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -460,6 +463,11 @@ def unpack_frames(
         raise e.at(tensor=tensor, rank=rank) from None
 
 
+#: Bytes of a received body that :func:`unpack_many` copies to the host with its message's table
+#: (:attr:`Payload.head`): an Elias-Fano frame's count and layout lie in its first 10.
+HEAD_BYTES = 16
+
+
 def _table_limit(count: int) -> int:
     """Bytes of a message of ``count`` frames that its header and entry table can take."""
     return HEADER_BYTES + CRC.size + (ENTRY_BYTES + SCALE.size) * count
@@ -527,9 +535,12 @@ def _padding_error(msg: torch.Tensor, end: int) -> FrameError:
     return FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {msg.numel()})")
 
 
-def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes) -> list[Payload]:
+def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"") -> list[Payload]:
+    """The frames of a parsed message; ``host``: the message's first bytes on the host, which
+    give each body that starts within them its :attr:`Payload.head`."""
     out, off = [], pos
     for i, (fmt, vdtype, nb, scale) in enumerate(entries):
+        want = min(HEAD_BYTES, nb)
         out.append(
             Payload(
                 body=msg[off : off + nb],
@@ -539,6 +550,7 @@ def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes) -> list[Payload]:
                 vdtype=vdtype,
                 scale=scale,
                 grad_dtype=grad_dtypes[i] if grad_dtypes is not None else None,
+                head=host[off : off + want] if off + want <= len(host) else None,
             )
         )
         off += nb
@@ -607,18 +619,20 @@ def unpack_many(
         tensor = ns[e.frame] if ns is not None and e.frame is not None and e.frame < len(ns) else None
         return e.at(tensor=tensor, rank=ranks[j] if ranks is not None else None)
 
-    lims = [min(m.numel(), _table_limit(len(shapes[j]))) for j, m in enumerate(msgs)]
+    # the header and table, and the first body's first bytes (its head, for the codec's check)
+    lims = [min(m.numel(), _table_limit(len(shapes[j])) + HEAD_BYTES) for j, m in enumerate(msgs)]
     rows = row_view(msgs)  # a round's messages at one stride in one buffer: one view of them all
     if rows is not None and len(set(lims)) == 1:
         host = rows[:, : lims[0]].cpu().numpy().tobytes()
     else:
         host = torch.cat([m[:lim] for m, lim in zip(msgs, lims)]).cpu().numpy().tobytes() if k else b""
-    tables, off = [], 0
+    tables, starts, off = [], [], 0
     for j, (m, lim) in enumerate(zip(msgs, lims)):
         try:
             tables.append(_table(host[off : off + lim], m.numel(), len(shapes[j])))
         except FrameError as e:
             raise named(e, j) from None
+        starts.append(off)
         off += lim
     ends = {t[3] for t in tables}
     if rows is not None and len(ends) == 1:
@@ -638,7 +652,9 @@ def unpack_many(
             _check_crc(m, flags, end)
         except FrameError as e:
             raise named(e, j) from None
-        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], None if grad_dtypes is None else grad_dtypes[j]))
+        grads = None if grad_dtypes is None else grad_dtypes[j]
+        mine = host[starts[j] : starts[j] + lims[j]]
+        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, mine))
     if check is not None:
         try:
             check.check_frames([p for out in outs for p in out])

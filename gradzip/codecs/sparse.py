@@ -356,9 +356,12 @@ def unpack_ef(body: torch.Tensor, n: int, value_bytes: int):
     return idx, body[pos + llen + ulen :]
 
 
-def unpack_ef_many(bodies: list, ns: list, value_bytes: list, vdtype: torch.dtype | None = None) -> list | None:
+def unpack_ef_many(
+    bodies: list, ns: list, value_bytes: list, vdtype: torch.dtype | None = None, heads: list | None = None
+) -> list | None:
     """:func:`unpack_ef` of several frames with two host syncs in all (one copy of every
-    frame's first bytes, one read of every frame's flags) instead of about three a frame: a
+    frame's first bytes, none where ``heads`` has them already: ``Payload.head``, read with the
+    messages' tables; one read of every frame's flags) instead of about three a frame: a
     list of ``(indices, the bytes after the positions)`` (with ``vdtype``: those bytes as
     ``vdtype`` values, by ``wire.from_bytes``; for frames that are rows of one view, one view of
     all rows), or None where any frame is one
@@ -370,18 +373,24 @@ def unpack_ef_many(bodies: list, ns: list, value_bytes: list, vdtype: torch.dtyp
         return []
     dev = bodies[0].device
     rows = row_view(bodies)  # a round's frames of one length at one stride: one view of them all
-    if rows is not None and rows.shape[1] >= 10:
-        heads = rows[:, :10].reshape(-1).cpu().tolist()
+    sizes = [min(10, b.numel()) for b in bodies]
+    if heads is not None and all(h is not None and len(h) >= m for h, m in zip(heads, sizes)):
+        firsts = [list(h[:m]) for h, m in zip(heads, sizes)]  # on the host already: no copy
     else:
-        heads = torch.cat([b[:10] for b in bodies]).cpu().tolist()
-    plans, off = [], 0
-    for body, n, vb in zip(bodies, ns, value_bytes):
-        m = min(10, body.numel())
+        if rows is not None and rows.shape[1] >= 10:
+            host = rows[:, :10].reshape(-1).cpu().tolist()
+        else:
+            host = torch.cat([b[:10] for b in bodies]).cpu().tolist()
+        firsts, off = [], 0
+        for m in sizes:
+            firsts.append(host[off : off + m])
+            off += m
+    plans = []
+    for body, n, vb, first in zip(bodies, ns, value_bytes, firsts):
         try:
-            plans.append(_ef_layout(heads[off : off + m], n, vb, body.numel()))
+            plans.append(_ef_layout(first, n, vb, body.numel()))
         except FrameError:
             return None
-        off += m
     if rows is not None and len(set(plans)) == 1 and len(set(ns)) == 1:
         return _unpack_ef_rows(rows, ns[0], plans[0], vdtype)  # one layout too: every step at once
     flags, out = [], []
@@ -743,7 +752,7 @@ class TopK(Codec):
                 vbs = [itemsize(p.vdtype) for p in ef]
                 vdtypes = {p.vdtype for p in ef}
                 one = vdtypes.pop() if len(vdtypes) == 1 else None  # values typed at once
-                parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs, one)
+                parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs, one, [p.head for p in ef])
         # (a SPARSE_EF frame only where its positions take no more than a mask would)
         if parsed is not None and all(
             p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8 for p, (_, r) in zip(ef, parsed)

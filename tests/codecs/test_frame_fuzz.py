@@ -607,3 +607,37 @@ def test_unpack_many_reads_a_strided_round_as_one_view_and_still_names_the_sende
     with pytest.raises(FrameError, match="padding") as e:
         wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
     assert e.value.rank == 2
+
+
+def test_unpack_many_hands_each_body_its_first_bytes_read_with_the_table(monkeypatch):
+    """The host copy of a round's tables reaches HEAD_BYTES into the first body: each frame
+    starting within it gets those bytes as ``Payload.head`` (the body's own first bytes), and
+    TopK's Elias-Fano check then reads its counts from them with no copy of its own, parsing
+    what a check without heads parses; a message whose first body is corrupt in its count is
+    still refused, naming its sender."""
+    from gradzip.codecs.sparse import FMT_SPARSE_EF
+
+    codec, world = gz.TopK(0.01), 4
+    frames = [codec.compress(torch.randn(5000, generator=torch.Generator().manual_seed(j))) for j in range(world)]
+    assert all(p.fmt == FMT_SPARSE_EF for p in frames)
+    size = max(wire.message_capacity([p]) for p in frames)
+    msgs = [wire.pack_frames([p], size=size) for p in frames]
+    args = ([[torch.Size([5000])]] * world, [[torch.float32]] * world)
+    copies = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.numel()) or real(t, *a, **k))
+    got = wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
+    assert len(copies) == 1  # the tables (with the heads); the flags are read by bool(), not a copy
+    monkeypatch.undo()
+    for (g,), p in zip(got, frames):
+        assert g.head == bytes(g.body[: wire.HEAD_BYTES].tolist()) and len(g.head) == wire.HEAD_BYTES
+        fresh = wire.Payload(body=g.body, shape=g.shape, dtype=g.dtype, fmt=g.fmt, vdtype=g.vdtype)
+        codec.check_frames([fresh, wire.Payload(body=g.body, shape=g.shape, dtype=g.dtype, fmt=g.fmt, vdtype=g.vdtype)])
+        assert torch.equal(g.parsed[0], fresh.parsed[0]) and torch.equal(g.parsed[1], fresh.parsed[1])
+        assert torch.equal(codec.decompress(g), codec.decompress(p))
+    bad = [m.clone() for m in msgs]
+    start = wire.message_nbytes([frames[1]]) - frames[1].body.numel()  # the body after header and table
+    bad[1][start] ^= 0x7F  # rank 1's count (the body's first byte)
+    with pytest.raises(FrameError) as e:
+        wire.unpack_many(bad, *args, check=codec, ranks=list(range(world)))
+    assert e.value.rank == 1
