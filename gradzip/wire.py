@@ -626,13 +626,13 @@ def unpack_many(
         host = rows[:, : lims[0]].cpu().numpy().tobytes()
     else:
         host = torch.cat([m[:lim] for m, lim in zip(msgs, lims)]).cpu().numpy().tobytes() if k else b""
-    tables, starts, off = [], [], 0
+    tables, raws, off = [], [], 0
     for j, (m, lim) in enumerate(zip(msgs, lims)):
+        raws.append(host[off : off + lim])  # this message's first bytes
         try:
-            tables.append(_table(host[off : off + lim], m.numel(), len(shapes[j])))
+            tables.append(_table(raws[j], m.numel(), len(shapes[j])))
         except FrameError as e:
             raise named(e, j) from None
-        starts.append(off)
         off += lim
     ends = {t[3] for t in tables}
     if rows is not None and len(ends) == 1:
@@ -653,8 +653,7 @@ def unpack_many(
         except FrameError as e:
             raise named(e, j) from None
         grads = None if grad_dtypes is None else grad_dtypes[j]
-        mine = host[starts[j] : starts[j] + lims[j]]
-        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, mine))
+        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, raws[j]))
     if check is not None:
         try:
             check.check_frames([p for out in outs for p in out])

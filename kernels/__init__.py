@@ -304,6 +304,14 @@ def _check_levels(levels, bits) -> tuple[int, int]:
     return levels, bits
 
 
+def _check_bounds(x: torch.Tensor, bounds: Sequence[int]) -> list[int]:
+    """A segmented op's ``bounds``: non-decreasing offsets within flat ``x``, as ints."""
+    bounds = [int(v) for v in bounds]
+    if not bounds or bounds[0] < 0 or bounds[-1] > x.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must be non-decreasing offsets within x's {x.numel()} elements, got {bounds}")
+    return bounds
+
+
 def _run(op: str, like: torch.Tensor, *args, **kwargs):
     """Dispatch ``op`` for tensors like ``like``; a dtype no kernel loads (float64) takes the
     reference under every setting."""
@@ -482,9 +490,7 @@ def sign_ef_segments(
     _check_float("x", x)
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a flat contiguous tensor, got {tuple(x.shape)}")
-    bounds = [int(v) for v in bounds]
-    if not bounds or bounds[0] < 0 or bounds[-1] > x.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"bounds must be non-decreasing offsets within x's {x.numel()} elements, got {bounds}")
+    bounds = _check_bounds(x, bounds)
     _check_residual(x, residual)
     _check_out(x, out, None)
     return _run("sign_ef_segments", x, x, bounds, residual=residual, out=out)
@@ -534,9 +540,7 @@ def int8_encode_segments(
     _check_float("x", x)
     if x.dtype not in (torch.float32, torch.float64) or x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a flat contiguous float32 or float64 tensor, got {x.dtype} {tuple(x.shape)}")
-    bounds = [int(v) for v in bounds]
-    if not bounds or bounds[0] < 0 or bounds[-1] > x.numel() or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"bounds must be non-decreasing offsets within x's {x.numel()} elements, got {bounds}")
+    bounds = _check_bounds(x, bounds)
     block = _check_block(block)
     if residual is not None and (
         residual.dtype != x.dtype

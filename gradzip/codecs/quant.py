@@ -338,7 +338,7 @@ class SignSGD(_Quantizer):
         one_layout = n > 0 and n % 32 == 0 and n % b == 0 and all(e - s == n for s, e in zip(bounds, bounds[1:]))
         if not one_layout and self.block is not None:
             return super().encode_pieces(x, bounds, ctxs, residual, feedback=feedback, out=out)
-        dtype, shape = (accum_dtype(x.dtype) if feedback else x.dtype), torch.Size
+        dtype = accum_dtype(x.dtype) if feedback else x.dtype
         res = residual[lo:hi] if feedback and residual is not None else None
         dst = out[lo:hi] if feedback and out is not None else None
         flat = x[lo:hi].contiguous()
@@ -350,10 +350,9 @@ class SignSGD(_Quantizer):
             bodies = [body[j] for j in range(rows)]
         else:
             buf, offsets = K.sign_ef_segments(flat, [v - lo for v in bounds], residual=res, out=dst)
-            sizes = [4 * (1 + (e - s + 31) // 32) if e > s else 0 for s, e in zip(bounds, bounds[1:])]
-            bodies = [buf[o : o + size] for o, size in zip(offsets, sizes)]
+            bodies = [buf[a:b] for a, b in zip(offsets, [*offsets[1:], buf.numel()])]  # back to back
         return [
-            Payload(body=body, shape=shape([e - s]), dtype=dtype, fmt=FMT_SIGN1, vdtype=torch.float32, scale=0.0)
+            Payload(body=body, shape=torch.Size([e - s]), dtype=dtype, fmt=FMT_SIGN1, vdtype=torch.float32, scale=0.0)
             for body, s, e in zip(bodies, bounds, bounds[1:])
         ]
 

@@ -818,14 +818,19 @@ def test_int8_encode_segments_kernel_matches_reference():
     _segments_check(int8_encode_segments_triton, tile=512, blocks=(100, 1024))  # 1024: piece by piece
 
 
+@pytest.mark.parametrize("op", ["int8_encode_segments", "sign_ef_segments"])
+def test_segmented_encoders_check_their_bounds_and_layout(op):
+    x, encode = torch.zeros(10), getattr(K, op)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        encode(x, [0, 6, 5, 10])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        encode(x, [0, 11])
+    with pytest.raises(ValueError, match="flat contiguous"):
+        encode(x.view(2, 5), [0, 10])
+
+
 def test_int8_encode_segments_checks_its_arguments():
     x = torch.zeros(10)
-    with pytest.raises(ValueError, match="non-decreasing"):
-        K.int8_encode_segments(x, [0, 6, 5, 10])
-    with pytest.raises(ValueError, match="non-decreasing"):
-        K.int8_encode_segments(x, [0, 11])
-    with pytest.raises(ValueError, match="flat contiguous"):
-        K.int8_encode_segments(x.view(2, 5), [0, 10])
     with pytest.raises(ValueError, match="flat contiguous"):
         K.int8_encode_segments(x.half(), [0, 10])
     with pytest.raises(ValueError, match="residual"):
@@ -896,12 +901,6 @@ def test_sign_ef_segments_kernels_match_reference():
 
 def test_sign_ef_segments_checks_its_arguments():
     x = torch.zeros(10)
-    with pytest.raises(ValueError, match="non-decreasing"):
-        K.sign_ef_segments(x, [0, 6, 5, 10])
-    with pytest.raises(ValueError, match="non-decreasing"):
-        K.sign_ef_segments(x, [0, 11])
-    with pytest.raises(ValueError, match="flat contiguous"):
-        K.sign_ef_segments(x.view(2, 5), [0, 10])
     with pytest.raises(ValueError, match="residual has 9"):
         K.sign_ef_segments(x, [0, 10], residual=torch.zeros(9))
     with pytest.raises(TypeError, match="out must be a torch.float32"):
