@@ -36,6 +36,7 @@ optional checksum (:func:`set_checksum`) catches those too.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import struct
 import zlib
@@ -572,6 +573,37 @@ def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
     return out
 
 
+class _Pending:
+    """A round's padding test (a 0-d bool on the device) not read yet, and its value once read."""
+
+    __slots__ = ("flag", "value")
+
+    def __init__(self, flag: torch.Tensor):
+        self.flag, self.value = flag, None
+
+    def read(self) -> bool:
+        if self.value is None:
+            self.value = bool(self.flag)
+        return self.value
+
+
+_ROUND: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar("gradzip_round", default=None)
+
+
+def host_values(t: torch.Tensor):
+    """``t.tolist()`` (a 0-d or 1-d tensor): the host read of a codec's frame check. Within
+    :func:`unpack_many`'s check of a round, the round's padding test, a device flag not read
+    yet, comes to the host in the same copy: one host sync a round fewer. ``unpack_many``
+    refuses dirty padding after the check returns or raises, so the padding's refusal still
+    comes first, as :func:`unpack_frames` orders them."""
+    p = _ROUND.get()
+    if p is None or p.value is not None or t.dim() > 1 or p.flag.device != t.device:
+        return t.tolist()
+    vals = torch.cat([t if t.dim() else t.reshape(1), p.flag.reshape(1)]).tolist()  # t's dtype: bool is the lowest
+    p.value = bool(vals.pop())
+    return vals[0] if t.dim() == 0 else vals
+
+
 def row_view(msgs: list[torch.Tensor]) -> torch.Tensor | None:
     """``msgs`` as the rows of one 2-D view, where they are two or more contiguous uint8
     tensors of one length lying in one storage at one stride (a gathered round's fixed-length
@@ -609,8 +641,9 @@ def unpack_many(
     ``dtypes``, ``grad_dtypes`` and ``names`` per message, ``ranks`` their senders), with
     the same refusals, naming the message's sender, for a few host syncs in all instead of a
     few per message: one copy of every message's header and entry table to the host, one
-    test of every message's padding, and one :meth:`~gradzip.codecs.base.Codec.check_frames`
-    over all the frames. Where a test finds a fault, the messages are checked one by one, so
+    test of every message's padding (read in the codec's own host read where it has one:
+    :func:`host_values`), and one :meth:`~gradzip.codecs.base.Codec.check_frames` over all
+    the frames. Where a test finds a fault, the messages are checked one by one, so
     a refusal names the same frame, tensor and rank as :func:`unpack_frames` would."""
     k = len(msgs)
 
@@ -634,18 +667,28 @@ def unpack_many(
         except FrameError as e:
             raise named(e, j) from None
         off += lim
+    # The padding test, a device flag: read now, or (where a codec checks the round and no
+    # checksum is to be tested first) in the codec's own host read (:func:`host_values`).
     ends = {t[3] for t in tables}
+    flag = None
     if rows is not None and len(ends) == 1:
         (end,) = ends
-        pad = rows[:, end:]
-        dirty = pad.numel() > 0 and bool(pad.any())
+        if rows.shape[1] > end:
+            flag = rows[:, end:].any()
     else:
         pads = [m[t[3] :] for m, t in zip(msgs, tables) if t[3] < m.numel()]
-        dirty = bool(pads) and bool(torch.cat(pads).any())
-    if dirty:
+        if pads:
+            flag = torch.cat(pads).any()
+
+    def refuse_padding() -> None:
         for j, (m, t) in enumerate(zip(msgs, tables)):
             if t[3] < m.numel() and bool(m[t[3] :].any()):
                 raise named(_padding_error(m, t[3]), j)
+
+    crc = any(t[0] & FLAG_CRC32 for t in tables)
+    pending = _Pending(flag) if flag is not None and check is not None and not crc else None
+    if flag is not None and pending is None and bool(flag):
+        refuse_padding()
     outs = []
     for j, (m, (flags, pos, entries, end)) in enumerate(zip(msgs, tables)):
         try:
@@ -655,15 +698,22 @@ def unpack_many(
         grads = None if grad_dtypes is None else grad_dtypes[j]
         outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, raws[j]))
     if check is not None:
+        token = _ROUND.set(pending)
         try:
             check.check_frames([p for out in outs for p in out])
         except FrameError:
+            if pending is not None and pending.read():
+                refuse_padding()  # the padding's refusal first, as unpack_frames orders them
             for j, out in enumerate(outs):  # the culprit, named as unpack_frames names it
                 try:
                     check.check_frames(out)
                 except FrameError as e:
                     raise named(e, j) from None
             raise
+        finally:
+            _ROUND.reset(token)
+        if pending is not None and pending.read():
+            refuse_padding()
         for out in outs:
             for p in out:
                 p.checked = True

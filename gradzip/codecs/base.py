@@ -108,7 +108,8 @@ class Codec(Registered, register=False):
     def check_frames(self, payloads) -> None:
         """:meth:`check_frame` on the frames of one message, in order; a refusal names the
         frame's index (``FrameError.frame``). Codecs whose checks need the frames' bytes on
-        the host override it to sync once for the message."""
+        the host override it to sync once for the message, by :func:`~gradzip.wire.host_values`
+        (a round's padding test comes to the host in the same read)."""
         for i, p in enumerate(payloads):
             try:
                 self.check_frame(p)

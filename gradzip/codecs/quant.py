@@ -62,7 +62,7 @@ import gradzip.args as args
 import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
-from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, narrow, span_view
+from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, host_values, narrow, span_view
 from .base import (
     Codec,
     TensorContext,
@@ -217,7 +217,7 @@ class _Quantizer(Codec):
         if whole.numel() == 0:
             return True
         frames = tuple((o, nb, p.numel) for o, (p, nb) in zip(offsets, good))
-        neg_, top_ = K.quant_body_stats(whole, frames, self._kind, bits=self._bits).tolist()
+        neg_, top_ = host_values(K.quant_body_stats(whole, frames, self._kind, bits=self._bits))
         return not neg_ and self._bad_code(top_) is None
 
     def check_frame(self, payload: Payload) -> None:

@@ -18,6 +18,7 @@ from ..wire import (
     accum_dtype,
     as_bytes,
     from_bytes,
+    host_values,
     itemsize,
     narrow,
     row_view,
@@ -413,7 +414,7 @@ def unpack_ef_many(
         flags.append(good & (idx[-1] < n))
         tail = body[pos + llen + ulen :]
         out.append((idx, tail if vdtype is None else from_bytes(tail, vdtype)))
-    return out if bool(torch.stack(flags).all()) else None
+    return out if host_values(torch.stack(flags).all()) else None
 
 
 def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype | None = None) -> list | None:
@@ -440,7 +441,7 @@ def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype
     if k > 1:
         good = good & (idx[:, 1:] > idx[:, :-1]).all(dim=1)
     good = good & (idx[:, -1] < n)
-    if not bool(good.all()):
+    if not host_values(good.all()):
         return None
     tail = rows[:, pos + llen + ulen :]
     if tail.shape[1] and (tail.storage_offset() % 8 or tail.stride(0) % 8):

@@ -641,3 +641,67 @@ def test_unpack_many_hands_each_body_its_first_bytes_read_with_the_table(monkeyp
     with pytest.raises(FrameError) as e:
         wire.unpack_many(bad, *args, check=codec, ranks=list(range(world)))
     assert e.value.rank == 1
+
+
+@pytest.mark.parametrize("codec", [gz.Int8(block=16), gz.SignSGD(), gz.TopK(0.01)], ids=repr)
+@pytest.mark.parametrize("strided", [True, False])
+def test_unpack_many_reads_the_padding_test_with_the_codecs_check(monkeypatch, codec, strided):
+    """A round of padded messages (tensors of several lengths, one message size) costs two host
+    reads: the tables' copy and the codec's check, which brings the padding test with it
+    (``wire.host_values``), not a third for the padding. Dirty padding is still refused first,
+    naming its sender, where another message's body is corrupt too, as a check of the messages
+    in order (``unpack_frames``) refuses it."""
+    world, lens = 4, [5000, 4990, 4900, 4000]
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(j)) for j, n in enumerate(lens)]
+    frames = [codec.compress(x) for x in xs]
+    size = max(wire.message_capacity([p]) for p in frames) + 8
+    buf = torch.zeros(world, size + (3 if strided else 0), dtype=torch.uint8)
+    for j, p in enumerate(frames):
+        buf[j, :size] = pack_frames([p], size=size)
+    msgs = [buf[j, :size] if strided else buf[j, :size].clone() for j in range(world)]
+    assert (wire.row_view(msgs) is not None) == strided
+    args = ([[torch.Size([n])] for n in lens], [[torch.float32]] * world)
+    reads = []
+    for name in ("cpu", "tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name, **k: reads.append(_n) or _r(t, *a, **k))
+    got = wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
+    monkeypatch.undo()
+    assert sorted(reads) == ["cpu", "tolist"], reads
+    assert all(torch.equal(codec.decompress(g[0]), codec.decompress(p)) for g, p in zip(got, frames))
+    body = wire.message_nbytes([frames[1]]) - frames[1].body.numel()  # rank 1's body starts here
+    msgs[2][size - 1] = 1  # rank 2's padding
+    with pytest.raises(FrameError, match="padding") as e:
+        wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
+    assert e.value.rank == 2
+    if isinstance(codec, gz.TopK):
+        msgs[1][body] ^= 0x7F  # and rank 1's count of positions corrupt
+    else:
+        msgs[1][body + 3] |= 0x80  # and rank 1's first block scale negative
+    with pytest.raises(FrameError) as want:
+        unpack_frames(msgs[1], args[0][1], args[1][1], check=codec)
+    assert want.value.field != "padding"
+    with pytest.raises(FrameError, match="padding") as e:
+        wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
+    assert e.value.rank == 2
+    msgs[2][size - 1] = 0
+    with pytest.raises(FrameError) as e:
+        wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
+    assert (str(e.value), e.value.rank) == (str(want.value.at(rank=1)), 1)
+
+
+def test_host_values_reads_the_pending_padding_test_once_and_returns_what_tolist_returns():
+    """``wire.host_values`` outside a round is ``tolist``; inside one, it returns the same
+    values (0-d and 1-d, bool, integer and float, the flag's bool promoting to none of them)
+    and the round's padding flag read in the same copy, once."""
+    for flag in (True, False):
+        p = wire._Pending(torch.tensor(flag))
+        token = wire._ROUND.set(p)
+        try:
+            for t in (torch.tensor(False), torch.tensor([7, -3]), torch.tensor([0.1, 2.5], dtype=torch.float32)):
+                got = wire.host_values(t)
+                assert got == t.tolist() and type(got) is type(t.tolist())
+                assert p.value is flag and p.read() is flag
+        finally:
+            wire._ROUND.reset(token)
+    assert wire.host_values(torch.tensor([1, 2])) == [1, 2] and wire._ROUND.get() is None
