@@ -354,13 +354,10 @@ def pack_round(groups: list[list[Payload]], out: torch.Tensor, sizes: list[int])
     With the checksum on, message by message (each message's CRC is computed on the host)."""
     if len(groups) != len(sizes) or sum(sizes) != out.numel():
         raise ValueError(f"{len(groups)} messages of {sum(sizes)} bytes into {out.numel()} bytes")
+    msgs = list(out.split_with_sizes(sizes))  # every message's slice, by one operation
     if _checksum or not groups:
-        msgs, pos = [], 0
-        for g, size in zip(groups, sizes):
-            msgs.append(pack_frames(g, out=out[pos : pos + size]))
-            pos += size
-        return msgs
-    blob, where, msgs, pos = bytearray(), [], [], 0
+        return [pack_frames(g, out=m) for g, m in zip(groups, msgs)]
+    blob, where, pos = bytearray(), [], 0
     for g, size in zip(groups, sizes):
         table = _table_bytes(g, False)
         total = len(table) + sum(p.body.numel() * p.body.element_size() for p in g)
@@ -368,7 +365,6 @@ def pack_round(groups: list[list[Payload]], out: torch.Tensor, sizes: list[int])
             raise RuntimeError(f"a message of {total} bytes exceeds the {size} bytes the ranks agreed on")
         where.append((pos, len(table)))
         blob += table
-        msgs.append(out[pos : pos + size])
         pos += size
     key = (tuple(where), str(out.device))
     at = _TABLE_AT.get(key)
@@ -539,12 +535,17 @@ def _padding_error(msg: torch.Tensor, end: int) -> FrameError:
 def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"") -> list[Payload]:
     """The frames of a parsed message; ``host``: the message's first bytes on the host, which
     give each body that starts within them its :attr:`Payload.head`."""
+    nbs = [e[2] for e in entries]
+    if len(nbs) > 1:
+        bodies = msg[pos : pos + sum(nbs)].split_with_sizes(nbs)  # back to back: one operation
+    else:
+        bodies = [msg[pos : pos + nb] for nb in nbs]
     out, off = [], pos
     for i, (fmt, vdtype, nb, scale) in enumerate(entries):
         want = min(HEAD_BYTES, nb)
         out.append(
             Payload(
-                body=msg[off : off + nb],
+                body=bodies[i],
                 shape=shapes[i],
                 dtype=dtypes[i],
                 fmt=fmt,

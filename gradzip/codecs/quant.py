@@ -347,10 +347,11 @@ class SignSGD(_Quantizer):
         if one_layout:
             scales, words, _ = K.sign_ef(flat, res, block=b, new_residual=feedback, out=dst)
             body = torch.cat([scales.view(rows, nb).view(torch.uint8), words.view(rows, n // 32).view(torch.uint8)], 1)
-            bodies = [body[j] for j in range(rows)]
+            bodies = body.unbind(0)  # the rows, by one operation
         else:
             buf, offsets = K.sign_ef_segments(flat, [v - lo for v in bounds], residual=res, out=dst)
-            bodies = [buf[a:b] for a, b in zip(offsets, [*offsets[1:], buf.numel()])]  # back to back
+            ends = [*offsets[1:], buf.numel()]  # back to back: one operation
+            bodies = buf[offsets[0] :].split_with_sizes([b - a for a, b in zip(offsets, ends)])
         return [
             Payload(body=body, shape=torch.Size([e - s]), dtype=dtype, fmt=FMT_SIGN1, vdtype=torch.float32, scale=0.0)
             for body, s, e in zip(bodies, bounds, bounds[1:])

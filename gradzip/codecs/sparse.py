@@ -448,7 +448,7 @@ def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype
         tail = tail.contiguous()  # the values aligned by one copy of all rows, not one a frame
     if vdtype is not None and vdtype != torch.uint8 and tail.shape[1]:
         tail = tail.view(vdtype)  # every row's values at once (rows and their starts 8-byte aligned)
-    return [(idx[j], tail[j]) for j in range(f)]
+    return list(zip(idx.unbind(0), tail.unbind(0)))  # every row's, by two operations
 
 
 class TopK(Codec):
@@ -630,14 +630,14 @@ class TopK(Codec):
         if feedback:
             m.scatter_(1, idx, vals - sent.to(m.dtype))
         payloads = []
-        for j in range(rows):
+        for b, i, s in zip(body.unbind(0), idx.unbind(0), sent.unbind(0)):  # the rows, by three operations
             p = Payload(
-                body=body[j],
+                body=b,
                 shape=torch.Size([n]),
                 dtype=m.dtype,
                 fmt=FMT_SPARSE_EF,
                 vdtype=vdtype,
-                parsed=(idx[j], sent[j]),
+                parsed=(i, s),
             )
             p.checked = feedback  # as encode marks what it subtracted
             payloads.append(p)

@@ -75,7 +75,7 @@ class AllGather(Protocol):
             grads = [c.dtype for c in call.contexts]  # what each frame's encoder was told (ctx.dtype)
             world = call.world_size
             frames = unpack_many(  # every peer's message: a few host syncs in all
-                [gathered[r] for r in range(world)],
+                list(gathered.unbind(0)),  # the rows, by one operation
                 [shapes] * world,
                 [dtypes] * world,
                 grad_dtypes=[grads] * world,

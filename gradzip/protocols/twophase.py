@@ -116,7 +116,7 @@ class TwoPhase(Protocol):
             dtypes = [again[i].dtype for i in range(count)]
             grads = [call.tensors[i].dtype for i in range(count)]
             owners = unpack_many(  # every owner's message: a few host syncs in all
-                [gathered[j] for j in range(world)],
+                list(gathered.unbind(0)),  # the rows, by one operation
                 [[torch.Size([bounds[i][j + 1] - bounds[i][j]]) for i in range(count)] for j in range(world)],
                 [dtypes] * world,
                 grad_dtypes=[grads] * world,
@@ -193,10 +193,13 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         mine = [(bounds[i][me], bounds[i][me + 1]) for i in range(count)]
         shapes = [torch.Size([b - a]) for a, b in mine]
         dtypes = [acc_dtype if call.feeds(i) else call.tensors[i].dtype for i in range(count)]
-        msgs, pos = [], 0
-        for s in range(world):
-            msgs.append(recv[pos : pos + out_splits[s] - extra])
-            pos += out_splits[s]
+        if len(set(out_splits)) == 1:  # the senders' messages, by one operation
+            msgs = list(recv.view(world, out_splits[0])[:, : out_splits[0] - extra].unbind(0))
+        else:
+            msgs, pos = [], 0
+            for s in range(world):
+                msgs.append(recv[pos : pos + out_splits[s] - extra])
+                pos += out_splits[s]
         names = [piece_key(call.names[i], me, world) for i in range(count)]
         frames = unpack_many(  # every sender's message: a few host syncs in all
             msgs,
