@@ -21,7 +21,10 @@ through torch's dispatcher, and on a GPU a launch where it computes anything), i
 file ``--json`` when given. The step's host-side work is what a launch-bound GPU step pays, so
 this tracks that cost on any machine. ``host_syncs``: the calls that wait for the device on a GPU
 (``item()`` and ``bool()`` of a tensor, counted as ATen's ``_local_scalar_dense``; ``cpu()`` and
-``tolist()``, counted by cProfile in one more step), each a full stop of the launch queue there:
+``tolist()``, counted by cProfile in one more step), each a full stop of the launch queue there.
+``host_uploads``: the copies of host-built data (tables, offsets, lengths) to the device by
+``kernels.host_to_device`` in that step, which on CUDA wait for nothing (pinned staging; a plain
+``.to("cuda")`` would stop the queue like a sync):
 
     python -m benchmarks.dryrun_profile --device cpu --count --methods "Int8();SignSGD()" --json x.json
 
@@ -147,13 +150,16 @@ def count(spec: str, grads, names, buckets, world: int, sync, steps: int) -> dic
     run(3 + steps)
     pr.disable()
     waits = {f"<method '{m}' of 'torch._C.TensorBase' objects>" for m in ("cpu", "tolist")}
-    copies = sum(st[0] for (_, _, fn), st in pstats.Stats(pr).stats.items() if fn in waits)  # st[0]: ncalls
+    stats = pstats.Stats(pr).stats
+    copies = sum(st[0] for (_, _, fn), st in stats.items() if fn in waits)  # st[0]: ncalls
+    uploads = sum(st[0] for (path, _, fn), st in stats.items() if fn == "host_to_device" and "dispatch" in path)
     return {
         "ms_per_step": statistics.median(times) * 1e3,
         "ms_all": [t * 1e3 for t in times],
         "aten_ops": ops,
         "host_syncs": scalars + copies,
         "triton_launches": launches,
+        "host_uploads": uploads,
     }
 
 
@@ -245,7 +251,8 @@ def run(args, argv) -> int:
             row = rows[spec]
             print(
                 f"{spec:30s} {row['ms_per_step']:9.1f} ms a step  {row['aten_ops']:8d} ATen ops  "
-                f"{row['host_syncs']:6d} host syncs  {row['triton_launches']:6d} Triton launches",
+                f"{row['host_syncs']:6d} host syncs  {row['triton_launches']:6d} Triton launches  "
+                f"{row['host_uploads']:4d} host uploads",
                 flush=True,
             )
         if args.json:

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import gradzip.kernels as K
+
 from .stats import Stats
 from .wire import pad_message
 
@@ -274,7 +276,7 @@ def allgather_bytes(
     round 1 is the call's first: the flag then rides in it, a second int64.
     """
     flag = call is not None and call.wants_flag
-    size = torch.tensor([msg.numel(), 0] if flag else [msg.numel()], dtype=torch.int64, device=msg.device)
+    size = K.host_to_device(torch.tensor([msg.numel(), 0] if flag else [msg.numel()], dtype=torch.int64), msg.device)
     if flag:
         size[1] = call.take_flag(size[1:])
     yield Round([comm.allreduce(size, op=dist.ReduceOp.MAX, control=True)])

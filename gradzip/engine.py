@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+import gradzip.kernels as K
 
 from .codecs.base import Codec, TensorContext
 from .codecs.cast import Identity
@@ -496,7 +497,7 @@ class Engine:
         call.flag_source = None  # past the first round: too late to carry it
         work, flagged = None, None
         if flag and carried is None:
-            flagged = torch.tensor([source()], dtype=FLAG_DTYPE, device=call.device)
+            flagged = K.host_to_device(torch.tensor([source()], dtype=FLAG_DTYPE), call.device)
             work = self.comm.allreduce(flagged, op=dist.ReduceOp.MAX, control=True)
         if rnd is None:  # the protocol sent nothing: the flag goes alone
             if work is not None:

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+import gradzip.kernels as K
+
 WIRE_VERSION = 2
 HEADER = struct.Struct("<BBHI")
 HEADER_BYTES = HEADER.size  # 8, once per message
@@ -369,12 +371,12 @@ def pack_round(groups: list[list[Payload]], out: torch.Tensor, sizes: list[int])
     key = (tuple(where), str(out.device))
     at = _TABLE_AT.get(key)
     if at is None:
-        at = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in where]).to(out.device)
+        at = K.host_to_device(torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in where]), out.device)
         if len(_TABLE_AT) >= _TABLE_AT_MAX:
             _TABLE_AT.clear()
         _TABLE_AT[key] = at
     out.zero_()
-    out.index_put_((at,), torch.frombuffer(blob, dtype=torch.uint8).to(out.device))
+    out.index_put_((at,), K.host_to_device(torch.frombuffer(blob, dtype=torch.uint8), out.device))
     rows = _body_rows(groups, sizes, where)
     if rows is not None:  # one frame a message, the rows of one view, to one place in each
         src, n = rows
@@ -423,14 +425,13 @@ def pack_frames(
     if total > size:
         raise RuntimeError(f"a message of {total} bytes exceeds the {size} bytes the ranks agreed on")
     msg = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
-    msg[: len(table)] = torch.frombuffer(table, dtype=torch.uint8).to(device)
+    msg[: len(table)] = K.host_to_device(torch.frombuffer(table, dtype=torch.uint8), device)
     _put_bodies(msg, len(table), payloads)
     if size > total:
         msg[total:].zero_()
     if crc:
-        msg[HEADER_BYTES : HEADER_BYTES + CRC.size] = torch.frombuffer(
-            bytearray(CRC.pack(_crc32(msg, total))), dtype=torch.uint8
-        ).to(device)
+        crc32 = torch.frombuffer(bytearray(CRC.pack(_crc32(msg, total))), dtype=torch.uint8)
+        msg[HEADER_BYTES : HEADER_BYTES + CRC.size] = K.host_to_device(crc32, device)
     return msg
 
 

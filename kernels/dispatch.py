@@ -78,6 +78,21 @@ def gpu_side(device: torch.device) -> bool:
     return device.type != "cpu" or _GPU_SIDE_ON_CPU
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t``, a tensor just built on the host (a table, offsets, lengths), on ``device``:
+    itself on the CPU; on CUDA by a copy into pinned memory and an asynchronous copy from
+    it, where ``t.to(device)`` (pageable memory) waits for the whole stream
+    (``cudaMemcpyAsync`` then ``cudaStreamSynchronize``): a host sync in the middle of a
+    step. PyTorch's pinned-memory cache keeps the staging block until the copy is done, and
+    work queued after it on the stream sees the bytes."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @contextlib.contextmanager
 def gpu_side_on_cpu():
     """Within it, :func:`gpu_side` is true on the CPU too: the GPU path's host work, counted on

@@ -146,7 +146,7 @@ def call_counts(xs, ratio: float) -> list:
         return [0] * len(xs)
     flat = torch.cat([x.reshape(-1).abs().to(torch.float32) for x in xs])
     top = torch.topk(flat, k, sorted=False).indices
-    ends = torch.tensor(sizes, device=top.device).cumsum(0)
+    ends = K.host_to_device(torch.tensor(sizes).cumsum(0), top.device)
     return torch.bincount(torch.bucketize(top, ends, right=True), minlength=len(xs)).tolist()
 
 
@@ -187,7 +187,8 @@ def pack_gaps(idx: torch.Tensor, extra: torch.Tensor | None = None, extra_bits: 
     words = gaps if extra is None else (gaps << extra_bits) | extra.to(torch.int64)
     width = max(1, int(words.max()).bit_length()) if words.numel() else 1
     head = bytearray([width]) + _leb128(idx.numel())
-    return torch.cat([torch.frombuffer(head, dtype=torch.uint8).to(idx.device), K.pack_uint(words, width)])
+    head_t = K.host_to_device(torch.frombuffer(head, dtype=torch.uint8), idx.device)
+    return torch.cat([head_t, K.pack_uint(words, width)])
 
 
 def gaps_nbytes(idx: torch.Tensor) -> int:
@@ -263,7 +264,7 @@ def pack_ef(idx: torch.Tensor, n: int) -> torch.Tensor:
     low = ef_low_bits(n, k)
     upper = k + ((n - 1) >> low) + 1
     dev = idx.device
-    parts = [torch.frombuffer(_leb128(k), dtype=torch.uint8).to(dev)]
+    parts = [K.host_to_device(torch.frombuffer(_leb128(k), dtype=torch.uint8), dev)]
     if low and k:
         parts.append(K.pack_uint(idx & ((1 << low) - 1), low))
     bits = torch.zeros(upper, dtype=torch.int64, device=dev)
@@ -279,7 +280,7 @@ def _pack_ef_rows(idx: torch.Tensor, n: int) -> torch.Tensor:
     low = ef_low_bits(n, k)
     upper = k + ((n - 1) >> low) + 1
     dev = idx.device
-    parts = [torch.frombuffer(_leb128(k), dtype=torch.uint8).to(dev).expand(rows, -1)]
+    parts = [K.host_to_device(torch.frombuffer(_leb128(k), dtype=torch.uint8), dev).expand(rows, -1)]
     if low and k:
         parts.append(K.pack_uint(idx & ((1 << low) - 1), low))
     bits = torch.zeros(rows, upper, dtype=torch.int64, device=dev)

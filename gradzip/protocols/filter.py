@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+import gradzip.kernels as K
 
 from ..codecs.base import Codec
 from ..comm import Round
@@ -92,7 +93,8 @@ class Filter(Protocol):
             return out
         with call.codec():
             votes = [self.wants(call.x(i), call.contexts[i].store) for i in range(count)]
-            flags = torch.tensor(votes + [0] if call.wants_flag else votes, dtype=torch.uint8, device=call.device)
+            flags = torch.tensor(votes + [0] if call.wants_flag else votes, dtype=torch.uint8)
+            flags = K.host_to_device(flags, call.device)
         if flags.numel() > count:  # the engine's non-finite flag rides with the votes (MAX: no wrap)
             flags[-1] = call.take_flag(flags[-1:])
         yield Round([call.comm.allreduce(flags, op=dist.ReduceOp.MAX, control=True)])

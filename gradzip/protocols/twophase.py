@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+import gradzip.kernels as K
+
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes, allgather_fixed
 from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, pack_round, unpack_many
@@ -173,9 +175,8 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
     if codec.fixed_frames:
         in_splits, out_splits = [c + extra for c in fixed], [fixed[me] + extra] * world
     else:
-        lengths = torch.tensor(
-            [[m.numel(), 0] for m in msgs] if flag else [m.numel() for m in msgs], dtype=torch.int64, device=call.device
-        )
+        sizes_ = [[m.numel(), 0] for m in msgs] if flag else [m.numel() for m in msgs]
+        lengths = K.host_to_device(torch.tensor(sizes_, dtype=torch.int64), call.device)
         got_len = torch.empty_like(lengths)
         if flag:
             lengths[:, 1] = call.take_flag(got_len[:, 1])
@@ -184,7 +185,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
         in_splits, out_splits = lens.tolist(), got.tolist()
     recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=call.device)
     if extra:
-        ends = torch.tensor(in_splits, device=call.device).cumsum(0) - 1  # each message's last byte
+        ends = K.host_to_device(torch.tensor(in_splits).cumsum(0) - 1, call.device)  # each message's last byte
         send[ends] = call.take_flag(recv.view(world, fixed[me] + 1)[:, -1])
         call.comm.stats.add(bytes_control=world)
     yield Round([call.comm.alltoall(recv, send, out_splits, in_splits)])

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import KERNEL_DTYPES, Unsupported
+from ..dispatch import KERNEL_DTYPES, Unsupported, host_to_device
 from ..quant import QUANT_KINDS, _body_layout, quant_layout
 from . import LAUNCH, check, row_tile, segment_tables, size, spec
 
@@ -233,7 +233,7 @@ def _scatter_add_runs_kernel(out_ptr, idx_ptr, val_ptr, k, n, runs, BLOCK: tl.co
 def _bodies_base(bodies: Sequence[torch.Tensor], align: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_bodies_in_one`, the offsets as an int64 tensor on the device."""
     base, offsets = _bodies_in_one(bodies, align)
-    return base, torch.tensor(offsets, dtype=torch.int64).to(base.device)
+    return base, host_to_device(torch.tensor(offsets, dtype=torch.int64), base.device)
 
 
 def _one_storage(bodies: Sequence[torch.Tensor]) -> bool:
@@ -276,7 +276,7 @@ def decode_add_bitmap2_triton(
     n = out.numel()
     B = size("block_bytes", block_bytes, BYTES_GPU, BYTES_INTERPRETER)
     base, offs = _bodies_base(bodies, 1)
-    taus32 = torch.tensor(list(taus), dtype=torch.float32).to(out.device)
+    taus32 = host_to_device(torch.tensor(list(taus), dtype=torch.float32), out.device)
     grid = (triton.cdiv(triton.cdiv(n, 4), B),)
     _decode_add_bitmap2_kernel[grid](out, base, offs, taus32, n, len(bodies), BYTES=B, num_warps=NUM_WARPS, **LAUNCH)
 
@@ -305,7 +305,7 @@ def decode_add_quant_triton(
     # byte at a time where one is not 4-byte aligned; others are copied, aligned, into one buffer.
     base, offs = _bodies_in_one(bodies, 1) if _one_storage(bodies) else _bodies_in_one(bodies, 4)
     aligned = all(o % 4 == 0 for o in offs)
-    soffs = torch.tensor(offs, dtype=torch.int64).to(base.device)
+    soffs = host_to_device(torch.tensor(offs, dtype=torch.int64), base.device)
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
     _decode_add_quant_kernel[(triton.cdiv(n, B),)](
         out,

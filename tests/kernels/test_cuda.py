@@ -350,3 +350,29 @@ def test_compiled_bit_packing_matches_the_cpu(monkeypatch):
         assert torch.equal(K.unpack_uint(want[5].cuda(), n, bits).cpu(), v[5]), bits
     for op in ("pack_uint", "unpack_uint"):
         assert K.backend_report()["ops"][op]["chosen"]["cuda"]["backend"] == "triton", op
+
+
+@pytest.mark.gpu
+def test_host_to_device_and_packing_a_round_do_not_synchronize():
+    """A host-built table reaches the device without a stream sync (``K.host_to_device``:
+    pinned staging, an asynchronous copy; ``t.to("cuda")`` would wait for the stream), and so
+    does packing a round of frames encoded on the device (``wire.pack_round``: its tables and
+    their positions by that copy): torch's sync debug mode raises at any synchronizing call."""
+    from gradzip import wire
+
+    dev = torch.device("cuda", 0)
+    codec = gz.Int8()
+    groups = [[codec.compress(torch.randn(1000 + 37 * j, device=dev))] for j in range(4)]
+    sizes = [wire.message_capacity(g) for g in groups]
+    want = [wire.pack_frames(g, size=s).cpu() for g, s in zip(groups, sizes)]
+    t = torch.arange(1000, dtype=torch.int64)
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = K.host_to_device(t, dev)
+        msgs = wire.pack_round(groups, out, sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert got.device == dev and torch.equal(got.cpu(), t)
+    assert all(torch.equal(m.cpu(), w) for m, w in zip(msgs, want))

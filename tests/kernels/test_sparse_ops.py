@@ -389,3 +389,10 @@ def test_cpu_codec_never_imports_triton_or_cupy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_host_to_device_is_the_tensor_itself_on_the_cpu():
+    """``K.host_to_device``: on the CPU no copy (the same tensor); its CUDA side (pinned
+    staging, no stream sync) is checked on a device in tests/kernels/test_cuda.py."""
+    t = torch.arange(5)
+    assert K.host_to_device(t, torch.device("cpu")) is t and K.host_to_device(t, "cpu") is t
