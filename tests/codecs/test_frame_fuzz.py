@@ -627,7 +627,7 @@ def test_unpack_many_hands_each_body_its_first_bytes_read_with_the_table(monkeyp
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.numel()) or real(t, *a, **k))
     got = wire.unpack_many(msgs, *args, check=codec, ranks=list(range(world)))
-    assert len(copies) == 1  # the tables (with the heads); the flags are read by bool(), not a copy
+    assert len(copies) == 1  # the tables (with the heads); the flags come by tolist() (host_values), not a copy
     monkeypatch.undo()
     for (g,), p in zip(got, frames):
         assert g.head == bytes(g.body[: wire.HEAD_BYTES].tolist()) and len(g.head) == wire.HEAD_BYTES
