@@ -37,6 +37,10 @@ def test_wheel_contains_and_imports_kernels_and_hooks(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     assert "gradzip/kernels/__init__.py" in names and "gradzip/hooks/__init__.py" in names
     assert "gradzip/py.typed" in names and "gradzip/__main__.py" in names
+    # the data the library reads at run time: the LM text, the plan's profiles, the CuPy kernels' source
+    data = {"gradzip/bench/data/tinyshakespeare.txt.gz", "gradzip/costmodel/profiles/h200.json"}
+    data |= {f"gradzip/kernels/cuda/{p.name}" for p in (ROOT / "kernels" / "cuda").glob("*.cu")}
+    assert data <= set(names), sorted(data - set(names))
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     assert not any(n.startswith(("kernels/", "hooks/")) for n in names), "must not claim top-level names"
     target = tmp_path / "site"
