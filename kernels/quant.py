@@ -191,7 +191,8 @@ def _abs_sums(v: torch.Tensor, nb: int, b: int) -> torch.Tensor:
     a = np.abs(v.contiguous().numpy())
     if a.size != nb * b:
         a = np.concatenate([a, np.zeros(nb * b - a.size, dtype=a.dtype)])
-    return torch.from_numpy(np.add.reduce(a.reshape(nb, b), axis=1, dtype=np.float64))
+    with np.errstate(over="ignore"):  # a float64 block's sum may overflow: _finite_blocks looks at it
+        return torch.from_numpy(np.add.reduce(a.reshape(nb, b), axis=1, dtype=np.float64))
 
 
 def _sq_sums(vp: torch.Tensor) -> torch.Tensor:
