@@ -190,6 +190,9 @@ class Payload:
         grad_dtype: on a received frame, the dtype of the gradient the sender compressed
             (the receiver's own, from its model), where the receiver knows it: the value
             dtypes a codec may write depend on it.
+        step: on a received frame, the engine step it was written at, where the receiver
+            knows it (every rank's engine is at the same step): a count that follows a
+            warm-up schedule depends on it.
         checked: a received frame its codec has validated (:meth:`Codec.check_frame`);
             decoders then skip the checks.
     """
@@ -202,6 +205,7 @@ class Payload:
     scale: float = 0.0
     local: Any = field(default=None, repr=False)
     grad_dtype: torch.dtype | None = field(default=None, repr=False)
+    step: int | None = field(default=None, repr=False, compare=False)
     checked: bool = field(default=False, repr=False)
     #: what a validation parsed from the body (sparse positions), reused by the decode
     parsed: Any = field(default=None, repr=False, compare=False)
@@ -444,18 +448,20 @@ def unpack_frames(
     check=None,
     names: list[str] | None = None,
     rank: int | None = None,
+    step: int | None = None,
 ) -> list[Payload]:
     """Split a message into payloads; bodies are views into ``msg``.
 
     ``msg`` may carry trailing zero padding (from a padded all-gather); it is ignored.
-    ``grad_dtypes``: the dtype of each frame's gradient (see :attr:`Payload.grad_dtype`).
-    ``check``: the codec that wrote the frames; every frame is then validated by its
+    ``grad_dtypes``: the dtype of each frame's gradient (see :attr:`Payload.grad_dtype`),
+    ``step`` the step the frames were written at (:attr:`Payload.step`). ``check``: the codec
+    that wrote the frames; every frame is then validated by its
     :meth:`~gradzip.codecs.base.Codec.check_frames`. ``names`` (per frame) and ``rank``
     (the sender) only name the culprit in a refusal. Anything no writer produces raises
     :class:`FrameError` naming the frame, the tensor, the rank and the field.
     """
     try:
-        return _unpack(msg, shapes, dtypes, grad_dtypes, check)
+        return _unpack(msg, shapes, dtypes, grad_dtypes, check, step)
     except FrameError as e:
         tensor = names[e.frame] if names is not None and e.frame is not None and e.frame < len(names) else None
         raise e.at(tensor=tensor, rank=rank) from None
@@ -533,7 +539,7 @@ def _padding_error(msg: torch.Tensor, end: int) -> FrameError:
     return FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {msg.numel()})")
 
 
-def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"") -> list[Payload]:
+def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"", step=None) -> list[Payload]:
     """The frames of a parsed message; ``host``: the message's first bytes on the host, which
     give each body that starts within them its :attr:`Payload.head`."""
     nbs = [e[2] for e in entries]
@@ -553,6 +559,7 @@ def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"")
                 vdtype=vdtype,
                 scale=scale,
                 grad_dtype=grad_dtypes[i] if grad_dtypes is not None else None,
+                step=step,
                 head=host[off : off + want] if off + want <= len(host) else None,
             )
         )
@@ -560,14 +567,14 @@ def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"")
     return out
 
 
-def _unpack(msg, shapes, dtypes, grad_dtypes, check) -> list[Payload]:
+def _unpack(msg, shapes, dtypes, grad_dtypes, check, step=None) -> list[Payload]:
     count, size = len(shapes), msg.numel()
     raw = msg[: min(size, _table_limit(count))].cpu().numpy().tobytes()
     flags, pos, entries, end = _table(raw, size, count)
     if end < size and bool(msg[end:].any()):
         raise _padding_error(msg, end)
     _check_crc(msg, flags, end)
-    out = _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes)
+    out = _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, step=step)
     if check is not None:
         check.check_frames(out)
         for p in out:
@@ -638,9 +645,11 @@ def unpack_many(
     check=None,
     names: list[list[str]] | None = None,
     ranks: list[int] | None = None,
+    step: int | None = None,
 ) -> list[list[Payload]]:
     """:func:`unpack_frames` of several messages (the senders of one round; ``shapes``,
-    ``dtypes``, ``grad_dtypes`` and ``names`` per message, ``ranks`` their senders), with
+    ``dtypes``, ``grad_dtypes`` and ``names`` per message, ``ranks`` their senders, ``step``
+    the round's), with
     the same refusals, naming the message's sender, for a few host syncs in all instead of a
     few per message: one copy of every message's header and entry table to the host, one
     test of every message's padding (read in the codec's own host read where it has one:
@@ -698,7 +707,7 @@ def unpack_many(
         except FrameError as e:
             raise named(e, j) from None
         grads = None if grad_dtypes is None else grad_dtypes[j]
-        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, raws[j]))
+        outs.append(_payloads(m, pos, entries, shapes[j], dtypes[j], grads, raws[j], step))
     if check is not None:
         token = _ROUND.set(pending)
         try:

@@ -298,7 +298,9 @@ def sampled_topk_reference(
     The threshold is estimated on ``v[probe]`` (:func:`sampled_topk_threshold`); the
     elements that reach it are selected (``select(v, thr, expected)``, by default
     :func:`abs_select_reference`) and, when more than ``k`` do, trimmed to the
-    exact top ``k`` among them.
+    exact top ``k`` among them. At least one: where none reaches it (a NaN in the sample
+    makes the threshold NaN, which nothing reaches), the exact top ``k``, as ``torch.topk``
+    ranks them (NaN highest).
     """
     v = v.reshape(-1)
     select = select or abs_select_reference
@@ -307,6 +309,8 @@ def sampled_topk_reference(
     idx = select(v, thr, math.ceil(_sample_k(k, s, n) * n / s))
     if idx.numel() > k:
         idx = idx[torch.topk(v[idx].abs(), k, sorted=False).indices].sort().values
+    elif idx.numel() == 0:
+        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
     return idx
 
 

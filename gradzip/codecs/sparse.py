@@ -64,6 +64,14 @@ _SCOPES = ("tensor", "call")
 _F32_MAX = 3.4028234663852886e38
 
 
+#: The value dtypes of a frame of an input of this dtype whose gradient's dtype is not known.
+_NARROWER = {
+    torch.float16: (torch.float16,),
+    torch.bfloat16: (torch.bfloat16,),
+    torch.float32: (torch.float32, torch.float16, torch.bfloat16),
+}
+
+
 def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
@@ -204,7 +212,7 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
     followed by ``value_bytes`` per position. Everything :func:`pack_gaps` would not have
     written raises :class:`~gradzip.wire.FrameError`: a width other than the largest word's,
     a count in more LEB128 bytes than it needs, a length that disagrees with the count,
-    nonzero padding bits, a position outside ``[0, n)``."""
+    nonzero padding bits, a gap or a position outside ``[0, n)``."""
     head = body[:11].cpu().tolist()
     if len(head) < 2:
         raise FrameError("length", f"corrupt sparse frame: {len(head)} bytes hold no width and count")
@@ -224,9 +232,13 @@ def unpack_gaps(body: torch.Tensor, n: int, value_bytes: int, extra_bits: int = 
     used = k * width
     if used % 8 and int(body[pos + plen - 1]) >> (used % 8):
         raise FrameError("body.padding", "corrupt sparse frame: nonzero padding bits after the last gap")
-    need = max(1, int(words.max()).bit_length()) if k else 1
+    top = int(words.max()) if k else 0
+    need = max(1, top.bit_length())
     if width != need:
         raise FrameError("body.width", f"corrupt sparse frame: gap width {width} where the largest word needs {need}")
+    if k and top >> extra_bits >= n:
+        # a gap of n or more leaves [0, n) at once; checked before the sum, which could wrap around int64
+        raise FrameError("body.indices", f"corrupt sparse frame: a gap of {top >> extra_bits} in a tensor of {n}")
     extra = None
     if extra_bits:
         extra = words & ((1 << extra_bits) - 1)
@@ -549,11 +561,15 @@ class TopK(Codec):
         """``scope="call"``: each tensor's share of one top-k over the call (:func:`call_counts`)."""
         return call_counts(xs, warmup.at(self.ratio, ctxs[0].step if ctxs else 0))
 
+    def _sampled(self, n: int) -> bool:
+        """Whether a tensor of ``n`` elements takes the sampled route (else ``torch.topk``'s)."""
+        sampled = self.mode in ("sampled", "approx") or (self.mode == "auto" and n >= self.sampled_above)
+        return sampled and n > self.sample
+
     def select(self, v: torch.Tensor, k: int, ctx: TensorContext) -> torch.Tensor:
         """Indices (int64, ascending) of the elements to send."""
         n = v.numel()
-        sampled = self.mode in ("sampled", "approx") or (self.mode == "auto" and n >= self.sampled_above)
-        if not sampled or n <= self.sample:
+        if not self._sampled(n):
             return topk_abs(v, k)[0].sort().values
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
         probe = torch.randint(n, (self.sample,), generator=g).to(v.device)
@@ -732,7 +748,83 @@ class TopK(Codec):
             if self.fixed_frames:  # they saturate instead (one length per tensor)
                 return (payload.grad_dtype,)
             return tuple(dict.fromkeys((payload.grad_dtype, payload.dtype)))
-        return (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # a frame not from a protocol
+        # A frame not from a protocol: the gradient's dtype is unknown, but no wider than the
+        # input's (error feedback widens, never narrows), and a half-precision input's is its own.
+        return _NARROWER.get(payload.dtype, (torch.float32, torch.float16, torch.bfloat16, torch.float64))
+
+    def _frame_k(self, payload: Payload) -> int | None:
+        """``k`` of the payload's tensor at its step, or None (see :meth:`_count_band`)."""
+        if self.scope == "call" or (isinstance(self.ratio, warmup.Ramp) and payload.step is None):
+            return None
+        return _k_of(warmup.at(self.ratio, payload.step or 0), payload.numel)
+
+    def _count_band(self, payload: Payload) -> tuple[int, int] | None:
+        """``(fewest, most)`` positions this configuration sends in a sparse frame of the
+        payload's tensor, or None where the count is not the codec's own (``scope="call"``: the
+        call allots it) or is not known (a warm-up schedule's ratio at an unknown step). Exact
+        top-k: ``k``; sampled: 1 to ``k``; approximate: :func:`~gradzip.kernels.approx_band`;
+        ``values="sign"`` drops zeros (1 at least, else EMPTY)."""
+        k = self._frame_k(payload)
+        if k is None:
+            return None
+        if not self._sampled(payload.numel):
+            lo, hi = k, k
+        elif self.mode == "approx":
+            lo, hi = K.approx_band(k)
+        else:
+            lo, hi = 1, k
+        return (1 if self.values == "sign" else lo), hi
+
+    def _check_count(self, payload: Payload, count: int) -> None:
+        """A sparse frame's count of positions against :meth:`_count_band`; a sparse frame sends
+        at least one position (a tensor that sends none is EMPTY)."""
+        band = self._count_band(payload)
+        lo, hi = band if band is not None else (1, payload.numel)
+        if not lo <= count <= hi:
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            raise FrameError(
+                "body.count",
+                f"{count} positions in a {fmt_name(payload.fmt)} frame, where {self!r} sends {want} "
+                f"of {payload.numel} elements",
+            )
+
+    def _count_fits(self, payload: Payload, count: int) -> bool:
+        try:
+            self._check_count(payload, count)
+        except FrameError:
+            return False
+        return True
+
+    def _check_dense(self, payload: Payload) -> None:
+        """DENSE only where the encoder could write it: where ``k`` values alone are no smaller
+        than the tensor, or where the longest sparse frame of this configuration would not be
+        (fixed frames: ``k`` positions in Elias-Fano code or a mask; other modes: up to the
+        band's most positions, gaps of at most the tensor's width, or a mask; values in the
+        widest dtype they may travel in)."""
+        k = self._frame_k(payload)
+        if k is None or self.values == "sign":  # (the sign formats have no DENSE)
+            return
+        n = payload.numel
+        dense = n * payload.dtype.itemsize
+        if self.values is not None:
+            vsize = vmax = itemsize(_VALUE_DTYPES[self.values])
+        else:  # the gradient's dtype where known; values never wider than the input
+            known = payload.grad_dtype is not None and payload.grad_dtype.is_floating_point
+            vsize = itemsize(payload.grad_dtype) if known else payload.dtype.itemsize
+            vmax = vsize if self.fixed_frames else payload.dtype.itemsize
+        if k * vsize >= dense:
+            return
+        hi = self._count_band(payload)[1]
+        if self.fixed_frames:
+            positions = ef_nbytes(n, k)
+        else:
+            positions = 1 + len(_leb128(hi)) + (hi * max(1, (n - 1).bit_length()) + 7) // 8
+        sparse = min(positions, (n + 7) // 8) + hi * vmax
+        if sparse < dense:
+            raise FrameError(
+                "format",
+                f"a DENSE frame of {dense} bytes, where {self!r} sends {k} of {n} elements in at most {sparse}",
+            )
 
     def check_frames(self, payloads) -> None:
         """:meth:`check_frame` on a message's frames (or a round's), the Elias-Fano frames'
@@ -757,7 +849,8 @@ class TopK(Codec):
                 parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs, one, [p.head for p in ef])
         # (a SPARSE_EF frame only where its positions take no more than a mask would)
         if parsed is not None and all(
-            p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8 for p, (_, r) in zip(ef, parsed)
+            p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8 and self._count_fits(p, idx.numel())
+            for p, (idx, r) in zip(ef, parsed)
         ):
             try:
                 for p in rest:
@@ -797,6 +890,7 @@ class TopK(Codec):
             return
         if fmt == FMT_DENSE:
             check_dense(self, payload, (payload.dtype,))
+            self._check_dense(payload)
             return
         nbytes = payload.body.numel()
         if fmt in (FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2):
@@ -813,6 +907,7 @@ class TopK(Codec):
             else:
                 check_length(self, payload, bitmap)
                 idx, neg = _signs2(payload.body, n)
+            self._check_count(payload, idx.numel())
             vals = torch.full(idx.shape, mu, dtype=torch.float32, device=idx.device)
             payload.parsed = (idx, vals.masked_fill_(neg, -mu))
             return
@@ -843,6 +938,7 @@ class TopK(Codec):
             if other <= mlen:
                 raise FrameError("format", f"a mask of {mlen} bytes, where the positions' code takes {other}")
             rest = payload.body[mlen:]
+        self._check_count(payload, idx.numel())
         payload.parsed = (idx, from_bytes(rest, payload.vdtype))
 
     def decompress(self, payload: Payload) -> torch.Tensor:

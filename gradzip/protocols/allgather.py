@@ -82,6 +82,7 @@ class AllGather(Protocol):
                 check=codec,
                 names=[call.names] * world,
                 ranks=list(range(world)),
+                step=call.step,
             )
             for i in range(len(payloads)):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.

@@ -178,6 +178,12 @@ class Call:
     def numel(self) -> int:
         return self.offsets[-1]
 
+    @property
+    def step(self) -> int:
+        """The engine step of this call (its tensors' contexts all carry it; 0 without tensors):
+        what every rank's frames of this call were written at."""
+        return self.contexts[0].step if self.contexts else 0
+
     def slice(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
 
@@ -458,7 +464,7 @@ class Call:
         """The context (state) of a key of the protocol's own: a piece of a tensor, say."""
         if self.make_context is not None:
             return self.make_context(key, dtype)
-        return TensorContext(name=key, dtype=dtype, rank=self.rank, world_size=self.world_size)
+        return TensorContext(name=key, step=self.step, dtype=dtype, rank=self.rank, world_size=self.world_size)
 
     def codec(self):
         """Time a block as codec work (see :func:`codec_time`)."""

@@ -125,6 +125,7 @@ class TwoPhase(Protocol):
                 check=codec,
                 names=[[owner_key(call.names[i], j, world) for i in range(count)] for j in range(world)],
                 ranks=list(range(world)),
+                step=call.step,
             )
             frames = [p for got in owners for p in got]
             starts = [call.offsets[i] + bounds[i][j] for j in range(world) for i in range(count)]
@@ -210,6 +211,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
             check=codec,
             names=[names] * world,
             ranks=list(range(world)),
+            step=call.step,
         )
         owned = []
         for i in range(count):

@@ -111,7 +111,14 @@ class WeightGather(Protocol, register=False):
             dest = out.view(world, n)
             for r in range(world):
                 frames = unpack_frames(
-                    rows[r, count:], shapes, dtypes, grad_dtypes=grads, check=codec, names=call.names, rank=r
+                    rows[r, count:],
+                    shapes,
+                    dtypes,
+                    grad_dtypes=grads,
+                    check=codec,
+                    names=call.names,
+                    rank=r,
+                    step=call.step,
                 )
                 for i in range(count):
                     seg = dest[r, call.offsets[i] : call.offsets[i + 1]]

@@ -705,3 +705,157 @@ def test_host_values_reads_the_pending_padding_test_once_and_returns_what_tolist
         finally:
             wire._ROUND.reset(token)
     assert wire.host_values(torch.tensor([1, 2])) == [1, 2] and wire._ROUND.get() is None
+
+
+# -- frames no writer of the receiving configuration produces (an adversarial audit, 2026-12-01) --
+
+
+def _frame(fmt, body, n, *, dtype=torch.float32, vdtype=torch.float32, scale=0.0):
+    if isinstance(body, (bytes, bytearray)):
+        body = torch.tensor(list(body), dtype=torch.uint8)
+    return wire.Payload(body=body, shape=torch.Size([n]), dtype=dtype, fmt=fmt, vdtype=vdtype, scale=scale)
+
+
+def _refusal(codec, frames, n, *, dtype=torch.float32, grad=torch.float32, step=None):
+    """The FrameError a receiving protocol raises on a message of ``frames`` (one tensor each of
+    ``n`` elements), and the one ``codec.decompress`` raises on each frame parsed without a check."""
+    msg = pack_frames(frames)
+    k = len(frames)
+    with pytest.raises(FrameError) as protocol:
+        wire.unpack_many(
+            [msg],
+            [[torch.Size([n])] * k],
+            [[dtype] * k],
+            grad_dtypes=None if grad is None else [[grad] * k],
+            check=codec,
+            names=[[f"t{i}" for i in range(k)]],
+            ranks=[1],
+            step=step,
+        )
+    for p in unpack_frames(msg, [torch.Size([n])] * k, [dtype] * k, step=step):
+        with pytest.raises(FrameError):
+            codec.decompress(p)
+    assert "rank 1" in str(protocol.value) and "tensor 't" in str(protocol.value)
+    return protocol.value
+
+
+def _gaps(words, width):
+    from gradzip.kernels import pack_uint
+
+    return torch.cat([torch.tensor([width, words.numel()], dtype=torch.uint8), pack_uint(words, width)])
+
+
+def test_a_gap_list_whose_positions_wrap_around_int64_is_refused_not_an_index_error():
+    # minimal width, minimal count, zero padding and a last position below n: only the gaps' sum
+    # (2**62 - 1 four times, then 5) wraps around int64, to positions that scatter anywhere
+    n, big = 1000, (1 << 62) - 1
+    words = torch.tensor([big, big, big, big, 5])
+    vals = torch.arange(1.0, 6.0).view(torch.uint8)
+    signs = (words << 1) | torch.tensor([0, 1, 0, 1, 0])
+    for codec, f in (
+        (gz.TopK(0.01, mode="sampled", sample=64), _frame(FMT_SPARSE, torch.cat([_gaps(words, 62), vals]), n)),
+        (gz.TopK(0.01, scope="call"), _frame(FMT_SPARSE, torch.cat([_gaps(words, 62), vals]), n)),
+        (gz.TopK(0.01, values="sign"), _frame(FMT_SPARSE_SIGN, _gaps(signs, 63), n, scale=0.5)),
+        (gz.Threshold(tau=1.0), _frame(FMT_SIGNED_INDEX, _gaps(signs, 63), n, scale=1.0)),
+    ):
+        e = _refusal(codec, [f], n)
+        assert e.field == "body.indices", (codec, e)
+
+
+def test_a_sparse_frame_that_sends_no_position_is_refused():
+    # a tensor a TopK sends nothing of travels as EMPTY (scope="call" only): before, an all-zero
+    # mask (any configuration) and a zero-count gap list (sampled, approx) decoded to zeros
+    for codec, n in ((gz.TopK(0.01), 1000), (gz.TopK(0.01), 8), (gz.TopK(0.05, scope="call"), 1000)):
+        e = _refusal(codec, [_frame(FMT_SPARSE_MASK, bytes((n + 7) // 8), n)], n)
+        # (gap-coded configurations: the empty mask is also longer than the gaps it replaces)
+        assert e.field in (("body.count",) if codec.fixed_frames else ("body.count", "format")), (codec, n, e)
+    for codec in (gz.TopK(0.01, mode="sampled", sample=64), gz.TopK(0.01, mode="approx", sample=64)):
+        e = _refusal(codec, [_frame(FMT_SPARSE, bytes([1, 0]), 1000)], 1000)
+        assert e.field == "body.count", (codec, e)
+
+
+def test_sampled_topk_sends_at_least_one_position_where_its_sample_holds_nan():
+    # a NaN in the sample made the threshold NaN, which nothing reached: a frame of no position
+    codec = gz.TopK(0.01, mode="sampled", sample=64)
+    for fill in (math.nan, None):
+        x = torch.full((1000,), math.nan) if fill is not None else torch.randn(1000)
+        if fill is None:
+            x[::3] = math.nan
+        for step in range(5):
+            p = codec.compress(x, TensorContext(name="w", step=step))
+            assert p.fmt == FMT_SPARSE and p.parsed[0].numel() == 10
+            out = unpack_frames(pack_frames([p]), [x.shape], [x.dtype], check=codec)[0]  # its own receiver takes it
+            assert out.checked
+
+
+def test_a_half_precision_tensors_values_in_the_other_half_dtype_are_refused_without_grad_dtypes():
+    # the public codec API (no protocol, so no gradient dtypes): a float16 input's values are float16
+    x = (torch.randn(40, 30, generator=torch.Generator().manual_seed(0)) + 4.0).half()
+    for codec in (gz.TopK(0.05), gz.TopK(0.05, mode="sampled", sample=64), gz.TopK(0.3), gz.TopK(1.0)):
+        p = codec.compress(x, TensorContext(name="w", dtype=torch.float16))
+        raw = bytearray(pack_frames([p]).numpy().tobytes())
+        raw[9] = (raw[9] & 0x80) | 2  # value dtype code: float16 -> bfloat16 (a value near 4 read as ~7000)
+        msg = torch.frombuffer(raw, dtype=torch.uint8)
+        with pytest.raises(FrameError, match="value dtype"):
+            codec.decompress(unpack_frames(msg, [x.shape], [torch.float16])[0])
+
+
+def test_topk_frames_of_another_count_or_a_dense_frame_it_would_not_write_are_refused():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(1001, generator=torch.Generator().manual_seed(2))
+    exact = gz.TopK(0.01)  # always 10 positions of 1000 elements, in Elias-Fano code
+    for other in (gz.TopK(0.02), gz.TopK(0.05), gz.TopK(0.009)):
+        e = _refusal(exact, [other.compress(x, TensorContext(name="t0"))], 1000)
+        assert e.field == "body.count" and "sends 10 of 1000" in str(e), e
+    for dense in (gz.TopK(1.0).compress(x), gz.Identity().compress(x)):
+        assert _refusal(exact, [dense], 1000).field == "format"
+    # two tensors' frames swapped (1000 and 1001 elements: 10 and 11 positions)
+    a, b = exact.compress(x, TensorContext(name="a")), exact.compress(y, TensorContext(name="b"))
+    msg = pack_frames([b, a])
+    with pytest.raises(FrameError, match="body.count|length"):
+        unpack_frames(msg, [x.shape, y.shape], [torch.float32] * 2, check=exact, names=["a", "b"])
+    # sampled and approximate top-k: counts within their bands, DENSE only where it could be smaller
+    sampled = gz.TopK(0.01, mode="sampled", sample=64)
+    assert _refusal(sampled, [gz.TopK(0.02, mode="sampled", sample=64).compress(x)], 1000).field == "body.count"
+    assert _refusal(sampled, [gz.TopK(1.0).compress(x)], 1000).field == "format"
+    approx = gz.TopK(0.01, mode="approx", sample=64)
+    assert _refusal(approx, [gz.TopK(0.02, mode="approx", sample=64).compress(x)], 1000).field == "body.count"
+    # what each writes, its own receiver takes (the fuzz test above checks every configuration)
+    for codec in (exact, sampled, approx, gz.TopK(1.0), gz.TopK(0.3)):
+        p = codec.compress(x, TensorContext(name="t0"))
+        assert unpack_frames(pack_frames([p]), [x.shape], [torch.float32], check=codec)[0].checked
+
+
+def test_a_warm_up_schedules_count_is_checked_at_the_frames_step():
+    ratio = gz.warmup.Linear(0.1, 0.01, steps=10)
+    codec = gz.TopK(ratio)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    p = codec.compress(x, TensorContext(name="t0", step=4))  # ceil(0.064 * 1000) = 64 positions
+    assert p.parsed[0].numel() == 64
+    assert unpack_frames(pack_frames([p]), [x.shape], [x.dtype], check=codec, step=4)[0].checked
+    e = _refusal(codec, [p], 1000, step=5)  # a frame of step 4 at step 5 (55 positions)
+    assert e.field == "body.count" and "sends 55 of 1000" in str(e)
+    # at an unknown step a schedule's count is not checked (a constant ratio's always is)
+    assert unpack_frames(pack_frames([p]), [x.shape], [x.dtype], check=codec)[0].checked
+
+
+def _train_schedules(rank, world, method):
+    from tests.support import many_buckets_model, train_many_buckets
+
+    state = train_many_buckets(many_buckets_model(), gz.parse(method), rank, 6)
+    return state.stats()["steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        "TwoPhase(TopK(ratio=Linear(0.2, 0.01, steps=4)))",
+        "AllGather(TopK(ratio=Exponential(0.25, 0.01, steps=4, stages=2), mode='approx', sample=256))",
+    ],
+)
+def test_every_rank_takes_the_frames_of_a_changing_count_at_four_ranks(method):
+    from tests.support import run_ranks
+
+    # the receivers check each frame's count at the call's step: a wrong step would refuse them
+    assert run_ranks(_train_schedules, 4, method) == [6] * 4
