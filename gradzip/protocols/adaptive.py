@@ -456,6 +456,10 @@ class Adaptive(Protocol):
         m = numel // n
         mat = x.detach().reshape(n, m).to(torch.float64)
         total = float(torch.linalg.vector_norm(mat).square())
+        if not math.isfinite(total):
+            # A non-finite input (the engine skips the step on every rank): no SVD, which would
+            # raise on this rank alone while the others wait in the statistics' allreduce.
+            return [total] * len(ks), [float((n + m) * k * fsize) if k else float(numel * wsize) for k in ks]
         small = min(n, m)
         if small <= 2 * (kmax + 8) or n * m <= 1 << 16:
             sig = torch.linalg.svdvals(mat)
