@@ -103,6 +103,19 @@ class Hierarchical(Protocol):
         node, across = node_groups(self._comms, call.comm, L)
         return L, call.rank % L, node, across
 
+    @staticmethod
+    def _frozen(call: Call, pieces: list, local: int, L: int) -> frozenset:
+        """The shards the inner call leaves the error feedback of alone: those of a tensor this
+        rank found unused (``Call.frozen``) whose piece of the node's mean is all zeros (no rank
+        of the node used it). The inner protocol then sends them as zeros and keeps their
+        residuals, as a flat call keeps an unused tensor's: spent on a step where no rank used
+        the parameter, they would be lost with the average DDP drops. One host read."""
+        idx = [i for i, n in enumerate(call.names) if n in call.frozen] if call.memory is not None else []
+        if not idx:
+            return frozenset()
+        used = torch.stack([pieces[i].any() for i in idx]).tolist()
+        return frozenset(shard_key(call.names[i], local, L) for i, u in zip(idx, used) if not u)
+
     def exchange(self, call: Call) -> Exchange:
         L, local, node, across = self._setup(call)
         count = len(call.tensors)
@@ -132,6 +145,7 @@ class Hierarchical(Protocol):
             )
             sub.updated = call.updated
             sub.bytes_only = call.bytes_only
+            sub.frozen = self._frozen(call, pieces, local, L)
         inner = as_protocol(self.inner, across.world_size, feedback=call.memory is not None)
         got = yield from nested(inner.exchange(sub), sub)
         with call.codec():
