@@ -26,6 +26,7 @@ from gradzip.engine import Engine, check_real, layout_of
 from gradzip.frontend import FrontEnd
 from gradzip.momentum import Momentum
 from gradzip.protocols.base import Protocol
+from gradzip.protocols.flat import check_unused
 from gradzip.registry import parse
 
 #: The hook's signature, as DDP calls it.
@@ -165,6 +166,9 @@ def comm_hook(
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     method = as_method(method)
+    find_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
+    if find_unused:
+        check_unused(method)
     _claim(ddp_model, method)
     if precondition and optimizer is None:
         raise ValueError("precondition=True needs the Adam or AdamW optimizer= whose moments it takes over")
@@ -191,7 +195,7 @@ def comm_hook(
     )
     engine.adopt_momentum(buffers)
     names = {id(p): n for n, p in trained}
-    state = HookState(engine, names, find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
+    state = HookState(engine, names, find_unused=find_unused)
     ddp_model.__dict__["_gradzip_state"] = weakref.ref(state)
     return state, gradzip_hook
 

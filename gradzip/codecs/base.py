@@ -80,6 +80,10 @@ class Codec(Registered, register=False):
     rounds_sum: ClassVar[bool] = False
     framable: ClassVar[bool] = True  # a payload decodes from its frame alone (no local data)
     sparse: ClassVar[bool] = False  # sends some coordinates whole, the rest not at all (momentum masking)
+    #: a zero element decodes to zero whatever else the tensor holds: ``Flat`` then sends a
+    #: tensor DDP found unused (its range all zeros) as zeros and leaves its residual alone.
+    #: Not SignSGD (a zero is sent as ``+S``) nor DCT (coefficients mix neighbouring elements).
+    keeps_zeros: ClassVar[bool] = True
     #: every rank's frame of a tensor has the same entry and length, a function of its shape, dtype
     #: and the codec's configuration (not of its values): AllGather then needs no size round
     fixed_frames: ClassVar[bool] = False

@@ -285,6 +285,8 @@ class SignSGD(_Quantizer):
         block: elements per scale, an integer >= 1; ``None``: one scale per tensor.
     """
 
+    keeps_zeros = False  # a zero element is sent as +S (its block's scale)
+
     formats = {"SIGN1": FMT_SIGN1}
     _kind, _fmt, _label, _bits = "sign1", FMT_SIGN1, "SignSGD", 1
 

@@ -97,6 +97,8 @@ class DCT(Codec):
         chunk: the largest block side, an integer >= 1 (default 64).
     """
 
+    keeps_zeros = False  # a coefficient mixes a block's elements (under Flat: neighbouring tensors')
+
     def __init__(self, codec: Codec, *, chunk: int = 64) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"DCT() takes a gradzip codec, got {codec!r}")

@@ -45,7 +45,7 @@ from ..codecs.base import Codec
 from ..wire import accum_dtype, run_view
 from .base import Call, Exchange, Protocol, as_protocol
 
-__all__ = ["Flat", "flat_key"]
+__all__ = ["Flat", "check_unused", "flat_codecs", "flat_key"]
 
 
 def flat_key(names, tensors) -> str:
@@ -54,6 +54,42 @@ def flat_key(names, tensors) -> str:
     for n, t in zip(names, tensors):
         h.update(f"{n}\0{t.numel()}\0".encode())
     return f"flat:{len(names)}:{h.hexdigest()[:16]}"
+
+
+def flat_codecs(method) -> list:
+    """The codec of every ``Flat`` inside ``method`` (a protocol's, a policy's or a menu's
+    methods, walked through their attributes), in the order met."""
+    found, seen, todo = [], set(), [method]
+    while todo:
+        obj = todo.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Flat):
+            found.append(obj.codec)
+        if isinstance(obj, (Codec, Protocol)):
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+    return found
+
+
+def check_unused(method) -> None:
+    """Refuse a ``Flat`` of a codec that does not send zeros as zeros (``Codec.keeps_zeros``:
+    SignSGD, DCT) where parameters may go unused (DDP's ``find_unused_parameters=True``): the
+    unused tensor's range of the flat tensor would carry the codec's values (``+S``) into the
+    average, and its error feedback could not keep the mass. A ``ValueError`` on every rank,
+    at registration."""
+    for codec in flat_codecs(method):
+        if not codec.keeps_zeros:
+            raise ValueError(
+                f"Flat({codec!r}) cannot leave a parameter DDP finds unused (find_unused_parameters=True) "
+                f"out of the average: {type(codec).__name__} does not send zeros as zeros, so the unused "
+                f"tensor's range would carry values and lose its error feedback; use {codec!r} without Flat, "
+                "a codec that keeps zeros (Flat(Int8()), Flat(TopK(0.01)), ...), or find_unused_parameters=False"
+            )
 
 
 class _Spread:

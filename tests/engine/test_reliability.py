@@ -804,6 +804,15 @@ def _registration(rank, world):
         lambda: register_hook(ddp, gz.Policy(gz.TopK(0.1), skip=["bias"], per_layer={"2.": gz.Identity()})),
         ValueError,
     )
+    # Flat of a codec that sends zeros as values, where parameters may go unused
+    for label, method in (
+        ("flat_sign", gz.Flat(gz.SignSGD())),
+        ("flat_dct_inside", gz.Policy(gz.Int8(), min_numel=100, fallback=gz.Flat(gz.DCT(gz.TopK(0.1))))),
+        ("flat_int8", gz.Flat(gz.Int8())),
+        ("sign", gz.SignSGD()),
+    ):
+        attempt(label, lambda m=method: register_hook(DDP(make_model(), find_unused_parameters=True), m), ValueError)
+    attempt("flat_sign_used", lambda: register_hook(DDP(make_model()), gz.Flat(gz.SignSGD())), ValueError)
     return out
 
 
@@ -1065,6 +1074,18 @@ def test_complex_parameters_and_unmatched_policy_patterns_are_refused_at_registr
         assert per["skip"] is not None and "'norm'" in per["skip"] and "skip" in per["skip"], per
         assert per["per_layer"] is not None and "'head.'" in per["per_layer"] and "per_layer" in per["per_layer"], per
         assert per["matching"] is None
+
+
+def test_flat_of_a_codec_that_does_not_keep_zeros_is_refused_where_parameters_go_unused(adversarial):
+    """An audit of 2026-12-01: under ``Flat(SignSGD())`` (or a DCT) a tensor DDP found unused was
+    sent in a range the codec fills with ``+-S``: a rank that did not use the parameter added
+    values to its average, and its residual did not keep the mass (2.7e-3 at 4 ranks).
+    ``register_hook`` now refuses it where DDP has ``find_unused_parameters=True``."""
+    for per in part(adversarial, "registration"):
+        for label in ("flat_sign", "flat_dct_inside"):
+            assert per[label] is not None and per[label].startswith("ValueError: Flat("), (label, per[label])
+            assert "find_unused_parameters" in per[label]
+        assert per["flat_int8"] is None and per["sign"] is None and per["flat_sign_used"] is None, per
 
 
 def test_policy_unbiased_fallback_keeps_its_error(adversarial):
