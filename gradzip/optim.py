@@ -171,6 +171,9 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
     call between ``backward()`` and ``step()``).
     """
 
+    #: How to make the ranks' parameters agree, in the first step's check's message (None: gradzip's own).
+    _agree_hint: str | None = None
+
     _engine_key = "gradzip"
 
     def __init__(
@@ -339,7 +342,7 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
     def _submit(self, b: _Bucket) -> None:
         if self._unchecked is not None:  # the first step's first bucket, on every rank
             named, self._unchecked = self._unchecked, None
-            check_parameters_agree(named, comm=self.engine.comm)
+            check_parameters_agree(named, comm=self.engine.comm, hint=self._agree_hint)
         grads = []
         for p in b.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)

@@ -100,7 +100,9 @@ def tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
-def check_parameters_agree(named_params, group=None, *, what: str = "parameters", comm=None) -> None:
+def check_parameters_agree(
+    named_params, group=None, *, what: str = "parameters", comm=None, hint: str | None = None
+) -> None:
     """Raise ``ValueError`` on every rank unless every rank holds the same tensors.
 
     Args:
@@ -110,6 +112,7 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
         what: the word the message uses for the tensors.
         comm: a gradzip communicator (``engine.comm``: torch.distributed's or Horovod's) to
             run the allreduce on instead of ``group``; its bytes are booked as control bytes.
+        hint: how to make them agree, for the message (default: ``gz.broadcast_parameters``).
 
     One allreduce(MAX) of ``2 * (T + 1)`` int64: each tensor's hash and its negation,
     plus a hash of the names (so a rank holding other tensors is caught too). The error
@@ -136,7 +139,7 @@ def check_parameters_agree(named_params, group=None, *, what: str = "parameters"
     differ = (hi != lo).nonzero().flatten().tolist()
     if not differ:
         return
-    hint = (
+    hint = hint or (
         "start every rank from the same weights: gz.broadcast_parameters(model) (or the same seed) "
         "before wrapping, or load the same checkpoint on every rank"
     )

@@ -13,8 +13,10 @@ more, as Horovod. ``Adasum`` runs :func:`adasum_` (Maleki et al.) on power-of-tw
 from __future__ import annotations
 
 import atexit
+import hashlib
 import io
 import itertools
+import json
 import os
 import pickle
 import socket
@@ -458,9 +460,12 @@ class ProcessSet:
         return None if self.process_set_id is None else len(self.ranks)
 
     def rank(self) -> int | None:
-        """This process's rank within the set (None when not registered or not included)."""
-        if self.process_set_id is None or rank() not in self.ranks:
+        """This process's rank within the set (None when not registered); ValueError where this
+        process is not in the set, as Horovod's."""
+        if self.process_set_id is None:
             return None
+        if rank() not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
         return self.ranks.index(rank())
 
     def included(self) -> bool | None:
@@ -568,6 +573,86 @@ def _to_horovod_set(process_set):
     raise ValueError("on transport='horovod' pass Horovod's own process sets")
 
 
+# -- the ranks agree on each collective ------------------------------------------------------
+#: What differs between two ranks' descriptions, by field, as Horovod's coordinator words it.
+_FIELDS = {
+    "kind": "collective operations",
+    "count": "numbers of tensors",
+    "op": "reduction operation",
+    "root": "root ranks",
+    "dtypes": "data types",
+    "shapes": "tensor shapes",
+    "inner": "tensor shapes beyond the first dimension",
+    "scales": "prescale and/or postscale factors",
+}
+
+
+def _checking() -> bool:
+    """Whether each collective first checks that every rank of the set issues the same one
+    (``GRADZIP_HOROVOD_CHECK=0`` turns it off; set it alike on every rank)."""
+    return os.environ.get("GRADZIP_HOROVOD_CHECK", "1") != "0"
+
+
+def _describe(kind: str, tensors, *, inner: bool = False, **fields) -> dict:
+    """What every rank of a collective must agree on: its kind, the tensors' dtypes and shapes
+    (``inner``: beyond the first dimension, which an all-gather and an all-to-all let differ),
+    and ``fields`` (the op, the root rank, the scale factors)."""
+    d = {"kind": kind, "count": len(tensors), **{k: v for k, v in fields.items() if v is not None}}
+    d["dtypes"] = [str(t.dtype).replace("torch.", "") for t in tensors]
+    d["inner" if inner else "shapes"] = [list(t.shape[1:]) if inner else list(t.shape) for t in tensors]
+    return d
+
+
+def _fingerprint(desc: dict) -> int:
+    """A description as a 62-bit integer."""
+    digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def _host_group(group) -> bool:
+    """Whether ``group`` takes CPU tensors (gloo, MPI, or gloo beside NCCL): the check's numbers
+    are a CPU tensor, so it never waits for a GPU stream. A NCCL-only group is not checked."""
+    backend = str(dist.get_backend(group))
+    return "gloo" in backend or "mpi" in backend
+
+
+def _agree(desc: dict, process_set) -> None:
+    """Raise :class:`HorovodInternalError` on every rank of the set where the ranks describe the
+    collective differently (another kind, shape, dtype, op, root, number of tensors), before its
+    data moves: a mismatch would otherwise hang, abort gloo, or return a mixed result. One
+    allreduce(MAX) of the description's fingerprint and its negation, the same small collective
+    whatever the kind, so that ranks that issue different kinds still meet in it."""
+    if not _checking() or _set_size(process_set) == 1:
+        return
+    group = _group(process_set)
+    if not _host_group(group):
+        return
+    h = _fingerprint(desc)
+    v = torch.tensor([h, -h], dtype=torch.int64)
+    _internal(dist.all_reduce, v, op=dist.ReduceOp.MAX, group=group)
+    if int(v[0]) != -int(v[1]):
+        _mismatch(desc, process_set)
+
+
+def _mismatch(desc: dict, process_set) -> None:
+    group = _group(process_set)
+    every: list = [None] * _set_size(process_set)
+    _internal(dist.all_gather_object, every, desc, group=group)
+    ranks = process_set.ranks if group is not None else list(range(len(every)))
+    for field, words in _FIELDS.items():
+        values = [d.get(field) for d in every]
+        if len({json.dumps(v, sort_keys=True) for v in values}) > 1:
+            b = next(i for i, v in enumerate(values) if v != values[0])
+            va, vb = values[0], values[b]
+            if isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb) == 1:
+                va, vb = va[0], vb[0]  # one tensor: its shape or dtype
+            kinds = sorted({d["kind"].upper() for d in every})
+            raise HorovodInternalError(
+                f"Mismatched {'/'.join(kinds)} {words}: rank {ranks[0]} sent {va}, but rank {ranks[b]} sent {vb}."
+            )
+    raise HorovodInternalError(f"Mismatched {desc['kind'].upper()}: the ranks describe it differently: {every}")
+
+
 # -- handles ---------------------------------------------------------------------------------
 class _Pending:
     """An operation in flight: torch works and what turns their buffers into the result."""
@@ -607,7 +692,7 @@ def poll(handle) -> bool:
         return horovod().poll(handle)
     p = _handles.get(handle)
     if p is None:
-        return True
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
     return all(w.is_completed() for w in p.works)
 
 
@@ -662,6 +747,11 @@ def _scale_(t: torch.Tensor, factor: float) -> None:
         t.copy_((t.double() * factor).to(t.dtype))
 
 
+#: Dtypes torch.distributed's gloo does not reduce ("Invalid scalar type"): refused before any
+#: collective, as Horovod refuses them.
+_UNSUPPORTED = (torch.int16,)
+
+
 def _check_reduce_op(op: int, process_set) -> None:
     if op == Adasum:
         if process_set is not None and process_set is not global_process_set:
@@ -675,15 +765,26 @@ def _check_reduce_op(op: int, process_set) -> None:
 
 
 def _start_allreduce(
-    tensors: list[torch.Tensor], outs: list[torch.Tensor], op: int, pre: float, post: float, process_set
+    tensors: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    op: int,
+    pre: float,
+    post: float,
+    process_set,
+    kind: str = "allreduce",
 ) -> int:
-    """Start the reduction of each ``tensors[i]`` into ``outs[i]`` (which may be the same tensor)."""
+    """Start the reduction of each ``tensors[i]`` into ``outs[i]`` (which may be the same tensor),
+    once every rank of the set has been found to issue the same one (:func:`_agree`)."""
     _check_reduce_op(op, process_set)
     group = _group(process_set)
     n = _set_size(process_set)
-    for t, o in zip(tensors, outs):
+    for t in tensors:
         if not t.is_contiguous():
             raise ValueError("Tensor is required to be contiguous.")
+        if t.dtype in _UNSUPPORTED:
+            raise ValueError(f"Tensor type {t.type()} is not supported.")
+    _agree(_describe(kind, tensors, op=OP_NAMES.get(op, op), scales=[pre, post]), process_set)
+    for t, o in zip(tensors, outs):
         with torch.no_grad():
             if o is not t:
                 o.copy_(t)
@@ -693,15 +794,15 @@ def _start_allreduce(
             for o in outs:
                 adasum_(o)
                 _scale_(o, post)
-        return _handle([], lambda: outs, keep=tensors)
+        return _handle([], lambda: tuple(outs), keep=tensors)
     works = [_internal(dist.all_reduce, o, op=_DIST_OPS[op], group=group, async_op=True) for o in outs]
     scale = post / n if op == Average else post
 
-    def finish():
+    def finish():  # a grouped handle's result is a tuple, as Horovod's
         with torch.no_grad():
             for o in outs:
                 _scale_(o, scale)
-        return outs
+        return tuple(outs)
 
     return _handle(works, finish, keep=tensors)
 
@@ -955,6 +1056,7 @@ def adasum_(t: torch.Tensor) -> torch.Tensor:
 def _allgather_start(tensors: list[torch.Tensor], process_set) -> int:
     group = _group(process_set)
     n = _set_size(process_set)
+    _agree(_describe("allgather", tensors, inner=True), process_set)
     rows_mine = torch.tensor([t.shape[0] if t.dim() else 1 for t in tensors], dtype=torch.int64)
     every = [torch.zeros_like(rows_mine) for _ in range(n)]
     _internal(dist.all_gather, every, rows_mine, group=group)
@@ -970,7 +1072,7 @@ def _allgather_start(tensors: list[torch.Tensor], process_set) -> int:
         parts.append((outs, rows))
 
     def finish():
-        return [torch.cat([o[:r] for o, r in zip(outs, rows)]) for outs, rows in parts]
+        return tuple(torch.cat([o[:r] for o, r in zip(outs, rows)]) for outs, rows in parts)
 
     return _handle(works, finish, keep=tensors)
 
@@ -1029,22 +1131,29 @@ class _GroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """A list: each tensor of ``tensors`` gathered along dimension 0 (autograd-aware)."""
+    """A tuple: each tensor of ``tensors`` gathered along dimension 0 (autograd-aware)."""
     if _require() == "horovod":
         return horovod().grouped_allgather(tensors, name=name, process_set=_to_horovod_set(process_set))
-    return list(_GroupedAllgather.apply(process_set, *tensors))
+    return _GroupedAllgather.apply(process_set, *tensors)  # a tuple, as Horovod's
 
 
-def _broadcast_start(tensor, out, root_rank: int, process_set) -> int:
+def _broadcast_start(tensor, out, root_rank: int, process_set, result=None) -> int:
+    """Broadcast ``root_rank``'s ``tensor`` into ``out``; the handle gives ``result`` (the tensor
+    written in place, a Parameter stays one) or ``out``."""
     group = _group(process_set)
     if not out.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
+    members = process_set.ranks if group is not None else range(size())
+    if int(root_rank) not in members:
+        raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
+    _agree(_describe("broadcast", [tensor], root=int(root_rank)), process_set)
     if out is not tensor:
         with torch.no_grad():
             out.copy_(tensor)
     with torch.no_grad():
         w = _internal(dist.broadcast, out, src=int(root_rank), group=group, async_op=True)
-    return _handle([w], lambda: out, keep=tensor)
+    done = out if result is None else result
+    return _handle([w], lambda: done, keep=tensor)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -1061,7 +1170,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     if _require() == "horovod":
         return horovod().broadcast_async_(tensor, root_rank, name=name, process_set=_to_horovod_set(process_set))
     return _broadcast_start(
-        tensor, tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, process_set
+        tensor, tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, process_set, tensor
     )
 
 
@@ -1113,6 +1222,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     n = _set_size(process_set)
     rows = tensor.shape[0]
     send = _splits(splits, rows, n)
+    _agree(_describe("alltoall", [tensor], inner=True), process_set)
     recv = torch.empty(n, dtype=torch.int64)
     _internal(dist.all_to_all_single, recv, torch.tensor(send, dtype=torch.int64), group=group)
     got = [int(x) for x in recv]
@@ -1164,8 +1274,10 @@ def _rs_rows(rows: int, n: int, r: int) -> tuple[int, int]:
 def _reducescatter_start(tensors, op: int, process_set, pre: float, post: float) -> int:
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"reducescatter supports Average, Sum, Min, Max, Product; got {OP_NAMES.get(op, op)!r}")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("Reducescatter does not support scalar inputs")
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    h = _start_allreduce(list(tensors), outs, op, pre, post, process_set)
+    h = _start_allreduce(list(tensors), outs, op, pre, post, process_set, kind="reducescatter")
     n, r = _set_size(process_set), _set_rank(process_set)
     p = _handles[h]
     fin = p.finish
@@ -1175,7 +1287,7 @@ def _reducescatter_start(tensors, op: int, process_set, pre: float, post: float)
         for o in fin():
             off, cnt = _rs_rows(o.shape[0], n, r)
             res.append(o.narrow(0, off, cnt).clone())
-        return res
+        return tuple(res)
 
     p.finish = finish
     return h

@@ -77,6 +77,11 @@ def _check_process_set(process_set) -> None:
 class _Engine(_GzOptimizer):
     """gradzip's DistributedOptimizer with Horovod's groups and sparse gradients."""
 
+    _agree_hint = (
+        "start every rank from the same weights: hvd.broadcast_parameters(model.state_dict(), root_rank=0) "
+        "before the first step (or the same seed); DistributedOptimizer(..., check_parameters=False) skips this check"
+    )
+
     def __init__(self, *a, groups=None, **kw) -> None:
         super().__init__(*a, **kw)
         self._sparse: dict = {}  # id(param) -> sparse_dim, for gradients that came sparse this step

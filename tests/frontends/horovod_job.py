@@ -372,6 +372,71 @@ def main(prefix: str) -> None:
         b = hv.synchronize(hv.grouped_reducescatter_async(rs, op=hv.Sum))
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
+    @check("mismatched_ranks")
+    def _():
+        # Ranks that issue a collective with another shape, dtype or op: Horovod's coordinator
+        # refuses it on every rank, and the next collective works (an audit of 2026-12-01: gradzip
+        # hung, aborted gloo or returned a mixed result).
+        r = hv.rank()
+        cases = {
+            "tensor shapes": lambda m: m.allreduce(torch.ones(3 + r), name="mm.shape"),
+            "data types": lambda m: m.allreduce(torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)),
+            "reduction op": lambda m: m.allreduce(torch.ones(3), op=m.Sum if r == 0 else m.Max, name="mm.op"),
+            "allgather inner": lambda m: m.allgather(torch.ones(2, 2 + r), name="mm.ag"),
+            "broadcast shapes": lambda m: m.broadcast(torch.ones(2 + r), 0, name="mm.bc"),
+            "reducescatter": lambda m: m.reducescatter(torch.ones(4, 1 + r), name="mm.rs"),
+        }
+        seen = {}
+        for label, fn in cases.items():
+            for mod in (gh, hv):
+                try:
+                    fn(mod)
+                    seen[f"{mod.__name__} {label}"] = None
+                except Exception as exc:  # noqa: BLE001 - both must raise, and the same kind
+                    seen[f"{mod.__name__} {label}"] = f"{type(exc).__name__}: {exc}"
+            assert torch.equal(gh.allreduce(torch.ones(2), op=gh.Sum), hv.allreduce(torch.ones(2), op=hv.Sum))
+        for label in cases:
+            ours, theirs = seen[f"gradzip.horovod {label}"], seen[f"horovod.torch {label}"]
+            assert theirs is not None and theirs.startswith("HorovodInternalError: Mismatched"), (label, theirs)
+            assert ours is not None and ours.startswith("HorovodInternalError: Mismatched"), (label, ours)
+        return {"refusals": seen}
+
+    @check("results_and_refusals_as_horovods")
+    def _():
+        r = hv.rank()
+        # a Parameter broadcast in place is the Parameter (model.weight = hvd.broadcast_(...) works)
+        for mod in (gh, hv):
+            w = torch.nn.Parameter(torch.arange(3.0) + r)
+            out = mod.broadcast_(w, 0)
+            assert out is w and isinstance(out, torch.nn.Parameter) and torch.equal(w.detach(), torch.arange(3.0))
+            assert mod.synchronize(mod.broadcast_async_(w, 1)) is w
+        # a grouped handle's result is a tuple; grouped_allgather a tuple; grouped_allreduce a list
+        ts = [torch.ones(3) * (r + 1), torch.arange(2.0)]
+        for mod in (gh, hv):
+            assert type(mod.synchronize(mod.grouped_allreduce_async(ts))) is tuple, mod
+            assert type(mod.grouped_allreduce_([t.clone() for t in ts])) is tuple, mod
+            assert type(mod.synchronize(mod.grouped_allgather_async(ts))) is tuple, mod
+            assert type(mod.grouped_allgather(ts)) is tuple, mod
+            assert type(mod.grouped_allreduce(ts)) is list, mod
+            rows = [torch.ones(4, 2), torch.ones(2)]
+            assert type(mod.synchronize(mod.grouped_reducescatter_async(rows))) is tuple, mod
+        refusals = {}
+        for mod in (gh, hv):
+            for label, fn in {
+                "poll of an unknown handle": lambda: mod.poll(123456),
+                "a scalar reducescatter": lambda: mod.reducescatter(torch.tensor(1.0)),
+                "an int16 allreduce": lambda: mod.allreduce(torch.ones(2, dtype=torch.int16)),
+                "a root outside the set": lambda: mod.broadcast(torch.ones(2), 5),
+            }.items():
+                try:
+                    fn()
+                    refusals[f"{mod.__name__} {label}"] = None
+                except ValueError as exc:
+                    refusals[f"{mod.__name__} {label}"] = str(exc)
+        for key, why in refusals.items():
+            assert why is not None, key
+        return {"refusals": refusals}
+
     @check("alltoall_reducescatter")
     def _():
         r = hv.rank()

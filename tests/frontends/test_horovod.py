@@ -64,6 +64,8 @@ JOB_CHECKS = [
     "integer_reductions",
     "async_handles",
     "grouped_collectives",
+    "mismatched_ranks",
+    "results_and_refusals_as_horovods",
     "alltoall_reducescatter",
     "objects_join_barrier",
     "process_sets",
@@ -291,6 +293,57 @@ def test_torch_transport_on_two_ranks():
             "process_set": "ValueError",
             "compression": "TypeError",
         }
+
+
+def _mismatched_kinds(rank, world):
+    """Ranks that issue different kinds of collective, or groups of different sizes, are refused
+    on both ranks, which then go on (Horovod pairs tensors by name and stalls on these)."""
+    gh.init()
+    cases = {
+        "kind": lambda: gh.allreduce(torch.ones(2)) if rank == 0 else gh.allgather(torch.ones(2)),
+        "count": lambda: gh.grouped_allgather([torch.ones(2)] * (1 + rank)),
+        "root": lambda: gh.broadcast(torch.ones(2), rank),
+        "scales": lambda: gh.allreduce(torch.ones(2), prescale_factor=1.0 + rank),
+        "alltoall": lambda: gh.alltoall(torch.ones(2, 1 + rank)),
+    }
+    out = {}
+    for label, fn in cases.items():
+        try:
+            fn()
+            out[label] = None
+        except gh.HorovodInternalError as exc:
+            out[label] = str(exc)
+    ps = gh.add_process_set([1])
+    try:
+        out["set rank"] = ps.rank()
+    except ValueError as exc:
+        out["set rank"] = f"ValueError: {exc}"
+    out["after"] = gh.allreduce(torch.ones(2), op=gh.Sum).tolist()
+    torch.manual_seed(rank)  # replicas that start apart: the optimizer's first step says how to fix it
+    model = torch.nn.Linear(3, 2)
+    opt = gh.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    try:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        out["apart"] = None
+    except ValueError as exc:
+        out["apart"] = str(exc)
+    return out
+
+
+def test_ranks_that_issue_different_collectives_are_refused_on_every_rank():
+    outs = run_ranks(_mismatched_kinds, 2)
+    for rank, o in enumerate(outs):
+        assert o["kind"].startswith("Mismatched ALLGATHER/ALLREDUCE collective operations"), o
+        assert o["count"].startswith("Mismatched ALLGATHER numbers of tensors: rank 0 sent 1, but rank 1 sent 2"), o
+        assert o["root"].startswith("Mismatched BROADCAST root ranks: rank 0 sent 0, but rank 1 sent 1"), o
+        assert o["scales"].startswith("Mismatched ALLREDUCE prescale and/or postscale factors"), o
+        assert o["alltoall"].startswith("Mismatched ALLTOALL tensor shapes beyond the first dimension"), o
+        assert o["set rank"] == (0 if rank == 1 else "ValueError: Process is not part of provided process set.")
+        assert o["after"] == [2.0, 2.0]
+        assert o["apart"] is not None and "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" in o["apart"]
 
 
 def test_uninitialized_is_an_error():
