@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__, options
@@ -129,6 +130,15 @@ class Progress:
             self.bar.close()
 
 
+def check_out(folder: str) -> None:
+    """The results' folder can be written, checked before any rank trains (OSError otherwise)."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".gradzip-write-test-{os.getpid()}")
+    with open(probe, "w"):
+        pass
+    os.remove(probe)
+
+
 def run_bench(args, no_progress: bool = False, plot: bool = False):
     """Run ``gradzip bench`` from parsed options: (rows, cfg, exit code). ``plot``: the caller
     will draw pareto.png (matplotlib is then checked for with the datasets, up front)."""
@@ -142,9 +152,11 @@ def run_bench(args, no_progress: bool = False, plot: bool = False):
         cfg = config_from_args(args)
         check_device(cfg)
         plan.import_plugins(args.plugins)
-        methods = bench.parse_methods(args.methods or bench.DEFAULT_METHODS)
+        methods = bench.parse_methods(bench.DEFAULT_METHODS if args.methods is None else args.methods)
         bench.check_methods(methods, cfg)
-    except (ValueError, TypeError, ImportError) as exc:
+        if getattr(args, "out", None):
+            check_out(args.out)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"gradzip bench: {exc}", file=sys.stderr)
         return None, None, 2
     print(

@@ -201,27 +201,12 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        compression = Identity() if compression is None else compression
-        if not isinstance(compression, (Codec, Protocol)):
-            raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
-        args.flag("overlap", overlap)
-        make_outer = _outer_factory(outer, outer_kwargs)
-        fragments = args.integer("fragments", fragments, 1)
-        delay = args.integer("delay", delay, 0)
-        alpha = args.number("alpha", alpha, 0.0, 1.0)
-        schedule = as_schedule("period", period)
-        self.streaming: Streaming | None = None
-        if fragments > 1 or delay > 0 or alpha > 0:
-            if overlap or push_every is not None or pull_every is not None:
-                raise ValueError(
-                    "fragments, delay and alpha (streaming) replace overlap, push_every and pull_every; "
-                    "give one or the other"
-                )
-            if not isinstance(schedule, Constant):
-                raise ValueError(f"streaming needs an integer period, got {period!r}")
-            self.streaming = Streaming(schedule.period, fragments, delay)
-        self.push_at = schedule if push_every is None else as_schedule("push_every", push_every)
-        self.pull_at = schedule if pull_every is None else as_schedule("pull_every", pull_every)
+        c = self._checked(
+            period, compression, overlap, push_every, pull_every, outer, outer_kwargs, fragments, delay, alpha
+        )
+        compression, make_outer, fragments, delay, alpha = c["compression"], c["make_outer"], *c["streaming_args"]
+        self.streaming: Streaming | None = c["streaming"]
+        self.push_at, self.pull_at = c["push_at"], c["pull_at"]
 
         check_real((n, p) for n, p in model.named_parameters() if p.is_complex())
         entries = self._named_tensors(model)
@@ -671,6 +656,40 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         return sd
 
     # -- tools (gradzip plan) ----------------------------------------------------------
+    @staticmethod
+    def _checked(
+        period, compression, overlap, push_every, pull_every, outer, outer_kwargs, fragments, delay, alpha
+    ) -> dict:
+        """The constructor's checks of its arguments (all but the optimizer, the model and the
+        group), and what they become: :meth:`plan_terms` runs the same checks on a spec."""
+        compression = Identity() if compression is None else compression
+        if not isinstance(compression, (Codec, Protocol)):
+            raise TypeError(f"compression must be a gradzip codec or protocol, got {type(compression).__name__}")
+        args.flag("overlap", overlap)
+        make_outer = _outer_factory(outer, outer_kwargs)
+        fragments = args.integer("fragments", fragments, 1)
+        delay = args.integer("delay", delay, 0)
+        alpha = args.number("alpha", alpha, 0.0, 1.0)
+        schedule = as_schedule("period", period)
+        streaming = None
+        if fragments > 1 or delay > 0 or alpha > 0:
+            if overlap or push_every is not None or pull_every is not None:
+                raise ValueError(
+                    "fragments, delay and alpha (streaming) replace overlap, push_every and pull_every; "
+                    "give one or the other"
+                )
+            if not isinstance(schedule, Constant):
+                raise ValueError(f"streaming needs an integer period, got {period!r}")
+            streaming = Streaming(schedule.period, fragments, delay)
+        return {
+            "compression": compression,
+            "make_outer": make_outer,
+            "streaming_args": (fragments, delay, alpha),
+            "streaming": streaming,
+            "push_at": schedule if push_every is None else as_schedule("push_every", push_every),
+            "pull_at": schedule if pull_every is None else as_schedule("pull_every", pull_every),
+        }
+
     @classmethod
     def plan_terms(cls, *a, **kw) -> dict:
         """What ``gradzip plan`` needs to cost this method from its spec arguments (the
@@ -685,16 +704,22 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             raise ValueError(f"{cls.__name__}: {e}") from None
         bound.apply_defaults()
         v = bound.arguments
+        kw = dict(overlap=False, push_every=None, pull_every=None, outer=None, outer_kwargs=None)
+        kw.update(fragments=1, delay=0, alpha=0.0, compression=None)
+        kw.update({k: v[k] for k in kw if k in v})
+        if cls is not LocalSGD and kw["outer"] is None and isinstance(kw["outer_kwargs"], (dict, type(None))):
+            kw["outer_kwargs"] = {**DILOCO_OUTER, **(kw["outer_kwargs"] or {})}  # DiLoCo's outer optimizer
+        try:  # the constructor's own checks: a spec it would refuse is refused here
+            c = LocalSGD._checked(v["period"], **kw)
+        except TypeError as e:
+            raise ValueError(f"{cls.__name__}: {e}") from None
         push = v.get("push_every") or v["period"]
         period = long_run_period(push)
-        fragments = int(v.get("fragments", 1))
-        delay = int(v.get("delay", 0))
-        if fragments > 1 or delay > 0:
-            Streaming(period, fragments, delay)  # the same checks as the constructor
+        fragments, delay, _ = c["streaming_args"]
         if v.get("overlap"):
             delay = period
         return {
-            "compression": v["compression"] if v["compression"] is not None else Identity(),
+            "compression": c["compression"],
             "period": period,
             "fragments": fragments,
             "delay": delay,

@@ -82,9 +82,15 @@ PRESETS = {
 N_TRAIN = {"mnist": 4000, "digits": 1437}
 
 
+#: Seeds a bench may name: each trains every method once (NumPy's seeds are below 2**32).
+MAX_SEEDS, SEED_LIMIT = 1000, 2**32
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
-    """``"0,1,2"`` or a range ``"0-4"`` to a tuple of distinct seeds, in order."""
+    """``"0,1,2"`` or a range ``"0-4"`` to a tuple of distinct seeds in ``[0, 2**32)``, in order
+    (at most :data:`MAX_SEEDS`)."""
     out: list[int] = []
+    seen: set[int] = set()
     for part in str(text).split(","):
         part = part.strip()
         if not part:
@@ -94,9 +100,14 @@ def parse_seeds(text: str) -> tuple[int, ...]:
             vals = range(int(lo), int(hi) + 1) if sep and lo else [int(part)]
         except ValueError:
             raise ValueError(f"seeds must be integers such as '0,1,2' or '0-4', got {text!r}") from None
+        if len(vals) and (vals[0] < 0 or vals[-1] >= SEED_LIMIT):
+            raise ValueError(f"seeds must be integers in [0, {SEED_LIMIT}), got {part!r} in {text!r}")
+        if len(out) + len(vals) > MAX_SEEDS:
+            raise ValueError(f"at most {MAX_SEEDS} seeds (each trains every method), got more in {text!r}")
         for v in vals:
-            if v in out:
+            if v in seen:
                 raise ValueError(f"seed {v} is listed twice in {text!r}")
+            seen.add(v)
             out.append(v)
     if not out:
         raise ValueError(f"seeds must name at least one seed, got {text!r}")
@@ -302,7 +313,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--methods",
-        default="",
+        default=None,
         help="comma-separated methods in the method grammar (gz.parse), e.g. "
         f'"TopK(ratio=0.001), PowerSGD(rank=1)" (default: {DEFAULT_METHODS})',
     )

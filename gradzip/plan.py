@@ -42,6 +42,7 @@ import importlib
 import json
 import math
 import os
+import pickle
 import sys
 import time
 
@@ -100,6 +101,10 @@ def import_plugins(modules) -> None:
 
 
 # -- models ------------------------------------------------------------------------------
+#: Stand-in matrices ``--params`` may make (a model of 10^11 parameters at 1024x1024).
+MAX_STAND_INS = 100_000
+
+
 def layers_from_params(count: int, layer_shape: tuple[int, int] = (1024, 1024)) -> list[tuple[str, tuple]]:
     """A stand-in model of ``count`` parameters: ``layer_shape`` matrices, then the rest as one
     ``(rows, layer_shape[1])`` matrix and a vector of what is left."""
@@ -108,6 +113,11 @@ def layers_from_params(count: int, layer_shape: tuple[int, int] = (1024, 1024)) 
     if r < 1 or c < 1:
         raise ValueError(f"layer_shape must be two positive integers, got {layer_shape!r}")
     full, rest = divmod(count, r * c)
+    if full > MAX_STAND_INS:
+        raise ValueError(
+            f"--params {count:,} makes {full:,} stand-in {r}x{c} matrices (at most {MAX_STAND_INS:,}): "
+            "give a larger --layer-shape"
+        )
     layers = [(f"layer{i}.weight", (r, c)) for i in range(full)]
     if rest // c:
         layers.append(("rest.weight", (rest // c, c)))
@@ -119,7 +129,13 @@ def layers_from_params(count: int, layer_shape: tuple[int, int] = (1024, 1024)) 
 def layers_from_state_dict(path: str) -> list[tuple[str, tuple]]:
     """``[(name, shape)]`` of the floating-point tensors of a saved ``state_dict``
     (or of its ``"state_dict"``/``"model"`` entry), minus BatchNorm running statistics."""
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise ValueError(
+            f"{path}: not a file torch.load(weights_only=True) reads ({type(exc).__name__}); save the model's "
+            "state_dict (torch.save(model.state_dict(), path)), not the model or another object"
+        ) from None
     for key in ("state_dict", "model"):
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]

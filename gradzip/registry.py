@@ -84,6 +84,8 @@ class Registered:
     def __new__(cls, *args, **kwargs):
         # Records which arguments the caller passed, so that repr keeps them (TopK(0.01) is not
         # TopK()). A call that does not bind leaves the error to __init__.
+        if (args or kwargs) and cls.__init__ is object.__init__:
+            raise TypeError(f"{cls.__name__}() takes no arguments")
         self = super().__new__(cls)
         try:
             bound = cls._signature().bind(None, *args, **kwargs)
@@ -291,15 +293,24 @@ def parse_list(spec: str, context: dict[str, Any] | None = None) -> dict[str, An
     try:
         tree = ast.parse(f"[{spec}]", mode="eval")
     except SyntaxError as exc:
-        raise ValueError(f"cannot parse methods {spec!r}: {exc.msg}") from None
+        msg = exc.msg
+        try:  # the error as the user's own text reads (not the brackets wrapped around it)
+            ast.parse(spec.strip(), mode="eval")
+        except SyntaxError as own:
+            msg = own.msg
+        raise ValueError(f"cannot parse methods {spec!r}: {msg}") from None
     out: dict = {}
     items = tree.body.elts
     for i, node in enumerate(items, 1):
         label = ast.unparse(node)
         if label in out:
             raise ValueError(f"method {label!r} is listed twice")
+        if not isinstance(node, (ast.Name, ast.Call)):
+            raise ValueError(f"{label!r} is a value, not a method: name one, such as TopK(0.01) (plain DDP: DDP)")
         try:
             out[label] = _build(node, context or {})
+            if isinstance(out[label], Registered) and _kind(type(out[label])) == "schedule":
+                raise ValueError("a schedule is an argument of a method (TopK(ratio=Linear(...))), not a method")
         except ValueError as exc:
             where = f"method {i} of {len(items)}, {label!r}" if len(items) > 1 else f"method {label!r}"
             raise ValueError(f"{where}: {exc}") from None

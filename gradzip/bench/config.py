@@ -361,8 +361,15 @@ def takes_over(method: Method, cfg: BenchConfig) -> bool:
 
 
 def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
-    """Options that some rows cannot honour, refused before any rank starts (ValueError)."""
+    """Options that some rows cannot honour, and front ends' arguments their constructor would
+    refuse (``plan_terms`` runs its checks), refused before any rank starts (ValueError)."""
     for label, m in methods.items():
+        terms = getattr(m.method.cls, "plan_terms", None) if isinstance(m.method, Spec) else None
+        if terms is not None:
+            try:
+                terms(*m.method.args, **m.method.kwargs)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{label}: {exc}") from None
         if m.precondition and (m.hookless or cfg.optimizer != "adamw"):
             raise ValueError(f"{label}: precondition takes over AdamW's second moment in a DDP hook")
         if m.precondition and not takes_over(m, cfg):

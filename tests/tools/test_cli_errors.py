@@ -131,6 +131,60 @@ def test_bench_and_plan_read_methods_with_one_grammar():
             parse("Nope")
 
 
+@pytest.mark.parametrize(
+    "methods, message",
+    [
+        ("1", "'1' is a value, not a method"),
+        ("'TopK'", "is a value, not a method"),
+        ("None", "'None' is a value, not a method"),
+        ("Linear(0.1, 0.01, steps=3)", "a schedule is an argument of a method"),
+        ("Identity(1)", "Identity() takes no arguments"),
+        ("FP16(x=1)", "FP16() takes no arguments"),
+        ("TopK(0.01", "'(' was never closed"),
+        ("DiLoCo(period=8, compression=DiLoCo(period=2))", "compression must be a gradzip codec or protocol"),
+        ("DiLoCo(period=8, fragments=0)", "fragments must be an integer in [1, inf)"),
+        ("DiLoCo(period=8, alpha=5)", "alpha must be a finite number in [0, 1]"),
+    ],
+)
+def test_plan_and_bench_refuse_what_is_no_method_in_one_line(methods, message, capsys):
+    # (an audit of 2026-12-01: plan raised AttributeError or ValueError tracebacks on some, costed
+    # None as DDP and DiLoCo(alpha=5) as a method; bench trained the Identity row, then failed in the ranks)
+    assert cli.main(PLAN + ["--worlds", "8", "--methods", methods]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradzip plan: ") and message in err[0], err
+    assert cli.main(["bench", "--quick", "--out", "", "--methods", methods]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradzip bench: ") and message in err[0], err
+
+
+def test_bench_refuses_bad_seeds_empty_methods_and_an_unwritable_folder_before_training(tmp_path, capsys):
+    for seeds, message in (("-1", "seeds must be integers in [0, 4294967296)"), ("0-100000000", "at most 1000 seeds")):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "--quick", "--out", "", "--seeds", seeds])
+        assert message in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--out", "", "--methods", ""]) == 2  # not the default methods
+    assert "methods must name at least one method" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["bench", "--quick", "--out", str(blocker / "sub")]) == 2  # before any rank trains
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradzip bench: ") and "Not a directory" in err[0], err
+
+
+def test_plan_refuses_a_file_that_is_no_state_dict_and_a_model_too_large_to_stand_in(tmp_path, capsys):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    whole = tmp_path / "module.pt"
+    torch.save(torch.nn.Linear(2, 2), whole)  # the model, not its state_dict
+    base = ["plan", "--compute", "10ms", "--bandwidth", "1Gbit", "--latency", "5us", "--worlds", "8"]
+    for path in (junk, whole):
+        assert cli.main(base + ["--state-dict", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a file torch.load(weights_only=True) reads" in err[0], err
+    assert cli.main(base + ["--params", "1e30"]) == 2
+    assert "give a larger --layer-shape" in capsys.readouterr().err
+
+
 # -- plan without matplotlib, and with the shipped H100 profile ------------------------------------
 def test_plan_without_matplotlib_prints_no_traceback_and_plots_only_when_asked(tmp_path):
     out = _py(
