@@ -1,6 +1,6 @@
 """FSDP2 with Int8 weights and Int8 gradients against plain FSDP2: the loss of a small transformer.
 
-The byte-level GPT of ``gradzip.bench.lm`` (``tiny``: 4 blocks of width 128, 0.87M parameters;
+The byte-level GPT of ``gradzip.bench.lm`` (``tiny``: 4 blocks of width 128, 0.88M parameters;
 ``fully_shard`` per block and on the root) trains on the bundled text for ``--steps`` AdamW
 steps on 2 gloo ranks, from the same initialization and batches, three ways per seed:
 

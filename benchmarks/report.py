@@ -291,13 +291,21 @@ def headline() -> str:
 LM_RUN = "lm_shakespeare_4ranks_adamw_cpu.json"
 
 
+def _lm_params(size: str) -> str:
+    """The parameters of the bench's GPT at ``size``, in millions (``tiny``: 875,264, 0.88M)."""
+    from gradzip.bench.lm import SIZES
+
+    return f"{SIZES[size].params() / 1e6:.2f}M"
+
+
 def _lm_headline() -> list[str]:
     """The language model: each row's link ratio and validation-loss gap to DDP."""
     doc = _load(LM_RUN)
     c = doc["config"]
     base = next(r for r in doc["rows"] if r["method"] == "Identity")
     lines = [
-        f"The byte-level GPT ({c['lm_size']}, 0.87M parameters) on the bundled Shakespeare, {c['workers']} gloo "
+        f"The byte-level GPT ({c['lm_size']}, {_lm_params(c['lm_size'])} parameters) on the bundled Shakespeare, "
+        f"{c['workers']} gloo "
         f"ranks, {c['total_steps']} AdamW steps (lr {c['lr']:g}, the best of a sweep for DDP), mean of "
         f"{len(c['seeds'])} seeds; DDP's validation loss {base['val_loss']:.3f} nats/byte "
         f"({_short_machine(doc['machine'])}; `{LM_RUN}`):",

@@ -51,7 +51,7 @@ class GPTSize:
         return VOCAB * d + self.context * d + self.layers * block + 2 * d + d * VOCAB
 
 
-#: ``--lm-size``: ``tiny`` (the CPU default: 0.87M parameters, 1,000 steps on 4 CPU ranks in a
+#: ``--lm-size``: ``tiny`` (the CPU default: 0.88M parameters, 1,000 steps on 4 CPU ranks in a
 #: few minutes), ``small`` and ``gpt2-small`` (GPT-2 small's shape, 85M parameters with a byte
 #: vocabulary, for ``--device cuda``).
 SIZES = {
