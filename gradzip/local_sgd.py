@@ -104,6 +104,34 @@ def _outer_factory(outer, outer_kwargs):
     return lambda params: outer(params, **kw)
 
 
+class _Checked(NamedTuple):
+    """:meth:`LocalSGD._checked`'s arguments, checked and turned into what the constructor keeps."""
+
+    compression: Codec | Protocol
+    make_outer: Callable | None
+    fragments: int
+    delay: int
+    alpha: float
+    streaming: Streaming | None
+    push_at: Callable[[int], bool]
+    pull_at: Callable[[int], bool]
+
+
+#: The constructor's arguments that :meth:`LocalSGD._checked` takes besides ``period``, with the
+#: defaults a spec that leaves them out gets.
+_SPEC_DEFAULTS = dict(
+    compression=None,
+    overlap=False,
+    push_every=None,
+    pull_every=None,
+    outer=None,
+    outer_kwargs=None,
+    fragments=1,
+    delay=0,
+    alpha=0.0,
+)
+
+
 class Piece(NamedTuple):
     """A contiguous range ``[start, stop)`` of the flattened tensor ``name`` (elements)."""
 
@@ -204,9 +232,9 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         c = self._checked(
             period, compression, overlap, push_every, pull_every, outer, outer_kwargs, fragments, delay, alpha
         )
-        compression, make_outer, fragments, delay, alpha = c["compression"], c["make_outer"], *c["streaming_args"]
-        self.streaming: Streaming | None = c["streaming"]
-        self.push_at, self.pull_at = c["push_at"], c["pull_at"]
+        compression, make_outer, fragments, delay, alpha = c.compression, c.make_outer, c.fragments, c.delay, c.alpha
+        self.streaming: Streaming | None = c.streaming
+        self.push_at, self.pull_at = c.push_at, c.pull_at
 
         check_real((n, p) for n, p in model.named_parameters() if p.is_complex())
         entries = self._named_tensors(model)
@@ -659,7 +687,7 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
     @staticmethod
     def _checked(
         period, compression, overlap, push_every, pull_every, outer, outer_kwargs, fragments, delay, alpha
-    ) -> dict:
+    ) -> _Checked:
         """The constructor's checks of its arguments (all but the optimizer, the model and the
         group), and what they become: :meth:`plan_terms` runs the same checks on a spec."""
         compression = Identity() if compression is None else compression
@@ -681,14 +709,16 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             if not isinstance(schedule, Constant):
                 raise ValueError(f"streaming needs an integer period, got {period!r}")
             streaming = Streaming(schedule.period, fragments, delay)
-        return {
-            "compression": compression,
-            "make_outer": make_outer,
-            "streaming_args": (fragments, delay, alpha),
-            "streaming": streaming,
-            "push_at": schedule if push_every is None else as_schedule("push_every", push_every),
-            "pull_at": schedule if pull_every is None else as_schedule("pull_every", pull_every),
-        }
+        return _Checked(
+            compression,
+            make_outer,
+            fragments,
+            delay,
+            alpha,
+            streaming,
+            schedule if push_every is None else as_schedule("push_every", push_every),
+            schedule if pull_every is None else as_schedule("pull_every", pull_every),
+        )
 
     @classmethod
     def plan_terms(cls, *a, **kw) -> dict:
@@ -704,9 +734,7 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             raise ValueError(f"{cls.__name__}: {e}") from None
         bound.apply_defaults()
         v = bound.arguments
-        kw = dict(overlap=False, push_every=None, pull_every=None, outer=None, outer_kwargs=None)
-        kw.update(fragments=1, delay=0, alpha=0.0, compression=None)
-        kw.update({k: v[k] for k in kw if k in v})
+        kw = {k: v.get(k, d) for k, d in _SPEC_DEFAULTS.items()}  # DiLoCo's signature lacks some
         if cls is not LocalSGD and kw["outer"] is None and isinstance(kw["outer_kwargs"], (dict, type(None))):
             kw["outer_kwargs"] = {**DILOCO_OUTER, **(kw["outer_kwargs"] or {})}  # DiLoCo's outer optimizer
         try:  # the constructor's own checks: a spec it would refuse is refused here
@@ -715,11 +743,11 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             raise ValueError(f"{cls.__name__}: {e}") from None
         push = v.get("push_every") or v["period"]
         period = long_run_period(push)
-        fragments, delay, _ = c["streaming_args"]
+        fragments, delay = c.fragments, c.delay
         if v.get("overlap"):
             delay = period
         return {
-            "compression": c["compression"],
+            "compression": c.compression,
             "period": period,
             "fragments": fragments,
             "delay": delay,

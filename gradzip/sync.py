@@ -15,13 +15,14 @@ order.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 import torch.distributed as dist
 
 from .comm import Communicator
 
-__all__ = ["broadcast_parameters", "check_parameters_agree", "tensor_hash"]
+__all__ = ["broadcast_parameters", "check_parameters_agree", "differ_across_ranks", "tensor_hash", "value_hash"]
 
 _MASK = (1 << 62) - 1  # hashes and their negations fit in int64
 _BUCKET_BYTES = 64 * 2**20
@@ -100,6 +101,28 @@ def tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
+def value_hash(value) -> int:
+    """A 62-bit BLAKE2b hash of a JSON-able value (dict keys sorted)."""
+    digest = hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def differ_across_ranks(hashes: list[int], group=None, *, comm=None, device=None) -> list[int]:
+    """The indices of ``hashes`` (62-bit integers, the same count on every rank) that some rank
+    holds otherwise: one allreduce(MAX) of the hashes and their negations, which gives every rank
+    the largest and the smallest of each. On ``comm`` (a gradzip communicator, booked as control
+    bytes) instead of ``group`` where given; ``device``: where the int64s travel (NCCL's GPU)."""
+    h = torch.tensor(hashes, dtype=torch.int64)
+    both = torch.cat([h, -h]).to(device or "cpu")
+    if comm is None:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    else:
+        comm.allreduce(both, dist.ReduceOp.MAX, control=True).wait()
+    both = both.cpu()
+    hi, lo = both[: len(hashes)], -both[len(hashes) :]
+    return (hi != lo).nonzero().flatten().tolist()
+
+
 def check_parameters_agree(
     named_params, group=None, *, what: str = "parameters", comm=None, hint: str | None = None
 ) -> None:
@@ -126,17 +149,8 @@ def check_parameters_agree(
     on_torch = comm is None or type(comm) is Communicator  # not Horovod's (a subclass)
     if on_torch and dist.get_backend(pg) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    h = torch.tensor(hashes, dtype=torch.int64)
-    both = torch.cat([h, -h]).to(device)
-    if comm is None:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        rank = dist.get_rank(group)
-    else:
-        comm.allreduce(both, dist.ReduceOp.MAX, control=True).wait()
-        rank = comm.rank
-    both = both.cpu()
-    hi, lo = both[: len(hashes)], -both[len(hashes) :]
-    differ = (hi != lo).nonzero().flatten().tolist()
+    differ = differ_across_ranks(hashes, group, comm=comm, device=device)
+    rank = dist.get_rank(group) if comm is None else comm.rank
     if not differ:
         return
     hint = hint or (

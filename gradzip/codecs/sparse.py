@@ -72,6 +72,10 @@ _NARROWER = {
 }
 
 
+def _within(count: int, band: tuple[int, int]) -> bool:
+    return band[0] <= count <= band[1]
+
+
 def _k_of(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
@@ -753,20 +757,20 @@ class TopK(Codec):
         return _NARROWER.get(payload.dtype, (torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
     def _frame_k(self, payload: Payload) -> int | None:
-        """``k`` of the payload's tensor at its step, or None (see :meth:`_count_band`)."""
+        """``k`` of the payload's tensor at its step, or None where the count is not the codec's
+        own (``scope="call"``: the call allots it) or not known (a warm-up schedule's ratio at an
+        unknown step)."""
         if self.scope == "call" or (isinstance(self.ratio, warmup.Ramp) and payload.step is None):
             return None
         return _k_of(warmup.at(self.ratio, payload.step or 0), payload.numel)
 
-    def _count_band(self, payload: Payload) -> tuple[int, int] | None:
+    def _count_band(self, payload: Payload, k: int | None) -> tuple[int, int]:
         """``(fewest, most)`` positions this configuration sends in a sparse frame of the
-        payload's tensor, or None where the count is not the codec's own (``scope="call"``: the
-        call allots it) or is not known (a warm-up schedule's ratio at an unknown step). Exact
-        top-k: ``k``; sampled: 1 to ``k``; approximate: :func:`~gradzip.kernels.approx_band`;
-        ``values="sign"`` drops zeros (1 at least, else EMPTY)."""
-        k = self._frame_k(payload)
+        payload's tensor, ``k`` its :meth:`_frame_k`: exact top-k ``k``; sampled 1 to ``k``;
+        approximate :func:`~gradzip.kernels.approx_band`; ``values="sign"`` drops zeros (1 at
+        least, a tensor that sends none being EMPTY). Where ``k`` is not known, 1 to ``n``."""
         if k is None:
-            return None
+            return 1, payload.numel
         if not self._sampled(payload.numel):
             lo, hi = k, k
         elif self.mode == "approx":
@@ -776,24 +780,15 @@ class TopK(Codec):
         return (1 if self.values == "sign" else lo), hi
 
     def _check_count(self, payload: Payload, count: int) -> None:
-        """A sparse frame's count of positions against :meth:`_count_band`; a sparse frame sends
-        at least one position (a tensor that sends none is EMPTY)."""
-        band = self._count_band(payload)
-        lo, hi = band if band is not None else (1, payload.numel)
-        if not lo <= count <= hi:
+        """A sparse frame's count of positions against :meth:`_count_band`."""
+        lo, hi = band = self._count_band(payload, self._frame_k(payload))
+        if not _within(count, band):
             want = f"{lo}" if lo == hi else f"{lo} to {hi}"
             raise FrameError(
                 "body.count",
                 f"{count} positions in a {fmt_name(payload.fmt)} frame, where {self!r} sends {want} "
                 f"of {payload.numel} elements",
             )
-
-    def _count_fits(self, payload: Payload, count: int) -> bool:
-        try:
-            self._check_count(payload, count)
-        except FrameError:
-            return False
-        return True
 
     def _check_dense(self, payload: Payload) -> None:
         """DENSE only where the encoder could write it: where ``k`` values alone are no smaller
@@ -814,7 +809,7 @@ class TopK(Codec):
             vmax = vsize if self.fixed_frames else payload.dtype.itemsize
         if k * vsize >= dense:
             return
-        hi = self._count_band(payload)[1]
+        hi = self._count_band(payload, k)[1]
         if self.fixed_frames:
             positions = ef_nbytes(n, k)
         else:
@@ -849,7 +844,8 @@ class TopK(Codec):
                 parsed = unpack_ef_many([p.body for p in ef], [p.numel for p in ef], vbs, one, [p.head for p in ef])
         # (a SPARSE_EF frame only where its positions take no more than a mask would)
         if parsed is not None and all(
-            p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8 and self._count_fits(p, idx.numel())
+            p.body.numel() - r.numel() * r.element_size() <= (p.numel + 7) // 8
+            and _within(idx.numel(), self._count_band(p, self._frame_k(p)))
             for p, (idx, r) in zip(ef, parsed)
         ):
             try:

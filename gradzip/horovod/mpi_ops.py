@@ -13,7 +13,6 @@ more, as Horovod. ``Adasum`` runs :func:`adasum_` (Maleki et al.) on power-of-tw
 from __future__ import annotations
 
 import atexit
-import hashlib
 import io
 import itertools
 import json
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+from gradzip.sync import differ_across_ranks, value_hash
 
 from .compression import Compression
 
@@ -603,12 +603,6 @@ def _describe(kind: str, tensors, *, inner: bool = False, **fields) -> dict:
     return d
 
 
-def _fingerprint(desc: dict) -> int:
-    """A description as a 62-bit integer."""
-    digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def _host_group(group) -> bool:
     """Whether ``group`` takes CPU tensors (gloo, MPI, or gloo beside NCCL): the check's numbers
     are a CPU tensor, so it never waits for a GPU stream. A NCCL-only group is not checked."""
@@ -620,17 +614,14 @@ def _agree(desc: dict, process_set) -> None:
     """Raise :class:`HorovodInternalError` on every rank of the set where the ranks describe the
     collective differently (another kind, shape, dtype, op, root, number of tensors), before its
     data moves: a mismatch would otherwise hang, abort gloo, or return a mixed result. One
-    allreduce(MAX) of the description's fingerprint and its negation, the same small collective
-    whatever the kind, so that ranks that issue different kinds still meet in it."""
+    allreduce(MAX) of the description's hash and its negation (:func:`gradzip.sync.differ_across_ranks`),
+    the same small collective whatever the kind, so that ranks that issue different kinds still meet in it."""
     if not _checking() or _set_size(process_set) == 1:
         return
     group = _group(process_set)
     if not _host_group(group):
         return
-    h = _fingerprint(desc)
-    v = torch.tensor([h, -h], dtype=torch.int64)
-    _internal(dist.all_reduce, v, op=dist.ReduceOp.MAX, group=group)
-    if int(v[0]) != -int(v[1]):
+    if _internal(differ_across_ranks, [value_hash(desc)], group):
         _mismatch(desc, process_set)
 
 

@@ -1079,7 +1079,7 @@ def test_complex_parameters_and_unmatched_policy_patterns_are_refused_at_registr
 def test_flat_of_a_codec_that_does_not_keep_zeros_is_refused_where_parameters_go_unused(adversarial):
     """An audit of 2026-12-01: under ``Flat(SignSGD())`` (or a DCT) a tensor DDP found unused was
     sent in a range the codec fills with ``+-S``: a rank that did not use the parameter added
-    values to its average, and its residual did not keep the mass (2.7e-3 at 4 ranks).
+    values to its average, and its residual did not keep the mass.
     ``register_hook`` now refuses it where DDP has ``find_unused_parameters=True``."""
     for per in part(adversarial, "registration"):
         for label in ("flat_sign", "flat_dct_inside"):
