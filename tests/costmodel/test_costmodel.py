@@ -555,6 +555,49 @@ def test_a_stateful_codec_is_costed_in_its_settled_state():
     assert settled_stores(TopK(0.01), x, names=["p0"], world=4, error_feedback=True) == (None, 0)
 
 
+def test_the_cache_dry_runs_a_stateless_call_once_and_settles_a_stateful_one(monkeypatch):
+    """A call that keeps no state costs one dry run at its world size (not a settling run on
+    stand-ins and then the run), with the same bytes as the settled route would give; a call
+    that keeps state is settled, and at a second world size settled without the bare run."""
+    from gradzip.codecs import Threshold
+    from gradzip.costmodel import profile as profile_mod
+    from gradzip.costmodel import step as step_mod
+    from gradzip.costmodel.profile import SETTLE_STEPS, settled_stores
+    from gradzip.costmodel.step import WireCache
+
+    runs = []
+    real = step_mod.dry_run
+
+    def counted(*a, **kw):  # every dry run, the settling's included
+        runs.append((kw.get("world_size"), kw.get("step", 0)))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(step_mod, "dry_run", counted)
+    monkeypatch.setattr(profile_mod, "dry_run", counted)
+    shapes = [(64, 33), (70,)]
+    for comp in (TopK(0.01), SignSGD(), TwoPhase(Int8())):
+        runs.clear()
+        got = WireCache().collectives(comp, shapes, 8)
+        assert runs == [(8, 0)], comp
+        runs.clear()
+        xs = [sample(s, seed=j) for j, s in enumerate(shapes)]
+        names = ["p0", "p1"]
+        assert settled_stores(comp, xs, names=names, world=8, error_feedback=comp.biased, decode=False) == (None, 0)
+        assert got == real(comp, xs, world_size=8, names=names, decode=False).collectives
+
+    comp = Threshold(tau=1e-3, policy="adaptive")
+    cache = WireCache()
+    runs.clear()
+    settled = cache.collectives(comp, [(1024, 1024)], 4)
+    bare = real(comp, [sample((1024, 1024), seed=0)], world_size=4, names=["p0"], decode=False).collectives
+    assert sum(c.nbytes for c in settled) < sum(c.nbytes for c in bare) / 10
+    settle = [(4, s) for s in range(SETTLE_STEPS)]
+    assert runs == [(4, 0), *settle, (4, SETTLE_STEPS)]  # the bare run, the settling, the settled run
+    runs.clear()
+    cache.collectives(comp, [(1024, 1024)], 8)
+    assert runs == [(8, s) for s in range(SETTLE_STEPS + 1)]  # no bare run at a second world size
+
+
 def test_dry_run_bucket_layout_sums_a_plain_call_in_place(monkeypatch):
     """``bucket=True`` lays the tensors out as DDP's bucket: Identity then sums that buffer as it is
     (no copy into a new one), the inputs are untouched, and the result is the same as with loose
