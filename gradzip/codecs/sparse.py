@@ -626,30 +626,62 @@ class TopK(Codec):
 
     def encode_pieces(self, x, bounds, ctxs, residual=None, *, feedback=False, out=None):
         """Pieces of one length, one ``k`` and one value dtype whose frames are Elias-Fano ones
-        (TwoPhase's owner pieces of a ``Flat`` bucket) as the rows of one view: one
-        ``torch.topk`` over the rows, one sort, one Elias-Fano packing (:func:`_pack_ef_rows`)
-        and one residual update, instead of about 35 operations a piece (and, on a GPU from
-        65,536 elements, two host syncs a piece). Where :func:`_rows_topk` allows it: on the
-        CPU only where :meth:`encode` itself runs ``torch.topk`` over the whole piece, so the
-        frames and residuals are those of :meth:`encode` piece by piece, bit for bit; on a GPU
+        (TwoPhase's owner pieces) as the rows of one 2-D tensor: one ``torch.topk`` over the
+        rows, one sort, one Elias-Fano packing (:func:`_pack_ef_rows`) and one residual update,
+        instead of about 35 operations a piece (and, on a GPU from 65,536 elements, two host
+        syncs a piece). TwoPhase cuts ``n`` elements among ``W`` owners at ``j * n // W``, so
+        its pieces have two lengths where ``W`` does not divide ``n``: each length is a group
+        of rows, a view where its pieces lie back to back, else gathered by one index (and its
+        residuals scattered back by one). Where :func:`_rows_topk` allows it: on the CPU only
+        where :meth:`encode` itself runs ``torch.topk`` over the whole piece, so the frames and
+        residuals are those of :meth:`encode` piece by piece, bit for bit; on a GPU
         ``torch.topk`` over the piece replaces the prefilter's, so where magnitudes tie at the
-        ``k``-th place other elements of that magnitude may be sent. Other pieces: one by one."""
-        plan = self._rows_plan(x, bounds, ctxs, feedback)
-        if plan is None:
+        ``k``-th place other elements of that magnitude may be sent. Other pieces (a group of
+        one, a mask or dense frame, an empty piece): one by one, in place."""
+        groups = self._rows_groups(x, bounds, ctxs, feedback)
+        if not groups:
             return super().encode_pieces(x, bounds, ctxs, residual, feedback=feedback, out=out)
-        rows, n, k, vdtype = plan
-        lo, hi = int(bounds[0]), int(bounds[-1])
+        bounds = [int(b) for b in bounds]
+        lo, hi = bounds[0], bounds[-1]
         if feedback:
             v = compensate(x[lo:hi], None if residual is None else residual[lo:hi], out[lo:hi])
         else:
             v = x[lo:hi]
-        m = v.view(rows, n)
+        payloads: list = [None] * (len(bounds) - 1)
+        for js, n, k, vdtype in groups:
+            for j, p in zip(js, self._encode_rows(v, [bounds[j] - lo for j in js], n, k, vdtype, feedback)):
+                payloads[j] = p
+        for j, p in enumerate(payloads):
+            if p is None:  # compensated already (with feedback): encoded in place
+                piece = v[bounds[j] - lo : bounds[j + 1] - lo]
+                payloads[j] = (
+                    self.encode(piece, ctxs[j], feedback=True, out=piece)[0]
+                    if feedback
+                    else self.encode(piece, ctxs[j])[0]
+                )
+        return payloads
+
+    def _encode_rows(self, v, starts: list, n: int, k: int, vdtype, feedback: bool) -> list:
+        """The frames of the pieces ``v[s : s + n]`` (``s`` in ``starts``), each the top ``k`` as
+        Elias-Fano positions and values of ``vdtype``; with ``feedback`` their residuals in ``v``."""
+        rows = len(starts)
+        where = None
+        if all(s == starts[0] + i * n for i, s in enumerate(starts)):
+            m = (v if starts[0] == 0 and rows * n == v.numel() else v[starts[0] : starts[0] + rows * n]).view(rows, n)
+        else:
+            at = K.host_to_device(torch.tensor(starts, dtype=torch.int64), v.device)
+            where = at[:, None] + torch.arange(n, device=v.device)
+            m = v[where]
         idx = torch.topk(m.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
         vals = m.gather(1, idx)
         sent = saturating_cast(vals, vdtype) if self.values is not None or vdtype != m.dtype else vals
         body = torch.cat([_pack_ef_rows(idx, n), sent.contiguous().view(torch.uint8)], dim=1)
         if feedback:
-            m.scatter_(1, idx, vals - sent.to(m.dtype))
+            kept = vals - sent.to(m.dtype)
+            if where is None:
+                m.scatter_(1, idx, kept)
+            else:  # distinct positions: one scatter of every row's
+                v.scatter_(0, where.gather(1, idx).view(-1), kept.view(-1))
         payloads = []
         for b, i, s in zip(body.unbind(0), idx.unbind(0), sent.unbind(0)):  # the rows, by three operations
             p = Payload(
@@ -664,33 +696,35 @@ class TopK(Codec):
             payloads.append(p)
         return payloads
 
-    def _rows_plan(self, x, bounds, ctxs, feedback: bool):
-        """``(pieces, elements a piece, k, value dtype)`` where :meth:`encode_pieces` takes its
-        rows path: fixed frames, at least two pieces of one length with one ``k`` and one
-        value dtype, whose frames :meth:`compress` would write as Elias-Fano (not the mask, not
-        dense), on a device and size :func:`_rows_topk` allows; else None."""
+    def _rows_groups(self, x, bounds, ctxs, feedback: bool) -> list:
+        """``[(piece indices, elements a piece, k, value dtype)]``: the groups of at least two
+        pieces of one length, one ``k`` and one value dtype that :meth:`encode_pieces` encodes
+        as rows, with fixed frames that :meth:`compress` would write as Elias-Fano (not the
+        mask, not dense), on a device and size :func:`_rows_topk` allows; empty where none."""
         bounds = [int(b) for b in bounds]
         if not self.fixed_frames or len(bounds) < 3 or x.dim() != 1 or not x.is_contiguous():
-            return None
-        n = bounds[1] - bounds[0]
-        if n <= 0 or any(b - a != n for a, b in zip(bounds, bounds[1:])):
-            return None
-        ks = {_k_of(warmup.at(self.ratio, c.step), n) if c.k is None else min(n, max(0, int(c.k))) for c in ctxs}
+            return []
         vtype = accum_dtype(x.dtype) if feedback else x.dtype  # what compress() sees
-        if self.values is not None:
-            vdtypes = {_VALUE_DTYPES[self.values]}
-        else:
-            vdtypes = {c.dtype if c.dtype.is_floating_point else vtype for c in ctxs}
-        if len(ks) != 1 or len(vdtypes) != 1:
-            return None
-        k, vdtype = ks.pop(), vdtypes.pop()
-        vsize, dense = itemsize(vdtype), n * vtype.itemsize
-        ef = ef_nbytes(n, k)
-        if not k or k * vsize >= dense or (n + 7) // 8 < ef or ef + k * vsize >= dense:
-            return None
-        if not _rows_topk(x.device, n, k):
-            return None
-        return len(bounds) - 1, n, k, vdtype
+        found: dict = {}
+        for j, (a, b, c) in enumerate(zip(bounds, bounds[1:], ctxs)):
+            n = b - a
+            if n <= 0:
+                continue
+            k = _k_of(warmup.at(self.ratio, c.step), n) if c.k is None else min(n, max(0, int(c.k)))
+            if self.values is not None:
+                vdtype = _VALUE_DTYPES[self.values]
+            else:
+                vdtype = c.dtype if c.dtype.is_floating_point else vtype
+            found.setdefault((n, k, vdtype), []).append(j)
+        groups = []
+        for (n, k, vdtype), js in found.items():
+            vsize, dense = itemsize(vdtype), n * vtype.itemsize
+            ef = ef_nbytes(n, k)
+            if len(js) < 2 or not k or k * vsize >= dense or (n + 7) // 8 < ef or ef + k * vsize >= dense:
+                continue
+            if _rows_topk(x.device, n, k):
+                groups.append((js, n, k, vdtype))
+        return groups
 
     def _ternary(self, v: torch.Tensor, x: torch.Tensor, k: int, ctx: TensorContext) -> Payload:
         """``values="sign"``: the top ``k`` positions of ``v``, each sent as ``+-mu``."""

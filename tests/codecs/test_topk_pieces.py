@@ -100,6 +100,56 @@ def test_the_frames_decode_as_any_frame_does():
         assert int((dense != 0).sum()) == 14 and torch.equal(out[j * n : (j + 1) * n][idx], torch.zeros(14))
 
 
+@pytest.mark.parametrize("world", [3, 7, 8, 64])
+@pytest.mark.parametrize("n", [1000, 4099, 20011])
+def test_twophase_pieces_of_two_lengths_are_two_groups_of_rows(n, world, monkeypatch):
+    """TwoPhase's owner pieces ``j * n // W``: where ``W`` does not divide ``n`` they have two
+    lengths, interleaved; each length is a group of rows (gathered, its residuals scattered back),
+    bit for bit the frames and residuals of an encode a piece, with feedback (apart and in place)
+    and without; pieces too small for a sparse frame (dense, at 64 owners of 1000) one by one
+    among them (pieces of 15 and 16 at 64 owners of 1000 send the mask: no group); on the GPU's
+    side (gathered on the device) the same frames."""
+    calls = _spy(monkeypatch)
+    x, r, acc = _inputs(n, torch.float32, seed=n + world)
+    x[n // 3] = float("nan")
+    bounds = [j * n // world for j in range(world + 1)]
+    lengths = {b - a for a, b in zip(bounds, bounds[1:])}
+    ctxs = _ctxs(world, torch.float32)
+    codec = TopK(0.01)
+    for residual in (r, None):
+        outs = [torch.full((n,), 9.0, dtype=acc) for _ in range(2)]
+        got = codec.encode_pieces(x, bounds, ctxs, residual, feedback=True, out=outs[0])
+        want = Codec.encode_pieces(codec, x, bounds, ctxs, residual, feedback=True, out=outs[1])
+        assert torch.equal(pack_frames(got), pack_frames(want)) and _same(outs[0], outs[1])
+        assert [(p.shape, p.fmt, p.vdtype, p.checked) for p in got] == [
+            (p.shape, p.fmt, p.vdtype, p.checked) for p in want
+        ]
+        for p, q in zip(got, want):
+            if q.parsed is not None:
+                assert torch.equal(p.parsed[0], q.parsed[0]) and _same(p.parsed[1], q.parsed[1])
+    v = x + r
+    a, b = v.clone(), v.clone()
+    got = codec.encode_pieces(a, bounds, ctxs, None, feedback=True, out=a)
+    assert torch.equal(
+        pack_frames(got), pack_frames(Codec.encode_pieces(codec, b, bounds, ctxs, None, feedback=True, out=b))
+    )
+    assert _same(a, b)
+    got = codec.encode_pieces(x, bounds, ctxs)
+    assert torch.equal(pack_frames(got), pack_frames(Codec.encode_pieces(codec, x, bounds, ctxs)))
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    rows = sorted(  # the groups: a length of two pieces or more whose frames are Elias-Fano ones
+        sizes.count(m) for m in lengths if sizes.count(m) > 1 and want[sizes.index(m)].fmt == FMT_SPARSE_EF
+    )
+    assert sorted(c[0] for c in calls[: len(rows)]) == rows and len(calls) == 4 * len(rows)
+    assert rows or n // world < 20  # pieces of 15 or 16 send the mask
+    calls.clear()
+    with K.gpu_side_on_cpu():
+        out = torch.empty(n)
+        gpu = codec.encode_pieces(x, bounds, ctxs, r, feedback=True, out=out)
+    want = Codec.encode_pieces(codec, x, bounds, ctxs, r, feedback=True, out=outs[1])
+    assert torch.equal(pack_frames(gpu), pack_frames(want)) and _same(out, outs[1])
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -107,7 +157,7 @@ def test_the_frames_decode_as_any_frame_does():
         "one piece",
         "mask smaller",
         "dense smaller",
-        "two k",
+        "a k a piece",
         "sampled",
         "call scope",
         "sign",
@@ -122,16 +172,17 @@ def test_other_pieces_go_one_by_one(case, monkeypatch):
     bounds = [j * n for j in range(pieces + 1)]
     ctxs = _ctxs(pieces, torch.float32)
     ratio = 0.01
-    if case == "unequal pieces":
-        bounds = [0, 400, 800, 1100, 1600]
+    if case == "unequal pieces":  # every length once: no group of two
+        bounds = [0, 300, 650, 1100, 1600]
     elif case == "one piece":
         bounds, ctxs = [0, 1600], ctxs[:1]
     elif case == "mask smaller":
         ratio = 0.3
     elif case == "dense smaller":
         ratio = 0.9
-    elif case == "two k":
-        ctxs[1].k = 7
+    elif case == "a k a piece":
+        for j, c in enumerate(ctxs):
+            c.k = 4 + j
     elif case == "sampled":
         kw = {"mode": "sampled"}
     elif case == "call scope":
