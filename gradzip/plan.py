@@ -357,9 +357,9 @@ def format_table(rows: list[dict], unmeasured: str = "") -> str:
     best = best_per_world(rows)
     marked = {r["label"] for r in rows if not ranked(r)}
     short = {lab: f"[{i + 1}]{'*' if lab in marked else ''}" for i, lab in enumerate(labels)}
-    width = 16
+    width, nw = 16, max([5, *(len(str(n)) for n in worlds)])
     lines = ["methods: " + "; ".join(f"{short[lab]} {lab}" for lab in labels), ""]
-    head = f"{'N':>5} | " + " | ".join(f"{short[lab]:>{width}}" for lab in labels) + " | best"
+    head = f"{'N':>{nw}} | " + " | ".join(f"{short[lab]:>{width}}" for lab in labels) + " | best"
     lines += [
         "step time in ms (scaling efficiency = compute / step)",
         head,
@@ -372,7 +372,7 @@ def format_table(rows: list[dict], unmeasured: str = "") -> str:
             mark = " " if ranked(r) else "*"
             cells.append(f"{1e3 * r['total_s']:>8.1f} ({100 * r['efficiency']:>3.0f}%){mark}".rjust(width))
         pick = f"{short[best[n]]} {best[n]}" if n in best else "none ranked"
-        lines.append(f"{n:>5} | " + " | ".join(cells) + f" | {pick}")
+        lines.append(f"{n:>{nw}} | " + " | ".join(cells) + f" | {pick}")
     if marked:
         missing = sorted({c for r in rows for c in r.get("codec_not_measured", ())})
         lines.append(

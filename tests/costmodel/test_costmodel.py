@@ -678,3 +678,13 @@ def test_measure_codec_times_a_plain_protocol_on_a_bucket(monkeypatch):
     ident = [b for n, b in seen if n == "Identity"]
     assert ident == [False, True, True] * 4  # per size and world: warm-up loose, timed on a bucket
     assert not any(b for n, b in seen if n == "TopK")
+
+
+def test_the_table_aligns_world_sizes_of_any_width(capsys):
+    """World sizes wider than the column's five characters widen it: every row's cells start
+    where the header's do."""
+    argv = ["--params", "1e5", "--compute", "10ms", "--bandwidth", "10Gbit/s", "--latency", "20us"]
+    assert plan.main(argv + ["--worlds", "2,100000", "--methods", "DDP, FP16"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if " | " in line]
+    assert len(table) == 3 and len({line.index(" | ") for line in table}) == 1
+    assert len({line.rindex(" | ") for line in table}) == 1
