@@ -78,7 +78,7 @@ import torch
 
 import gradzip.args as args
 
-__all__ = ["Momentum", "momentum_key", "variance_key", "count_key"]
+__all__ = ["Momentum", "momentum_key", "variance_key", "count_key", "TAKEN", "taken"]
 
 
 def momentum_key(name: str) -> str:
@@ -98,6 +98,16 @@ def count_key(name: str) -> str:
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 #: ``update=``: the optimizer steps on the average, or the hook applies ``lr * sign(average)``.
 UPDATES = ("optimizer", "sign")
+#: The key :meth:`Momentum.adopt` sets in each param group it takes over. It travels with the
+#: optimizer's ``state_dict``, so an optimizer loaded from a run whose momentum gradzip held says so
+#: (:func:`taken`): its momentum is then 0 and the run's momentum lives in gradzip's own state.
+TAKEN = "gradzip_momentum_taken"
+
+
+def taken(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s momentum is gradzip's (:data:`TAKEN`): taken over by a hook of this
+    process, or loaded from the ``state_dict`` of an optimizer that was."""
+    return any(g.get(TAKEN, False) for g in optimizer.param_groups)
 
 
 class Hyper(NamedTuple):
@@ -178,6 +188,7 @@ class Momentum:
                     buffers[momentum_key(names[id(p)])] = buf.detach().clone()
                     optimizer.state[p].pop("momentum_buffer")
             group["momentum"], group["weight_decay"], group["nesterov"] = 0.0, 0.0, False
+            group[TAKEN] = True
         missing = sorted(set(names.values()) - set(hyper))
         if missing:
             raise ValueError(
@@ -245,6 +256,7 @@ class Momentum:
                 elif state.get("exp_avg") is not None and h.momentum > 0:
                     buffers[momentum_key(name)] = state["exp_avg"].detach().clone()
             group["betas"] = (0.0, group["betas"][1])
+            group[TAKEN] = True
             if (precondition or sign) and h.weight_decay:
                 group["weight_decay"] = 0.0  # Adam's L2 term: added to the gradient in the hook
         out = cls(hyper)

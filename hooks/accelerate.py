@@ -19,12 +19,17 @@ PowerSGD hooks only. :func:`compress` registers gradzip's hook on the prepared
 and stats) and two of the Accelerator's state hooks: ``save_state(dir)`` writes each rank's
 gradzip state to its own file in ``dir`` (``gradzip_rank{r}_of_{N}.pt``, beside Accelerate's own
 per-process RNG files) and ``load_state(dir)`` loads it back, so a resumed run goes on bit for
-bit. ``log_every=n`` sends :func:`gradzip.stats.scalars` of every ``n`` steps to the
+bit. Several models of one Accelerator (a GAN's two) each keep their own files: the first model
+``prepare`` returned in ``dir`` itself, the ``i``-th (from 0) in ``dir/gradzip_model_{i}/``, as
+Accelerate numbers its own ``model_{i}`` files. Call :func:`compress` before ``load_state``:
+the load hook exists from then on (an optimizer loaded before it, whose momentum gradzip had
+taken over, is refused). ``log_every=n`` sends :func:`gradzip.stats.scalars` of every ``n`` steps to the
 Accelerator's trackers (``accelerator.log``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -32,6 +37,7 @@ from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.codecs.base import Codec
+from gradzip.momentum import taken
 from gradzip.protocols.base import Protocol
 from gradzip.stats import scalars
 
@@ -72,9 +78,30 @@ def compress(
             f"({accelerator.num_processes} process(es), {accelerator.distributed_type})"
         )
     inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the torch optimizer
+    if inner is not None and taken(inner):
+        raise RuntimeError(
+            "the optimizer's momentum is gradzip's already: it was loaded (accelerator.load_state) from a run "
+            "whose hook had taken it over, before this compress registered the hook that loads gradzip's own "
+            "state (the momentum and residuals), or another hook took it over; call compress(...) first, then "
+            "accelerator.load_state(dir)"
+        )
     state = register_hook(model, method, optimizer=inner, **options)
-    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: state.save(output_dir))
-    accelerator.register_load_state_pre_hook(lambda models, input_dir: state.load(input_dir))
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: state.save(_folder(models, model, output_dir))
+    )
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: state.load(_folder(models, model, input_dir)))
     if log_every is not None:
         state.log_every(log_every, lambda step, s: accelerator.log(scalars(s), step=step))
     return state
+
+
+def _folder(models: list, model, directory) -> str:
+    """Where ``model``'s gradzip files go in a checkpoint ``directory``: the directory itself for
+    the Accelerator's first model, ``gradzip_model_{i}`` in it for its ``i``-th."""
+    for i, m in enumerate(models):
+        if m is model or m is model.module:  # the Accelerator lists the module DDP wraps, or DDP itself
+            return str(directory) if i == 0 else os.path.join(directory, f"gradzip_model_{i}")
+    raise RuntimeError(
+        f"the Accelerator no longer holds the model compress() was given ({len(models)} model(s) prepared): "
+        "its gradzip state has no place in the checkpoint"
+    )

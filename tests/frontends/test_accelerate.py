@@ -89,3 +89,68 @@ def test_an_accelerator_trains_accumulates_resumes_and_logs_with_gradzip(tmp_pat
             assert all(float(row["gradzip/link_ratio"]) > 2 for row in rows)
             assert all(float(row["gradzip/link_bytes_per_step"]) > 0 for row in rows)
             assert "gradzip/codec_ms_per_step" in rows[0]
+
+
+def _two_models(rank, world, root):
+    """Two compressed models of one Accelerator, saved and loaded; then a load_state before compress."""
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    from gradzip.hooks.accelerate import compress
+
+    torchrun_env(rank, world)
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    m1, m2 = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    m1, o1, m2, o2 = acc.prepare(m1, o1, m2, o2)
+    s1 = compress(acc, m1, "TopK(0.1)", optimizer=o1)
+    s2 = compress(acc, m2, "Int8()")
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        for m, o in ((m1, o1), (m2, o2)):
+            acc.backward(F.cross_entropy(m(x), y))
+            o.step()
+            o.zero_grad()
+    saved = [s.state_dict() for s in (s1, s2)]
+    folder = os.path.join(root, "two")
+    acc.save_state(folder)
+    for s in (s1, s2):  # train on: the states move away from the saved ones
+        for r in s.engine.memory.residuals.values():
+            r.add_(1.0)
+    acc.load_state(folder)
+    out = {
+        "files": sorted(os.listdir(folder)),
+        "second": sorted(os.listdir(os.path.join(folder, "gradzip_model_1"))),
+        "same": [
+            all(torch.equal(a, b) for a, b in zip(s.state_dict()["residuals"].values(), sd["residuals"].values()))
+            and s.state_dict()["residuals"].keys() == sd["residuals"].keys()
+            for s, sd in zip((s1, s2), saved)
+        ],
+    }
+    # A fresh run that loads the checkpoint before compress: gradzip's files are not read then, and
+    # the optimizer comes back with the momentum gradzip held (0): refused, not run on without it.
+    torch.manual_seed(0)
+    m3 = torch.nn.Linear(16, 4)
+    o3 = torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9)
+    m3, o3 = acc.prepare(m3, o3)
+    o3.load_state_dict(o1.state_dict())  # what load_state hands the optimizer of that run
+    try:
+        compress(acc, m3, "TopK(0.1)", optimizer=o3)
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    return out
+
+
+def test_two_models_keep_their_own_state_and_a_load_before_compress_is_refused(tmp_path):
+    """A GAN's two models on one Accelerator: save_state writes each model's gradzip files (the
+    first model's beside Accelerate's, the second's in gradzip_model_1/) and load_state gives each
+    its own back; an optimizer loaded before compress, whose momentum gradzip held, is refused."""
+    res = run_ranks(_two_models, 2, str(tmp_path), fresh=True)
+    for r in res:
+        assert {"gradzip_rank0_of_2.pt", "gradzip_rank1_of_2.pt", "gradzip_model_1"} <= set(r["files"])
+        assert r["second"] == ["gradzip_rank0_of_2.pt", "gradzip_rank1_of_2.pt"]
+        assert r["same"] == [True, True]
+        assert "call compress(...) first, then accelerator.load_state(dir)" in r["refused"]
