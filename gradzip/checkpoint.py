@@ -56,7 +56,9 @@ _PIECE = re.compile(r"^(?P<name>.*)#(?P<j>\d+)/(?P<n>\d+)(?P<owner>:owner)?$")
 def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> list[dict]:
     """``N`` ranks' engine states (``state_dict()`` of the DDP hook, or the ``"gradzip"``
     entry of an optimizer's), in rank order, to ``world_size`` new ones, new rank ``r``'s
-    at index ``r``; see the module docstring for what is kept.
+    at index ``r``; see the module docstring for what is kept. A ``DistributedOptimizer``'s
+    whole states are taken too (their engine states resharded, the wrapped optimizer's rank 0's);
+    LocalSGD/DiLoCo states are refused, naming ``gradzip.local_sgd.reshard_state``.
 
     Args:
         states: every old rank's engine state, rank 0 first.
@@ -68,6 +70,21 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
         raise ValueError("states must hold at least one state_dict")
     world_size = args.integer("world_size", world_size, 1)
     args.choice("preserve", preserve, ("sum", "update"))
+    if all(isinstance(s, dict) and "residuals" not in s and "gradzip" in s for s in states):
+        if any("local_sgd" in s for s in states):
+            raise ValueError(
+                "these are LocalSGD/DiLoCo states (their global model and per-rank parts beside the engine's): "
+                f"reshard them with gradzip.local_sgd.reshard_state(states, {world_size})"
+            )
+        # A DistributedOptimizer's: the wrapped optimizer's state is the same on every rank (it steps
+        # on the average), so every new rank takes rank 0's, beside its own resharded engine state.
+        engines = reshard([s["gradzip"] for s in states], world_size, preserve=preserve)
+        return [{**{k: v for k, v in states[0].items() if k != "gradzip"}, "gradzip": e} for e in engines]
+    if any("residuals" not in s for s in states):
+        raise ValueError(
+            "states must be engine states (a DDP hook's state_dict(), or the 'gradzip' entry of a front end's); "
+            f"states[0] has the keys {sorted(states[0])[:8]}"
+        )
     first = states[0]
     old = len(states)
     for r, s in enumerate(states):
@@ -112,6 +129,7 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
             "tensor_state": {k: dict(v) for k, v in tensor_state.items()},
             "stats": dict(first["stats"]),
             "momentum": {k: v.clone() for k, v in momentum.items()},
+            "momentum_mode": first.get("momentum_mode"),
         }
         for r in range(world_size)
     ]
@@ -218,8 +236,10 @@ def load(obj, directory) -> None:
     if not path.exists():
         found = _worlds(directory)
         held = ", ".join(f"{len(r)} of {w} ranks" for w, r in sorted(found.items())) or "no gradzip states"
+        periodic = any(c.__module__ == "gradzip.local_sgd" for c in type(obj).__mro__)  # LocalSGD, DiLoCo
+        fn = "gradzip.local_sgd.reshard_state" if periodic else "gz.reshard"
         hint = (
-            f"; turn them into {world} with gradzip.checkpoint.write_states(gz.reshard(read_states(dir), {world}), dir)"
+            f"; turn them into {world} with gradzip.checkpoint.write_states({fn}(read_states(dir), {world}), dir)"
             if found and world not in found
             else ""
         )

@@ -59,6 +59,12 @@ from .wire import accum_dtype
 __all__ = ["Engine", "layout_of", "all_finite", "check_owner", "STATE_VERSION"]
 
 STATE_VERSION = 2
+#: ``Momentum.mode()`` as a checkpoint's refusal names it.
+_MODES = {
+    "momentum": "momentum correction (precondition=False, update='optimizer')",
+    "precondition": "precondition=True (Adam's both moments in the hook)",
+    "sign": "update='sign'",
+}
 logger = logging.getLogger("gradzip")
 _NONFINITE_POLICIES = ("skip", "raise")
 
@@ -704,6 +710,7 @@ class Engine:
             "step": self.step,
             "residuals": self.memory.state_dict() if self.memory is not None else {},
             "momentum": self.moments.state_dict() if self.moments is not None else {},
+            "momentum_mode": self.momentum.mode() if self.momentum is not None else None,
             "tensor_state": {k: dict(v) for k, v in self.tensor_state.items()},
             "stats": self.stats_.state_dict(),
             # which tensors shared a call in the last step: the first step after a load runs so
@@ -713,7 +720,8 @@ class Engine:
     def check_state(self, sd: dict) -> None:
         """Refuse, with ``ValueError`` and before anything changes, a state this engine cannot
         load: another state version, another rank or world size (:func:`check_owner`),
-        another method config or error feedback, momentum buffers without momentum correction."""
+        another method config or error feedback, momentum buffers without momentum correction,
+        another momentum-correction mode (``precondition``, ``update="sign"``)."""
         if sd.get("version") != STATE_VERSION:
             raise ValueError(
                 f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}); "
@@ -733,6 +741,13 @@ class Engine:
             )
         if self.moments is None and sd.get("momentum"):
             raise ValueError("the checkpoint holds momentum buffers of momentum correction: pass the optimizer again")
+        saved_mode = sd.get("momentum_mode")  # absent from states saved before 2026-12-01
+        mode = self.momentum.mode() if self.momentum is not None else None
+        if saved_mode is not None and mode is not None and saved_mode != mode:
+            raise ValueError(
+                f"momentum correction differs from the checkpoint: saved {_MODES[saved_mode]}, now {_MODES[mode]} "
+                "(its buffers would be missing or left over): register the hook as the run that saved it did"
+            )
 
     def load_state_dict(self, sd: dict, *, checked: bool = False) -> None:
         """Load what :meth:`state_dict` saved, after :meth:`check_state` (``checked=True``: the

@@ -264,6 +264,15 @@ class Momentum:
             out.takeover = _StepTakeover(optimizer, taken, sign=sign)
         return out, buffers
 
+    def mode(self) -> str:
+        """What the buffers are, which a checkpoint must match: ``"precondition"`` (Adam's
+        moments and step count), ``"sign"`` (``update="sign"``) or ``"momentum"``."""
+        if any(h.beta2 is not None for h in self.hyper.values()):
+            return "precondition"
+        if self.takeover is not None and self.takeover.sign:
+            return "sign"
+        return "momentum"
+
     def describe(self) -> str:
         """A summary the ranks compare in the configuration check."""
         hypers = repr(sorted({repr(tuple(h)) for h in self.hyper.values()}))

@@ -596,3 +596,42 @@ def test_sign_update_refusals():
         gz.momentum.Momentum.adopt(opt, list(model.named_parameters()), update="adam")
     with pytest.raises(ValueError, match="give the optimizer"):
         register_hook(DDP.__new__(DDP), gz.SignSGD(), update="sign")
+
+
+def _modes(rank, world):
+    """A state saved in each momentum-correction mode, loaded into a hook of each mode."""
+    out = {}
+    kws = {"momentum": {}, "precondition": {"precondition": True}, "sign": {"update": "sign"}}
+
+    def hook(kw):
+        ddp = DDP(make_model())
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        return ddp, opt, register_hook(ddp, gz.SignSGD(), optimizer=opt, **kw)
+
+    for saved, kw in kws.items():
+        ddp, opt, state = hook(kw)
+        train(ddp, opt, rank, 0, 2)
+        sd = state.state_dict()
+        assert sd["momentum_mode"] == saved
+        for now, kw2 in kws.items():
+            try:
+                hook(kw2)[2].load_state_dict(sd)
+                out[saved, now] = "loaded"
+            except ValueError as err:
+                out[saved, now] = str(err)
+    return out
+
+
+def test_a_state_loads_only_into_its_own_momentum_correction_mode():
+    """precondition=True keeps Adam's both moments and its step count, update='sign' the sign
+    step's momentum: a state of one mode loaded into a hook of another would leave buffers missing
+    or over, so it is refused, naming both."""
+    for got in run_ranks(_modes, 2):
+        for (saved, now), what in got.items():
+            if saved == now:
+                assert what == "loaded"
+            else:
+                assert what.startswith("momentum correction differs from the checkpoint"), (saved, now, what)
+    assert (
+        "saved precondition=True" in got["precondition", "momentum"] and "now update='sign'" in got["momentum", "sign"]
+    )

@@ -161,6 +161,38 @@ def test_reshard_assigns_ranks_and_refuses_states_out_of_order():
         gz.reshard([state(1, 2), state(0, 2)], 2)
 
 
+def test_reshard_takes_an_optimizers_whole_states_and_sends_local_sgd_to_its_own():
+    """A DistributedOptimizer's states (the wrapped optimizer's beside ``"gradzip"``): the engine
+    states resharded, every new rank the wrapped optimizer's rank 0's; LocalSGD/DiLoCo states are
+    refused naming ``local_sgd.reshard_state``; anything else without residuals, clearly."""
+
+    def engine(rank):
+        return {
+            "version": 2,
+            "rank": rank,
+            "world_size": 2,
+            "method": {"name": "TopK"},
+            "error_feedback": True,
+            "step": 3,
+            "residuals": {"w": torch.full((4,), float(rank))},
+            "momentum": {},
+            "momentum_mode": "momentum",
+            "tensor_state": {},
+            "stats": {},
+        }
+
+    opt = {"state": {0: {"momentum_buffer": torch.ones(4)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    new = gz.reshard([{**opt, "gradzip": engine(r)} for r in range(2)], 3)
+    assert [(s["gradzip"]["rank"], s["gradzip"]["world_size"]) for s in new] == [(0, 3), (1, 3), (2, 3)]
+    assert all(s["param_groups"] == opt["param_groups"] and s["state"] is opt["state"] for s in new)
+    assert torch.allclose(sum(s["gradzip"]["residuals"]["w"] for s in new), torch.ones(4))
+    assert all(s["gradzip"]["momentum_mode"] == "momentum" for s in new)
+    with pytest.raises(ValueError, match=r"gradzip.local_sgd.reshard_state\(states, 3\)"):
+        gz.reshard([{"local_sgd": {}, "gradzip": engine(r)} for r in range(2)], 3)
+    with pytest.raises(ValueError, match="states must be engine states"):
+        gz.reshard([{"model": 1}, {"model": 2}], 3)
+
+
 def test_reshard_dir_roundtrip(tmp_path):
     from gradzip.checkpoint import read_states, write_states
 
