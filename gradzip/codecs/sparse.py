@@ -582,6 +582,18 @@ class TopK(Codec):
         # The compaction pass is dispatched (a one-pass kernel on the GPU).
         return K.sampled_topk(v, k, probe, approx=self.mode == "approx")
 
+    def _count(self, ctx: TensorContext, n: int) -> int:
+        """How many of a tensor's ``n`` elements :meth:`compress` sends: the call's allotment
+        (``ctx.k``) or the ratio's share at the context's step."""
+        return _k_of(warmup.at(self.ratio, ctx.step), n) if ctx.k is None else min(n, max(0, int(ctx.k)))
+
+    def _value_dtype(self, ctx: TensorContext, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`compress` sends the values of an input of ``dtype`` in (``values=``,
+        else the gradient's where it is a float, else the input's)."""
+        if self.values is not None:
+            return _VALUE_DTYPES[self.values]
+        return ctx.dtype if ctx.dtype.is_floating_point else dtype
+
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)
         ctx = ctx or TensorContext(dtype=x.dtype)
@@ -589,15 +601,12 @@ class TopK(Codec):
         n = v.numel()
         if n == 0:
             return _empty(x)
-        k = _k_of(warmup.at(self.ratio, ctx.step), n) if ctx.k is None else min(n, max(0, int(ctx.k)))
+        k = self._count(ctx, n)
         if k == 0:
             return _empty(x)
         if self.values == "sign":
             return self._ternary(v, x, k, ctx)
-        if self.values is not None:
-            vdtype = _VALUE_DTYPES[self.values]
-        else:
-            vdtype = ctx.dtype if ctx.dtype.is_floating_point else x.dtype
+        vdtype = self._value_dtype(ctx, x.dtype)
         vsize = itemsize(vdtype)
         if k * vsize >= n * v.element_size():  # the values alone are no smaller than the input
             return Payload(body=as_bytes(v), shape=x.shape, dtype=x.dtype, fmt=FMT_DENSE, vdtype=v.dtype)
@@ -710,12 +719,7 @@ class TopK(Codec):
             n = b - a
             if n <= 0:
                 continue
-            k = _k_of(warmup.at(self.ratio, c.step), n) if c.k is None else min(n, max(0, int(c.k)))
-            if self.values is not None:
-                vdtype = _VALUE_DTYPES[self.values]
-            else:
-                vdtype = c.dtype if c.dtype.is_floating_point else vtype
-            found.setdefault((n, k, vdtype), []).append(j)
+            found.setdefault((n, self._count(c, n), self._value_dtype(c, vtype)), []).append(j)
         groups = []
         for (n, k, vdtype), js in found.items():
             vsize, dense = itemsize(vdtype), n * vtype.itemsize
@@ -1131,6 +1135,18 @@ class RandomK(Codec):
             return torch.arange(n, device=device)
         g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
         return distinct_positions(n, k, g).to(device)
+
+    def _count(self, ctx: TensorContext, n: int) -> int:
+        """How many of a tensor's ``n`` elements :meth:`compress` sends: the call's allotment
+        (``ctx.k``) or the ratio's share at the context's step."""
+        return _k_of(warmup.at(self.ratio, ctx.step), n) if ctx.k is None else min(n, max(0, int(ctx.k)))
+
+    def _value_dtype(self, ctx: TensorContext, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`compress` sends the values of an input of ``dtype`` in (``values=``,
+        else the gradient's where it is a float, else the input's)."""
+        if self.values is not None:
+            return _VALUE_DTYPES[self.values]
+        return ctx.dtype if ctx.dtype.is_floating_point else dtype
 
     def compress(self, x: torch.Tensor, ctx: TensorContext | None = None) -> Payload:
         check_input(x)

@@ -120,7 +120,7 @@ class WireCache:
             # done, with the run a settling would have ended in (no state, step 0), at the cost of
             # one run instead of two (at 1024 ranks a run is a few seconds of pieces, settled or not).
             # Once a call kept state at one world size it is settled at the others without that run.
-            stateful = key[:3] + (flag,)
+            stateful = key[:3] + (flag,)  # the key less its world size: call()'s `base`
             run = None
             if stateful not in self._stateful:
                 stores: dict = {}
