@@ -11,9 +11,9 @@ shaping, one torch thread per rank): where the rates differ by kind, a method wh
 go by all-gather or all-to-all is costed at the allreduce's rate and read short.
 
 It also times the all-gather as an all-to-all of the rank's part repeated once per rank (the
-same link bytes). That form was tried as ``gradzip.comm``'s all-gather on gloo (2026-11-27):
-faster unshaped and at 4 ranks, but about a fifth slower for Int8's 25 MB all-gather at 2 ranks
-on a shaped 1 Gbit/s link (``step_time.py``, two runs each way), so it was not kept.
+same link bytes). ``gradzip.comm``'s all-gather on gloo does not take that form: it is faster
+unshaped and at 4 ranks, but about a fifth slower for Int8's 25 MB all-gather at 2 ranks on a
+shaped 1 Gbit/s link (``step_time.py``, two runs each way).
 
 Per world size, each collective of ``--mb`` MB per rank (float32; the all-gather also as
 uint8, the dtype Int8's codes travel in) runs once to warm up, then ``--repeats`` times

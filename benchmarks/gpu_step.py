@@ -19,9 +19,9 @@ For each model, at random initialization (seed 0), on one device:
    training does). In steady state (:class:`Steps`): each bucket is one flat buffer that
    receives the result, as DDP's does, and the error-feedback memory is kept from step to step
    (the residual is added, its buffers reused). ``Identity()`` is plain DDP's cost (a
-   pre-division of the bucket in place). Until 2026-11-28 every dry run had loose tensors and
-   a fresh memory: no residual to add, new buffers, and a copy into a new output (the three
-   H200 runs' files).
+   pre-division of the bucket in place). ``benchmarks/results/gpu_step_nvidia-h200.json``
+   is not in steady state: its dry runs have loose tensors and a fresh memory (no residual to
+   add, new buffers, and a copy into a new output).
 3. **Fraction added**: codec time / compute step.
 4. **Break-even link**: the cost model's wire time of the collectives each method launched
    (``costmodel.wire_time``, ring formulas, latency 0, ``--world`` ranks on one flat link)

@@ -17,10 +17,12 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import fsdp_zeropp as fsdp_zeropp_tables
 from benchmarks import linkbytes_report, streaming_report
 from benchmarks._common import RESULTS, ROOT
 
@@ -37,8 +39,9 @@ def _load(name: str):
 
 
 def _machine(m: dict) -> str:
+    """``AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-27`` from a ``machine()`` record."""
     extra = f", {m['gpu']}" if "gpu" in m else ""
-    return f"{m['cpu']}, {m['cores']} cores{extra}, torch {m['torch']}, {m['date']}"
+    return f"{_short_machine(m)}{extra}, torch {m['torch']}, {m['date']}"
 
 
 def _short_machine(m: dict) -> str:
@@ -50,7 +53,28 @@ def _short_machine(m: dict) -> str:
 def _cmd(command: str) -> str:
     """A recorded command line in the form the scripts run in today: ``python -m benchmarks.X``
     for ``python benchmarks/X.py`` (the result files keep the form that was typed)."""
+    command = _requote(command.replace(f"{ROOT}/", ""))
     return re.sub(r"(\S*python3?) benchmarks/(\w+)\.py\b", r"\1 -m benchmarks.\2", command).rstrip()
+
+
+def _requote(command: str) -> str:
+    """``--methods "TopK(0.01, mode='approx')"`` for the ``'TopK(0.01, mode='"'"'approx'"'"')'`` that
+    ``shlex.join`` records: the same arguments, quoted for a reader."""
+    if "'\"'\"'" not in command or re.search(r"[|&;<>]", command.replace("'\"'\"'", "")):
+        return command
+    try:
+        args = shlex.split(command)
+    except ValueError:
+        return command
+    out = []
+    for a in args:
+        if re.fullmatch(r"[\w@%+=:,./-]+", a):
+            out.append(a)
+        elif not re.search(r'["$`\\!]', a):
+            out.append(f'"{a}"')
+        else:
+            out.append(shlex.quote(a))
+    return " ".join(out)
 
 
 def _pm(r: dict, key: str, signed: bool = False) -> str:
@@ -63,29 +87,72 @@ def _pm(r: dict, key: str, signed: bool = False) -> str:
 
 
 # -- accuracy runs (gradzip bench, benchmarks/accuracy.py) -----------------------------------------
-def accuracy(doc: dict) -> str:
-    """The table of ``gradzip bench`` / ``benchmarks/accuracy.py``: results.json, schema 2
-    (per-method rows aggregated over seeds), or the first one-seed layout."""
-    if doc.get("schema", 1) < 2:
-        return _accuracy_v1(doc)
+#: From this many seeds on, an accuracy table is followed by each seed's Δ and their median.
+PER_SEED_FROM = 5
+
+
+def _seeds(seeds: list) -> str:
+    """``0–7`` for a run of consecutive seeds, else ``0, 2, 5``."""
+    if len(seeds) > 2 and list(seeds) == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def _split_methods(text: str) -> list[str]:
+    """``"A(1, 2), B"`` as ``["A(1, 2)", "B"]``: split at the commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([{" and 1 or ch in ")]}" and -1 or 0
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+#: What a command's ``--methods`` shows when it lists exactly its table's rows, in order.
+ROWS = "<rows>"
+
+
+def _run_cmd(doc: dict) -> str:
+    """``doc``'s command (:func:`_cmd`) with a ``--methods`` list that names exactly the table's rows,
+    in order, shown as :data:`ROWS` (the table lists them)."""
+    cmd = _cmd(doc["command"])
+    rows = [r["method"] for r in doc.get("rows", [])]
+    try:
+        args = shlex.split(cmd)
+    except ValueError:
+        return cmd
+    if "--methods" in args[:-1] and _split_methods(args[args.index("--methods") + 1]) == rows:
+        value = args[args.index("--methods") + 1]
+        for quoted in (f'"{value}"', f"'{value}'", shlex.quote(value)):
+            if f"--methods {quoted}" in cmd:
+                return cmd.replace(f"--methods {quoted}", f'--methods "{ROWS}"', 1)
+    return cmd
+
+
+def _accuracy_run(doc: dict) -> str:
+    """An accuracy run's command in backticks, then what it trained on: ``(mnist, 4 gloo ranks, ...)``."""
     cfg = doc["config"]
-    n = len(cfg["seeds"])
     backend = "nccl" if cfg["device"] == "cuda" else "gloo"
     warmup = f", warm-up {cfg['warmup_epochs']:g} epochs" if cfg.get("warmup_epochs") else ""
     clip = f", local clipping {cfg['clip']:g}" if cfg.get("clip") is not None else ""
-    pre = ", Adam moments per rank before compression (--precondition)" if cfg.get("precondition") else ""
+    pre = ", --precondition" if cfg.get("precondition") else ""
+    cmd = f"`{_run_cmd(doc)}`" if doc.get("command") else "`gradzip bench`"
+    return (
+        f"{cmd} ({cfg['dataset']}, {cfg['workers']} {backend} ranks, {cfg['epochs']} epochs of "
+        f"{cfg['steps_per_epoch']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g}"
+        f"{warmup}{clip}{pre}; seeds {_seeds(cfg['seeds'])}; {_machine(doc['machine'])})"
+    )
+
+
+def accuracy(doc: dict) -> str:
+    """The table of ``gradzip bench`` / ``benchmarks/accuracy.py`` (results.json, schema 2: per-method
+    rows aggregated over seeds): its command and configuration, then one row per method. The
+    columns are explained once on the page (``ACCURACY_COLUMNS``)."""
     lines = [
-        f"`{_cmd(doc['command'])}`" if doc.get("command") else "`gradzip bench`",
-        "",
-        f"({cfg['dataset']}, {cfg['workers']} {backend} ranks, {cfg['epochs']} epochs of {cfg['steps_per_epoch']} "
-        f"steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} momentum {cfg['momentum']:g} "
-        f"weight decay {cfg['weight_decay']:g}, {cfg['lr_schedule']} schedule{warmup}{clip}{pre}; "
-        f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
-        "",
-        f"Link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's (`stats()[\"ratio\"]`); "
-        f"handed: the same over bytes handed to `torch.distributed`. Accuracy: final test accuracy (%), mean ± "
-        f"sample std [min..max] over {n} seed{'s' if n > 1 else ''}; last 3: the mean of the test accuracies after "
-        f"each of the last 3 epochs; Δ: against Identity on the same seed, in points.",
+        _accuracy_run(doc),
         "",
         "| method | link ratio | handed ratio | link MB/step | test acc (%) | last 3 (%) | Δ acc (pp) | ms/step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -96,29 +163,29 @@ def accuracy(doc: dict) -> str:
             f"| {r['method']} | {r['ratio']:.1f}× | {r['ratio_handed']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} "
             f"| {_pm(r, 'accuracy')} | {100 * r['accuracy_last3']:.2f} | {delta} | {1000 * r['seconds_per_step']:.1f} |"
         )
-    if n >= PER_SEED_FROM:
+    if len(doc["config"]["seeds"]) >= PER_SEED_FROM:
         lines += ["", *_per_seed_deltas(doc)]
     return "\n".join(lines)
+
+
+#: What an accuracy table's columns mean, said once on the page (``{{ accuracy_columns }}``).
+ACCURACY_COLUMNS = (
+    "Link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's (`stats()[\"ratio\"]`); handed: "
+    "the same over the bytes handed to `torch.distributed`. Test accuracy: mean ± sample std [min..max] over the "
+    "seeds; last 3: the mean over the last 3 epochs; Δ: against Identity on the same seed, in points."
+)
 
 
 def lm(doc: dict) -> str:
     """The language model's table (``gradzip bench --dataset shakespeare``, ``--preset lm``):
     validation loss and its gap to Identity's on the same seeds, against the link ratio."""
     cfg = doc["config"]
-    n = len(cfg["seeds"])
     clip = f", clipping {cfg['clip']:g} ({cfg['clip_mode']})" if cfg.get("clip") is not None else ", no clipping"
+    warmup = f", warm-up {cfg['warmup_steps']} steps" if cfg.get("warmup_steps") else ""
     lines = [
-        f"`{_cmd(doc['command'])}`",
-        "",
-        f"({cfg['dataset']}, the {cfg['lm_size']} GPT, {cfg['workers']} gloo ranks, {cfg['total_steps']} steps, "
-        f"batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g} beta1 {cfg['momentum']:g} weight decay "
-        f"{cfg['weight_decay']:g}, warm-up {cfg['warmup_steps']} steps then {cfg['lr_schedule']}{clip}; "
-        f"seeds {', '.join(map(str, cfg['seeds']))}; machine: {_machine(doc['machine'])})",
-        "",
-        "Validation loss: nats per byte on the whole validation text after the last step, mean ± sample std "
-        f"over {n} seed{'s' if n > 1 else ''}; gap: 100 × (loss − Identity's) / Identity's on the same seed, in "
-        "percent, mean ± sample std [min..max]; link ratio: plain DDP's ring-allreduce bytes on a rank's link / "
-        "gradzip's; ms/step: wall time on a shared machine, not a speed figure.",
+        f"`{_run_cmd(doc)}` ({cfg['dataset']}, the {cfg['lm_size']} GPT, {cfg['workers']} gloo ranks, "
+        f"{cfg['total_steps']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g}{warmup}"
+        f"{clip}; seeds {_seeds(cfg['seeds'])}; {_machine(doc['machine'])})",
         "",
         "| method | link ratio | link MB/step | val loss (nats/byte) | bits/byte | gap to DDP (%) | ms/step |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -137,8 +204,12 @@ def lm(doc: dict) -> str:
     return "\n".join(lines)
 
 
-#: From this many seeds on, an accuracy table is followed by each seed's Δ and their median.
-PER_SEED_FROM = 5
+#: What a language-model table's columns mean, said once on the page (``{{ lm_columns }}``).
+LM_COLUMNS = (
+    "Validation loss: nats per byte on the whole validation text after the last step, mean ± sample std over "
+    "the seeds; gap: 100 × (loss − Identity's) / Identity's on the same seed, in percent, mean ± sample std "
+    "[min..max]; link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's."
+)
 
 
 def _per_seed_deltas(doc: dict) -> list[str]:
@@ -165,25 +236,6 @@ def _per_seed_deltas(doc: dict) -> list[str]:
             + f" | {statistics.median(ds):+.2f} | {sum(d < 0 for d in ds)} of {len(ds)} |"
         )
     return out
-
-
-def _accuracy_v1(doc: dict) -> str:
-    cfg = doc["config"]
-    epochs = cfg.get("epochs") or {"mnist": 4, "digits": 20}[cfg["dataset"]]
-    lines = [
-        f"`gradzip bench` ({cfg['dataset']}, {cfg['workers']} gloo ranks, {epochs} epochs, batch "
-        f"{cfg['batch_size']}/rank, SGD lr {cfg['lr']} momentum {cfg['momentum']}; "
-        f"machine: {_machine(doc['machine'])})",
-        "",
-        "| method | ratio | wire MB/step | test acc | Δ acc (pp) | ms/step |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['method']} | {r['ratio']:.1f}× | {r['bytes_sent_per_step'] / 1e6:.4f} | {100 * r['accuracy']:.2f}% "
-            f"| {100 * r['delta_accuracy']:+.2f} | {1000 * r['seconds_per_step']:.1f} |"
-        )
-    return "\n".join(lines)
 
 
 def _seed_means(doc: dict, seeds) -> dict:
@@ -234,10 +286,40 @@ def verdicts(*names: str) -> str:
         "| method | " + " | ".join(heads) + " |",
         "|---|" + "---|" * len(docs),
     ]
+    base = [next(r for r in d["rows"] if r["method"] == "Identity") for d in docs]
+    lines.append("| Identity: test accuracy | " + " | ".join(f"{100 * b['accuracy']:.2f}%" for b in base) + " |")
     for m in methods:
         lines.append(f"| `{m}` | " + " | ".join(_cell(d, m, (0, 1, 2)) for d in docs) + " |")
-    lines += ["", "Result files: " + ", ".join(_link(n) for n in names) + "."]
+    lines.append("")
+    for i, (head, n, d) in enumerate(zip(heads, names, docs)):
+        run = f"`{_run_cmd(d)}`"
+        if i and d.get("command") and docs[0].get("command"):
+            run = f"the first command {_flags_changed(_run_cmd(docs[0]), _run_cmd(d))}"
+        lines.append(f"* {head}: {run} ({_machine(d['machine'])}). {_named(n)}")
     return "\n".join(lines)
+
+
+def _options(command: str) -> dict:
+    """``{"--seeds": "0-7", "--no-progress": None, ...}``: a command's options and their values."""
+    out, key = {}, None
+    for tok in shlex.split(command):
+        if tok.startswith("--"):
+            key, out[tok] = tok, None
+        elif key is not None and out[key] is None:
+            out[key] = tok
+    return out
+
+
+def _flags_changed(first: str, cmd: str) -> str:
+    """``with `--optimizer adamw --stem ...` `` / ``without `--clip` ``: how ``cmd`` differs from ``first``."""
+    a, b = _options(first), _options(cmd)
+    changed = [k if b[k] is None else f"{k} {shlex.quote(b[k])}" for k in b if a.get(k, "") != b[k] or k not in a]
+    dropped = [k for k in a if k not in b]
+    return ", ".join(
+        x
+        for x in (f"with `{' '.join(changed)}`" if changed else "", f"without `{' '.join(dropped)}`" if dropped else "")
+        if x
+    )
 
 
 # -- the README's headline ------------------------------------------------------------------------
@@ -374,23 +456,34 @@ def _other_front_ends() -> list[tuple[str, str]]:
 
 
 # -- AdamW's step sizes (benchmarks/adam_steps.py) -------------------------------------------------
-def adam_steps(doc: dict) -> str:
-    c = doc["config"]
+def adam_steps(*names: str) -> str:
+    """AdamW's step per coordinate over its learning rate in the last epoch (benchmarks/adam_steps.py),
+    one block of rows per run; a later run's rows are labelled by its flags, an Identity row that
+    repeats the first run's left out."""
+    docs = [_load(n) for n in names]
+    c = docs[0]["config"]
     lines = [
-        f"`{_cmd(doc['command'])}` ({c['workers']} gloo ranks, {c['optimizer']}, momentum correction "
-        f"{c['momentum_correction']}{', --precondition' if c.get('precondition') else ''}, seed {c['seed']}, "
-        f"{c['epochs']} epochs; the last epoch's steps; machine: {_machine(doc['machine'])})",
+        "; ".join(f"`{_cmd(d['command'])}`" for d in docs)
+        + f" ({c['workers']} gloo ranks, {c['optimizer']}, momentum correction {c['momentum_correction']}, seed "
+        f"{c['seed']}, {c['epochs']} epochs; the last epoch's steps; {_machine(docs[0]['machine'])})",
         "",
         "| method | link ratio | test acc (%) | mean step / lr | median step / lr | coordinates > 0.1·lr | > 0.5·lr |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['method']} | {r['ratio']:.1f}× | {100 * r['accuracy']:.2f} | {r['mean_normalized_step']:.3f} "
-            f"| {r['median_normalized_step']:.3f} | {100 * r['fraction_above_0.1']:.1f}% "
-            f"| {100 * r['fraction_above_0.5']:.1f}% |"
-        )
-    return "\n".join(lines)
+    seen = set()
+    for d in docs:
+        flag = ", `--precondition`" if d["config"].get("precondition") else ""
+        for r in d["rows"]:
+            row = (
+                f"{r['ratio']:.1f}× | {100 * r['accuracy']:.2f} | {r['mean_normalized_step']:.3f} "
+                f"| {r['median_normalized_step']:.3f} | {100 * r['fraction_above_0.1']:.1f}% "
+                f"| {100 * r['fraction_above_0.5']:.1f}% |"
+            )
+            if (r["method"], row) in seen:
+                continue
+            seen.add((r["method"], row))
+            lines.append(f"| {r['method']}{flag} | {row}")
+    return _cite("\n".join(lines), _named(*names))
 
 
 # -- the Horovod example (benchmarks/horovod_mnist.py) ---------------------------------------------
@@ -432,29 +525,31 @@ def _yes(flags: list) -> str:
 
 # -- step time, overhead, plan, PowerSGD, kernels --------------------------------------------------
 def step_time(doc: dict) -> str:
+    """``benchmarks/step_time.py``: one row per method, one column per link: the median step, its
+    speed-up over plain allreduce, the exposed share and the step-time model's error."""
     steps = "/".join(map(str, doc["steps"])) if isinstance(doc["steps"], list) else doc["steps"]
+    rates = list(dict.fromkeys(r["rate"] for r in doc["rows"]))
+    methods = list(dict.fromkeys(r["method"] for r in doc["rows"]))
+    by = {(r["method"], r["rate"]): r for r in doc["rows"]}
     lines = [
         f"`benchmarks/step_time.py` ({doc['ranks']} ranks in network namespaces, MLP of "
         f"{doc['rows'][0]['params'] / 1e6:.1f}M parameters, batch {doc['batch']}/rank, median of {steps} steps"
-        f"{' after ' + str(doc['warmup']) + ' warm-up' if 'warmup' in doc else ''}"
-        f"{', DDP gradient_as_bucket_view' if doc.get('gradient_as_bucket_view') else ''}; "
-        f"machine: {_machine(doc['machine'])})",
+        f"{' after ' + str(doc['warmup']) if 'warmup' in doc else ''}; {_machine(doc['machine'])})",
         "",
-        "| link | method | step (s) | model (s) | model error | MB sent/step/rank | speed-up vs allreduce "
-        "| exposed | CPU s/step: step / compute / codec |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | MB sent/step/rank | " + " | ".join(f"link {r}" for r in rates) + " |",
+        "|---|---:|" + "---:|" * len(rates),
     ]
-    for r in doc["rows"]:
-        cpu = (
-            f"{r['step_cpu_s']:.3f} / {r['compute_cpu_s']:.3f} / {r['codec_cpu_seconds_per_step']:.3f}"
-            if "step_cpu_s" in r
-            else ""
-        )
-        lines.append(
-            f"| {r['rate']} | {r['method']} | {r['step_s']:.3f} | {r['model']['total']:.3f} "
-            f"| {100 * r['model_error']:+.1f}% | {r['bytes_sent_per_step'] / 1e6:.3f} "
-            f"| {r.get('speedup_vs_allreduce', float('nan')):.2f}× | {_exposed(r)} | {cpu} |"
-        )
+    for m in methods:
+        rows = [by.get((m, rate)) for rate in rates]
+        mb = sorted({f"{r['bytes_sent_per_step'] / 1e6:.3f}" for r in rows if r})
+        cells = [
+            ""
+            if r is None
+            else f"{r['step_s']:.3f} ({r.get('speedup_vs_allreduce', float('nan')):.2f}×, {_exposed(r)}; "
+            f"{100 * r['model_error']:+.0f}%)"
+            for r in rows
+        ]
+        lines.append(f"| {m} | {' / '.join(mb)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -466,26 +561,39 @@ def _exposed(row: dict) -> str:
     return f"{100 * (row['step_s'] / c - 1):+.0f}%" if c else ""
 
 
-def plan_check(doc: dict) -> str:
+def plan_check(*names: str) -> str:
+    """``benchmarks/plan_check.py``'s runs side by side: each method's plan error at every ranks and
+    link of the step-time rows (one figure per run in a cell), then each run's summary per world size."""
+    docs = [_load(n) for n in names]
+    cols = list(dict.fromkeys((r["ranks"], r["rate"]) for r in docs[0]["rows"]))
+    methods = list(dict.fromkeys(r["method"] for r in docs[0]["rows"]))
+    err = [{(r["method"], r["ranks"], r["rate"]): r["error"] for r in d["rows"]} for d in docs]
+    d0 = docs[0]
     lines = [
-        f"`benchmarks/plan_check.py` (the `gradzip plan` cost model with codec throughputs profiled here, one "
-        f"thread; codec scaled by max(1, ranks / {doc['cores']} cores); machine: {_machine(doc['machine'])})",
+        f"`python -m benchmarks.plan_check` ({len(docs)} run{'s' if len(docs) > 1 else ''}; codec seconds "
+        f"scaled by max(1, ranks / {d0['cores']} cores); {_machine(d0['machine'])}). Each cell: the plan's error "
+        "against the measured step, " + " / ".join(f"run {i + 1}" for i in range(len(docs))) + ".",
         "",
-        "| ranks | link | method | measured (s) | plan (s) | plan error |",
-        "|---|---|---|---:|---:|---:|",
+        "| method | " + " | ".join(f"{n} ranks, {rate}" for n, rate in cols) + " |",
+        "|---|" + "---:|" * len(cols),
     ]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['ranks']} | {r['rate']} | {r['method']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} "
-            f"| {100 * r['error']:+.1f}% |"
-        )
+    for m in methods:
+        cells = []
+        for n, rate in cols:
+            got = [e.get((m, n, rate)) for e in err]
+            cells.append("" if got[0] is None else " / ".join(f"{100 * g:+.0f}%" for g in got if g is not None))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    for world, s in doc["summary"].items():
+    for world in d0["summary"]:
+        runs = [d["summary"][world] for d in docs]
         lines.append(
-            f"N={world}: median |error| {100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}%, "
-            f"{s['within_15pct']} of {s['rows']} rows within 15%."
+            f"N={world}: "
+            + " / ".join(f"{s['within_15pct']} of {s['rows']}" for s in runs)
+            + " rows within 15%, median |error| "
+            + " / ".join(f"{100 * s['median_abs_error']:.1f}%" for s in runs)
+            + "."
         )
-    return "\n".join(lines)
+    return _cite("\n".join(lines), _named(*names))
 
 
 def powersgd(doc: dict) -> str:
@@ -526,31 +634,36 @@ def cpu_codec_cost(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def overlap(doc: dict) -> str:
-    """How much of each method's communication is in flight during the backward pass (benchmarks/overlap.py)."""
+def overlap(*names: str) -> str:
+    """How much of each method's communication is in flight during the backward pass
+    (benchmarks/overlap.py), from the first run; the exposed share from every run."""
+    docs = [_load(n) for n in names]
+    doc = docs[0]
+    exposed = [{r["method"]: r["exposed"] for r in d["rows"]} for d in docs]
+    runs = " / ".join(str(i + 1) for i in range(len(docs)))
     lines = [
         f"`{_cmd(doc['command'])}` ({doc['ranks']} ranks, {doc['link']}; {doc['model']}; median of "
-        f"{doc['steps']} steps of rank 0; machine: {_machine(doc['machine'])})",
+        f"{doc['steps']} steps of rank 0; {len(docs)} runs; {_machine(doc['machine'])})",
         "",
         "| method | collectives / step | in flight s | in flight during backward | bytes issued during backward "
-        "| step s | exposed |",
+        f"| step s | exposed, runs {runs} |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
+        ex = " / ".join(f"{100 * e[r['method']]:+.0f}%" for e in exposed)
         lines.append(
             f"| {r['method']} | {r['collectives_per_step']:.0f} | {r['busy_s']:.3f} "
             f"| {100 * r['busy_in_backward']:.0f}% | {100 * r['bytes_issued_in_backward']:.0f}% "
-            f"| {r['step_s']:.3f} | {100 * r['exposed']:+.0f}% |"
+            f"| {r['step_s']:.3f} | {ex} |"
         )
-    lines.append(f"\nNo-communication step: {doc['rows'][0]['no_comm_step_s']:.3f} s." if doc["rows"] else "")
-    return "\n".join(lines)
+    return _cite("\n".join(lines), _named(*names))
 
 
 def collectives(doc: dict) -> str:
     """gloo's collectives per link byte (benchmarks/collectives.py)."""
     lines = [
-        f"`{_cmd(doc['command'])}` (ranks on 127.0.0.1, unshaped, one torch thread each; fastest of the "
-        f"repeats on rank 0; machine: {_machine(doc['machine'])})",
+        f"`{_cmd(doc['command'])}` (unshaped, one torch thread a rank; fastest of the repeats on rank 0; "
+        f"{_machine(doc['machine'])})",
         "",
         "| ranks | collective | dtype | MB per rank | ms | Gbit/s of link bytes | × allreduce's rate |",
         "|---:|---|---|---:|---:|---:|---:|",
@@ -569,8 +682,7 @@ def powersgd_runs(*names: str, key: str = "ratio_gradzip_over_torch", what: str 
     docs = [_load(n) for n in names]
     widths = [r["width"] for r in docs[0]["rows"]]
     lines = [
-        f"{what} step time in {len(docs)} runs of `benchmarks/powersgd_step.py` (same options; machine: "
-        f"{_machine(docs[0]['machine'])})",
+        f"{what} step time in {len(docs)} runs of `{_powersgd_cmd(docs[0])}` ({_machine(docs[0]['machine'])})",
         "",
         "| width | " + " | ".join(f"run {i + 1}" for i in range(len(docs))) + " | median | spread |",
         "|---|" + "---:|" * (len(docs) + 2),
@@ -582,42 +694,73 @@ def powersgd_runs(*names: str, key: str = "ratio_gradzip_over_torch", what: str 
             + " | ".join(f"{x:.3f}" for x in ratios)
             + f" | {statistics.median(ratios):.3f} | {min(ratios):.3f}..{max(ratios):.3f} |"
         )
-    return "\n".join(lines) + "\n\nResult files: " + ", ".join(_link(n) for n in names) + "."
+    return _cite("\n".join(lines), _named(*names))
 
 
-def overhead(doc: dict) -> str:
-    """Hook overhead against plain DDP, step by step in pairs (benchmarks/overhead.py)."""
+def _powersgd_cmd(doc: dict) -> str:
+    """The ``powersgd_step.py`` command of a run that did not record one, from its configuration."""
+    c = doc["config"]
+    buckets = " --default-buckets" if "ratio_default_buckets_over_one" in doc["rows"][0] else ""
+    return f"python -m benchmarks.powersgd_step --widths {' '.join(map(str, c['widths']))}{buckets}"
+
+
+def overhead(*names: str) -> str:
+    """Hook overhead against plain DDP, step by step in the same cycle (benchmarks/overhead.py): one
+    column pair per run (world size), each method's median ratio and its bootstrap 95% interval."""
+    docs = [_load(n) for n in names]
+    d0 = docs[0]
     lines = [
-        f"`sudo .venv/bin/python -m benchmarks.overhead --ranks {doc['ranks']} --steps {doc['cycles']}` "
-        f"({doc['ranks']} ranks, link {doc['rate']}, {doc['cycles']} cycles of one step per model in random order "
-        f"after {doc['warmup']} warm-up, MLP width {doc['width']}; machine: {_machine(doc['machine'])})",
-        "",
-        "| method | median step (s) | vs plain DDP in the same cycle, median | 95% interval |",
-        "|---|---:|---:|---:|",
-        f"| plain DDP | {statistics.median(doc['allreduce_step_s']):.3f} | | |",
-    ]
-    for r in doc["rows"]:
-        lo, hi = r["ci95"]
-        lines.append(
-            f"| {r['method']} | {r['step_s_median']:.3f} | {100 * (r['median_ratio'] - 1):+.1f}% "
-            f"| {100 * (lo - 1):+.1f}% .. {100 * (hi - 1):+.1f}% |"
+        "; ".join(
+            f"`sudo .venv/bin/python -m benchmarks.overhead --ranks {d['ranks']} --steps {d['cycles']}`" for d in docs
         )
-    return "\n".join(lines)
+        + f" (link {d0['rate']}, {d0['cycles']} cycles after {d0['warmup']} warm-up, MLP width {d0['width']}; "
+        f"{_machine(d0['machine'])})",
+        "",
+        "| method | "
+        + " | ".join(f"{d['ranks']} ranks: median step (s) | vs plain DDP, median [95% interval]" for d in docs)
+        + " |",
+        "|---|" + "---:|---:|" * len(docs),
+        "| plain DDP | " + " | ".join(f"{statistics.median(d['allreduce_step_s']):.3f} | " for d in docs) + " |",
+    ]
+    for r0 in d0["rows"]:
+        cells = []
+        for d in docs:
+            r = next((x for x in d["rows"] if x["method"] == r0["method"]), None)
+            if r is None:
+                cells += ["", ""]
+                continue
+            lo, hi = r["ci95"]
+            cells += [
+                f"{r['step_s_median']:.3f}",
+                f"{100 * (r['median_ratio'] - 1):+.1f}% [{100 * (lo - 1):+.1f}%..{100 * (hi - 1):+.1f}%]",
+            ]
+        lines.append(f"| {r0['method']} | " + " | ".join(cells) + " |")
+    return _cite("\n".join(lines), _named(*names))
+
+
+#: The sizes the GPU goals are read at (``benchmarks/gpu_suite.py``): 64M float32 elements, the
+#: top-k at 0.1% of 100M.
+GOAL_N = 67_108_864
+TOPK_N = 104_857_600
 
 
 def kernels(doc: dict) -> str:
-    """The GPU kernel benchmark at its largest size: time, GB/s over minimal bytes, share of copy."""
-    n = max(r["n"] for r in doc["results"])
+    """The GPU kernel benchmark at the goals' size (64M float32 elements; the top-k rows at their own
+    size): time, GB/s over the minimal bytes, share of the copy bandwidth, speed-up over torch eager."""
+    fp32 = [r for r in doc["results"] if r.get("dtype", "float32") == "float32"]
+    n = GOAL_N if any(r["n"] == GOAL_N for r in fp32) else max(r["n"] for r in fp32)
+    sizes = {r["n"] for r in fp32 if "topk" in r["kernel"]}
+    topk_n = TOPK_N if TOPK_N in sizes else max(sizes, default=n)
     lines = [
         f"`python -m benchmarks.kernels` on {doc['device']} (torch {doc['torch']}, triton {doc['triton']}, "
-        f"cupy {doc['cupy']}; {doc['date'][:10]}); copy bandwidth {doc['copy_bandwidth_gbps']:.0f} GB/s "
-        f"(read + write); n = {n:,} float32 elements, GB/s over the minimal bytes of each op",
+        f"cupy {doc['cupy']}; {doc['date'][:10]}): float32, n = {n:,} (the top-k rows: {topk_n:,}); GB/s over "
+        f"each op's minimal bytes; copy bandwidth {doc['copy_bandwidth_gbps']:.0f} GB/s (read + write)",
         "",
         "| kernel | backend | route | ms | GB/s | % of copy | × torch eager |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    for r in doc["results"]:
-        if r["n"] != n:
+    for r in fp32:
+        if r["backend"] == "cupy" or r["n"] != (topk_n if "topk" in r["kernel"] else n):
             continue
         lines.append(
             f"| {r['kernel']} | {r['backend']} | {r.get('route', '')} | {r['kernel_ms']:.3f} | {r['gbps']:.0f} "
@@ -630,24 +773,84 @@ def kernels(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def hierarchy(doc: dict) -> str:
-    """benchmarks/hierarchy.py: step time per method on 2 emulated nodes of 2 ranks, beside the cost model."""
+def gpu_suite(doc: dict) -> str:
+    """``benchmarks/gpu_suite.py``'s summary: every GPU goal, what was measured and the verdict."""
     lines = [
-        f"`{_cmd(doc['command'])}` ({doc['world']} ranks as {doc['world'] // doc['local_size']} nodes of "
-        f"{doc['local_size']}, inter-node link {doc['rate']}, MLP width {doc['width']} depth {doc['depth']}, batch "
-        f"{doc['batch']}/rank, median of {doc['steps']} steps after {doc['warmup']}; "
-        f"machine: {_machine(doc['machine'])})",
+        f"`{_cmd(doc['command'])}` on {doc['device']} (torch {doc['torch']}; {doc['date'][:10]})",
         "",
-        "| method | step (s) | model (s) | model error | compute (s) | codec (s) | wire (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| goal | item | measured | target | verdict |",
+        "|---|---|---|---|---|",
     ]
-    for r in doc["rows"]:
-        m = r["model"]
-        lines.append(
-            f"| {r['method']} | {r['step_s']:.3f} | {m['total']:.3f} | {100 * r['model_error']:+.1f}% "
-            f"| {r['compute_s']:.3f} | {m['codec']:.3f} | {m['wire']:.3f} |"
-        )
+    for r in doc["summary"]:
+        lines.append(f"| {r['goal']} | {r['item']} | {r['measured']} | {r['target']} | {r['verdict']} |")
     return "\n".join(lines)
+
+
+def gpu_step(doc: dict) -> str:
+    """``benchmarks/gpu_step.py``: each method's codec time per step on each model (DDP's buckets
+    through the protocol's dry run among ``world`` ranks), against the model's compute step."""
+    models = doc["models"]
+    names = list(models)
+    methods = list(dict.fromkeys(m for v in models.values() for m in v["methods"]))
+    lines = [
+        f"`python -m benchmarks.gpu_step` on {doc['device']} (torch {doc['torch']}, triton {doc['triton']}; "
+        f"{doc['date'][:10]}): {doc['world']} ranks, median of {doc['steps']} timed steps after {doc['warmup']}. "
+        "Codec ms per step (× the compute step); break-even: the link speed below which the method beats plain "
+        "allreduce.",
+        "",
+        "| method | "
+        + " | ".join(
+            f"{k}: {v['description']}, compute {v['compute_ms_per_step']:.1f} ms | {k} break-even"
+            for k, v in models.items()
+        )
+        + " |",
+        "|---|" + "---:|---:|" * len(names),
+    ]
+    for m in methods:
+        cells = []
+        for k in names:
+            r = models[k]["methods"].get(m)
+            if r is None:
+                cells += ["not reached", ""]
+                continue
+            be = r.get("breakeven_gbps")
+            cells += [
+                f"{r['codec_ms_per_step']:,.1f} ({r['fraction_of_compute']:.2f}×)",
+                "—" if be is None else f"{be:.1f} Gbit/s",
+            ]
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def hierarchy(*names: str) -> str:
+    """benchmarks/hierarchy.py: step time per method on 2 emulated nodes, beside the cost model, one
+    column group per run (world size); ``Hierarchical``'s ``local_size`` is each run's node size."""
+    docs = [_load(n) for n in names]
+    d0 = docs[0]
+
+    def key(method: str) -> str:
+        return re.sub(r", local_size=\d+", "", method)
+
+    lines = [
+        "; ".join(f"`{_cmd(d['command'])}`" for d in docs)
+        + f" (2 nodes, inter-node link {d0['rate']}, MLP width {d0['width']} depth {d0['depth']}, batch "
+        f"{d0['batch']}/rank, median of {d0['steps']} steps after {d0['warmup']}; {_machine(d0['machine'])}). "
+        "Each cell: step (s), the model's error; the model's codec and wire seconds.",
+        "",
+        "| method | " + " | ".join(f"{d['world']} ranks: step, error | codec, wire (s)" for d in docs) + " |",
+        "|---|" + "---:|---:|" * len(docs),
+    ]
+    for r0 in d0["rows"]:
+        cells = []
+        for d in docs:
+            r = next((x for x in d["rows"] if key(x["method"]) == key(r0["method"])), None)
+            if r is None:
+                cells += ["", ""]
+                continue
+            m = r["model"]
+            cells += [f"{r['step_s']:.3f}, {100 * r['model_error']:+.0f}%", f"{m['codec']:.3f}, {m['wire']:.3f}"]
+        lines.append(f"| {key(r0['method'])} | " + " | ".join(cells) + " |")
+    return _cite("\n".join(lines), _named(*names))
 
 
 def plan(doc: dict) -> str:
@@ -657,7 +860,7 @@ def plan(doc: dict) -> str:
     cell = {(r["method"], r["world"]): r for r in doc["rows"]}
     link, intra = inp["link"], inp.get("intra_link")
     lines = [
-        f"Model: {inp['model']} ({inp['tensors']} tensors, {inp['dtype']}), {1e3 * inp['compute_s']:g} ms of compute "
+        f"{inp['model']} ({inp['tensors']} tensors, {inp['dtype']}), {1e3 * inp['compute_s']:g} ms of compute "
         f"a step; link {link['bandwidth_bps'] / 1e9:g} Gbit/s, {1e6 * link['latency_s']:g} µs"
         + (
             f" per node of {inp['local_size']} ranks, {intra['bandwidth_bps'] / 1e9:g} Gbit/s, "
@@ -665,9 +868,8 @@ def plan(doc: dict) -> str:
             if intra and inp.get("local_size")
             else ""
         )
-        + f". Codec profile: {doc['profile']['source']}; profiled {doc['profile']['machine']['date']}.",
-        "",
-        "Predicted step time in ms (scaling efficiency = compute / step):",
+        + f"; codec profile {doc['profile']['source']}, {doc['profile']['machine']['date']}. Each cell: predicted "
+        "step in ms (compute / step).",
         "",
         "| method | " + " | ".join(f"N = {n}" for n in worlds) + " |",
         "|---|" + "---:|" * len(worlds),
@@ -678,10 +880,8 @@ def plan(doc: dict) -> str:
             r = cell.get((m, n))
             cells.append("—" if r is None else f"{1e3 * r['total_s']:.1f} ({100 * r['efficiency']:.0f}%)")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", f"Best per world size: {', '.join(f'N = {n}: {m}' for n, m in doc['best'].items())}."]
-    lines += ["", doc["recommendation"]]
-    for note in doc.get("notes", []):
-        lines += ["", f"Note: {note}."]
+    lines += ["", f"{doc['recommendation'][:1].upper()}{doc['recommendation'][1:]}."]
+    lines += [f"Note: {note}." for note in doc.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -693,7 +893,7 @@ def fsdp_bytes(doc: dict) -> str:
         by.setdefault((s["model"], s["layout"] == "fsdp", s["world"]), []).append(s)
     lines = [
         f"`{_cmd(doc['command'])}` ({doc['machine']['description']}, torch {doc['machine']['torch']}). "
-        f"{doc['method']}. Per rank per step, kB.",
+        "kB per rank and step.",
         "",
         "| model | layout | ranks | plain | gradzip Identity | gradzip Int8 | Int8 / plain | Int8 / textbook RS |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -715,11 +915,6 @@ def fsdp_bytes(doc: dict) -> str:
             f"| {s['gradzip_lo_bytes_per_rank_step'] / 1e3:,.0f} | {s['ratio_vs_plain_fsdp2']:.2f} "
             f"| {'' if textbook is None else f'{textbook:.2f}'} |"
         )
-    lines += [
-        "",
-        "*Textbook RS*: a reduce-scatter sending `(N-1)/N` of the gradient, as NCCL's ring does; gloo runs "
-        "`reduce_scatter` as a full ring allreduce.",
-    ]
     return "\n".join(lines)
 
 
@@ -741,132 +936,295 @@ def fsdp_acceptance(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def fsdp_zeropp(doc: dict) -> str:
+    """``benchmarks/fsdp_zeropp.py``: whole FSDP2 steps' bytes on ``lo`` and, on 2 emulated nodes,
+    inter- and intra-node bytes and step time (the script's own ``--table``)."""
+    text = fsdp_zeropp_tables.table(doc)
+    if not doc.get("loopback"):  # a --nodes-only run: the nodes' table alone
+        text = text.split("\n\n", 1)[1]
+    return f"`{_cmd(doc['command'])}` ({_machine(_as_machine(doc))})\n\n" + text
+
+
+def fsdp_zeropp_runs(*names: str) -> str:
+    """Several ``--nodes-only`` runs of ``fsdp_zeropp.py`` with the same options: each row's inter-node
+    bytes, and its step time and speed-up over plain FSDP2 run by run."""
+    docs = [_load(n) for n in names]
+    runs = " / ".join(str(i + 1) for i in range(len(docs)))
+    lines = [
+        f"`{_cmd(docs[0]['command'])}`, {len(docs)} runs ({_machine(_as_machine(docs[0]))})",
+        "",
+        f"| 2 nodes x 2 ranks | inter-node bytes / step | vs plain | s / step (median), runs {runs} "
+        f"| speed-up, runs {runs} | CPU s / rank / step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for i, r in enumerate(docs[0]["nodes_2x2"]):
+        rs = [d["nodes_2x2"][i] for d in docs]
+        cpu = [statistics.median(x["cpu_seconds_per_step_by_rank"]) for x in rs]
+        steps = " / ".join(f"{x['step_seconds_median']:.2f}" for x in rs)
+        speedups = " / ".join(f"{x['speedup_vs_plain']:.2f}×" for x in rs)
+        lines.append(
+            f"| {r['label']} | {r['inter_node_bytes_per_step'] / 1e6:.1f} MB "
+            f"| {r['inter_node_bytes_per_step_vs_plain']:.3f} "
+            f"| {steps} | {speedups} | {min(cpu):.2f}–{max(cpu):.2f} |"
+        )
+    return _cite("\n".join(lines), _named(*names))
+
+
+def fsdp_zeropp_loss(*names: str) -> str:
+    """``benchmarks/fsdp_zeropp_loss.py``: final validation loss of each run, its mean over the seeds
+    and each seed's against plain FSDP2's, one block of rows per file (per schedule)."""
+    docs = [_load(n) for n in names]
+    lines = [
+        "; ".join(f"`{_cmd(d['command'])}` (`{n}`)" for n, d in zip(names, docs))
+        + f" ({docs[0]['model']}; seeds {', '.join(map(str, docs[0]['seeds']))}; machine: "
+        f"{_machine(docs[0]['machine'])})",
+        "",
+        "| run | file | mean validation loss | per seed, against plain FSDP2 |",
+        "|---|---|---:|---|",
+    ]
+    for n, d in zip(names, docs):
+        for run, v in d["summary"].items():
+            rel = ", ".join(f"{100 * x:+.2f}%".replace("-", "−") for x in v["val_loss_rel_to_plain_per_seed"])
+            lines.append(f"| {run} | `{n}` | {v['val_loss_mean']:.4f} | {'—' if run == 'plain FSDP2' else rel} |")
+    return _cite("\n".join(lines), _named(*names))
+
+
+def cpu_codec_cost_runs(*names: str) -> str:
+    """Several runs of ``cpu_codec_cost.py`` with the same options: each codec's CPU time over the wire
+    time its bytes save, run by run, with the median and the spread."""
+    docs = [_load(n) for n in names]
+    share = [{r["method"]: r["codec_over_saved"] for r in d["rows"]} for d in docs]
+    lines = [
+        f"Codec / saved in {len(docs)} runs of `{_cmd(docs[0]['command'])}`, one `--out` per file "
+        f"({_machine(docs[0]['machine'])})",
+        "",
+        "| method | " + " | ".join(f"run {i + 1}" for i in range(len(docs))) + " | median | spread |",
+        "|---|" + "---:|" * (len(docs) + 2),
+    ]
+    for r in docs[0]["rows"]:
+        xs = [s.get(r["method"]) for s in share]
+        if any(x is None for x in xs):
+            continue
+        lines.append(
+            f"| `{r['method']}` | "
+            + " | ".join(f"{100 * x:.0f}%" for x in xs)
+            + f" | {100 * statistics.median(xs):.0f}% | {100 * min(xs):.0f}–{100 * max(xs):.0f}% |"
+        )
+    return _cite("\n".join(lines), _named(*names))
+
+
 # -- the page --------------------------------------------------------------------------------------
+#: The result files linked so far, in order: ``[`NAME`][i]`` links to the i-th, defined at the
+#: page's end (a file name's inline link would be wider than a line).
+_LINKED: list[str] = []
+
+
 def _link(name: str) -> str:
-    return f"[`{name}`]({LINK}{name})"
+    if name not in _LINKED:
+        _LINKED.append(name)
+    return f"[`{name}`][{_LINKED.index(name) + 1}]"
+
+
+def _link_definitions() -> list[str]:
+    return [f"[{i + 1}]: {LINK}{name}" for i, name in enumerate(_LINKED)]
+
+
+def _named(*names: str) -> str:
+    """``Files: ...`` linking the first of ``names`` (the run a table is printed from), naming the
+    others and the CSV/PNG written beside each."""
+    out = []
+    for i, n in enumerate(names):
+        stem = n[: -len(".json")] if n.endswith(".json") else None
+        extra = [e for e in ("csv", "png") if stem and (RESULTS / f"{stem}.{e}").exists()]
+        beside = "" if not extra else f" (`{stem}.{extra[0]}`)" if len(extra) == 1 else f" (`{stem}.{{csv,png}}`)"
+        out.append((f"`{n}`" if i else _link(n)) + beside)
+    return "Files: " + ", ".join(out) + "."
 
 
 def _files(name: str) -> str:
-    """``Result files: ...`` naming the JSON and the CSV/PNG written beside it."""
-    stem = name[: -len(".json")] if name.endswith(".json") else name
-    names = [name] + [f"{stem}.{ext}" for ext in ("csv", "png") if (RESULTS / f"{stem}.{ext}").exists()]
-    return "Result files: " + ", ".join(_link(n) for n in names) + "."
+    """``Files: ...`` naming the JSON and the CSV/PNG written beside it."""
+    return _named(name)
+
+
+def _cite(text: str, files: str) -> str:
+    """``text`` with the sentence ``files`` at the end of its first paragraph (its command line), or
+    as a paragraph of its own above it where ``text`` starts with a table."""
+    if text.startswith("|"):
+        return f"{files}\n\n{text}"
+    first, sep, rest = text.partition("\n\n")
+    stop = "" if first.endswith((".", ":")) else "."
+    return f"{first}{stop} {files}{sep}{rest}"
 
 
 def _with_files(render):
     def run(name: str) -> str:
-        out = render(_load(name)) + "\n\n" + _files(name)
-        png = RESULTS / (name[: -len(".json")] + ".png")
-        if render is accuracy and png.exists():
-            out += f"\n\n![Pareto plot: {name[: -len('.json')]}]({LINK}{png.relative_to(RESULTS)})"
-        return out
+        return _cite(render(_load(name)), _files(name))
 
     return run
 
 
+#: Prose on the page is wrapped at this many characters (tables are not).
+WIDTH = 110
+#: A token that would start a block (heading, list item, quote, fence, table row, HTML) if a
+#: wrapped line began with it.
+_BLOCK_START = re.compile(r"#|[-+*]$|>|=+$|-+$|\d+[.)]$|```|~~~|\||<[a-zA-Z/!]")
+
+
+def _wrap(line: str, width: int = WIDTH) -> list[str]:
+    """``line`` (one paragraph or list item) as lines of at most ``width`` characters where its words
+    allow, no continuation starting a markdown block; a list item's continuations indented."""
+    if len(line) <= width:
+        return [line]
+    m = re.match(r"(\s*(?:[-*+]|\d+[.)])\s+)", line)
+    indent = " " * len(m[1]) if m else ""
+    words = line[len(m[1]) if m else 0 :].split()
+    if m:
+        words[0] = m[1] + words[0]
+    out, cur = [], [words[0]]
+    for w in words[1:]:
+        if len(" ".join(cur)) + 1 + len(w) <= width:
+            cur.append(w)
+            continue
+        nxt = [w]
+        if _BLOCK_START.match(w) and len(cur) > 1:
+            nxt = [cur.pop(), w]
+        out.append(" ".join(cur))
+        cur = nxt
+    out.append(" ".join(cur))
+    return [out[0], *(indent + x for x in out[1:])]
+
+
+def _wrap_page(text: str) -> str:
+    """Every prose line of ``text`` wrapped (:func:`_wrap`); tables, headings, fences, comments and
+    link definitions left as they are."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.startswith(("```", "~~~")):
+            fenced = not fenced
+        if fenced or line.startswith(("|", "#", "<!--", "```", "~~~")) or re.match(r"\[[^\]]+\]: ", line):
+            out.append(line)
+        else:
+            out.extend(_wrap(line))
+    return "\n".join(out)
+
+
 def _linkbytes(name: str) -> str:
+    """``linkbytes.py``'s run: its command and machine, each method's measured bytes per world size
+    with their growth, how far gradzip's own count is from them, and the targets."""
     doc = _load(name)
-    doc["command"] = _cmd(doc["command"])
-    return linkbytes_report.table(doc) + "\n\n" + linkbytes_report.scaling(doc) + "\n\n" + _files(name)
+    cfg = doc["config"]
+    gap = {}
+    for r in doc["rows"]:
+        if r.get("gradzip_bytes_link") is not None:
+            gap.setdefault(r["method"], []).append(r["lo_over_gradzip"])
+    lines = [
+        f"`{_cmd(doc['command'])}` ({cfg['backend']}; MLP of {cfg['params'] / 1e6:.2f}M parameters, "
+        "DDP default buckets, "
+        f"batch {cfg['batch']}/rank; {cfg['steps']} steps after {cfg['warmup']}; {_machine(doc['machine'])})",
+        "",
+        linkbytes_report.scaling(doc).split("\n\n", 1)[-1],
+        "",
+        "`lo` over gradzip's own `stats()['bytes_link']`: "
+        + f"{min(min(v) for v in gap.values()):.3f}–{max(max(v) for v in gap.values()):.3f} over the methods and "
+        + "world sizes.",
+    ]
+    return _cite("\n".join(lines), _files(name))
 
 
 def _streaming(name: str) -> str:
+    """``streaming_report``'s first table and its targets (not how each sync went)."""
     doc = _load(name)
     doc["command"] = _cmd(doc["command"])
-    return streaming_report.report(doc) + "\n\n" + _files(name)
-
-
-def _explore(*, shown: frozenset = frozenset()) -> str:
-    """Every exploratory run under ``explore/`` but those ``shown`` elsewhere on the page, one table each."""
-    out = []
-    for path in sorted((RESULTS / "explore").glob("*.json")):
-        name = str(path.relative_to(RESULTS))
-        if name in shown:
-            out += [f"### `{path.stem}`", "", f"Shown above; {_files(name)[0].lower()}{_files(name)[1:]}", ""]
-            continue
-        render = lm if _load(name).get("config", {}).get("metric") == "val_loss" else accuracy
-        out += [f"### `{path.stem}`", "", _with_files(render)(name), ""]
-    return "\n".join(out).rstrip()
+    text = "\n\n".join(streaming_report.report(doc, cpu=False).split("\n\n")[:3])
+    return _cite(text, _files(name))
 
 
 def _horovod(*names: str) -> str:
-    return horovod(*names) + "\n\nResult files: " + ", ".join(_link(n) for n in names) + "."
+    return _cite(horovod(*names), _named(*names))
 
 
 RENDERERS = {
     "accuracy": _with_files(accuracy),
     "lm": _with_files(lm),
-    "adam_steps": _with_files(adam_steps),
+    "adam_steps": adam_steps,
     "verdicts": verdicts,
     "headline": lambda: headline(),
     "horovod": _horovod,
     "streaming": _streaming,
     "linkbytes": _linkbytes,
-    "hierarchy": _with_files(hierarchy),
+    "hierarchy": hierarchy,
     "plan": _with_files(plan),
     "fsdp_bytes": _with_files(fsdp_bytes),
     "fsdp_acceptance": _with_files(fsdp_acceptance),
     "step_time": _with_files(step_time),
-    "overhead": _with_files(overhead),
-    "plan_check": _with_files(plan_check),
+    "overhead": overhead,
+    "plan_check": plan_check,
     "powersgd": _with_files(powersgd),
     "powersgd_runs": powersgd_runs,
     "powersgd_bucket_runs": lambda *names: powersgd_runs(
         *names,
         key="ratio_default_buckets_over_one",
-        what="gradzip PowerSGD with DDP's default buckets / with one bucket,",
+        what="DDP's default buckets / one bucket,",
     ),
     "cpu_codec_cost": _with_files(cpu_codec_cost),
     "collectives": _with_files(collectives),
-    "overlap": _with_files(overlap),
+    "overlap": overlap,
     "kernels": _with_files(kernels),
-    "explore": _explore,
+    "gpu_suite": _with_files(gpu_suite),
+    "gpu_step": _with_files(gpu_step),
+    "fsdp_zeropp": _with_files(fsdp_zeropp),
+    "fsdp_zeropp_runs": fsdp_zeropp_runs,
+    "fsdp_zeropp_loss": fsdp_zeropp_loss,
+    "cpu_codec_cost_runs": cpu_codec_cost_runs,
+    "accuracy_columns": lambda: ACCURACY_COLUMNS,
+    "lm_columns": lambda: LM_COLUMNS,
 }
 
 _DIRECTIVE = re.compile(r"^\{\{\s*(\w+)((?:\s+\S+)*)\s*\}\}$")
 
 
 def page(template: str | None = None) -> str:
-    """The results page: the template with every ``{{ KIND ARGS }}`` line rendered."""
+    """The results page: the template with every ``{{ KIND ARGS }}`` line rendered, its prose
+    wrapped at :data:`WIDTH`, the result files' link definitions at the end."""
     text = TEMPLATE.read_text() if template is None else template
+    _LINKED.clear()
     out = [
-        "<!-- Written by `python -m benchmarks.report --page docs/results.md` from benchmarks/report_page.md and "
-        "the files under benchmarks/results/: edit those, then rerun it. -->",
+        "<!-- Written by `python -m benchmarks.report --page docs/results.md` from benchmarks/report_page.md",
+        "     and the files under benchmarks/results/: edit those, then rerun it. -->",
         "",
     ]
     lines = [line for line in text.splitlines() if not (line.startswith("<!--") and line.endswith("-->"))]
-    directives = [(i, _DIRECTIVE.match(line.strip())) for i, line in enumerate(lines)]
-    shown = frozenset(arg for _, m in directives if m for arg in m[2].split())
-    for line, (_, m) in zip(lines, directives):
+    for line in lines:
+        m = _DIRECTIVE.match(line.strip())
         if m is None:
             out.append(line)
             continue
         kind, args = m[1], m[2].split()
         if kind not in RENDERERS:
             raise ValueError(f"unknown table kind {kind!r} in {line!r}; known: {sorted(RENDERERS)}")
-        out.append(_explore(shown=shown) if kind == "explore" else RENDERERS[kind](*args))
-    return "\n".join(out).strip() + "\n"
+        out.append(RENDERERS[kind](*args))
+    out += ["", *_link_definitions()]
+    return _wrap_page("\n".join(out).strip()) + "\n"
 
 
 def tables() -> str:
     """Every table of the top-level result files this script knows, in a fixed order."""
     names = sorted(p.name for p in RESULTS.glob("*.json") if p.name.startswith(("accuracy_", "diloco_")))
+    _LINKED.clear()
     out = []
-    for name, fn in (
-        *((n, accuracy) for n in names),
-        ("hierarchy.json", hierarchy),
-        ("step_time.json", step_time),
-        ("step_time_2ranks.json", step_time),
-        ("plan_check.json", plan_check),
-        ("powersgd_cpu_gloo.json", powersgd),
-        ("overhead_2ranks.json", overhead),
-        ("overhead_4ranks.json", overhead),
-        ("kernels_nvidia-h100-80gb-hbm3.json", kernels),
+    for kind, name in (
+        *(("accuracy", n) for n in names),
+        ("hierarchy", "hierarchy.json"),
+        ("step_time", "step_time.json"),
+        ("step_time", "step_time_2ranks.json"),
+        ("plan_check", "plan_check.json"),
+        ("powersgd", "powersgd_cpu_gloo.json"),
+        ("overhead", "overhead_2ranks.json"),
+        ("kernels", "kernels_nvidia-h200.json"),
     ):
-        doc = _load(name)
-        if doc is not None:
-            out += [fn(doc), ""]
-    return "\n".join(out)
+        if (RESULTS / name).exists():
+            out += [RENDERERS[kind](name), ""]
+    return "\n".join([*out, *_link_definitions()])
 
 
 def main(argv=None) -> int:

@@ -235,7 +235,7 @@ def model_time(r: dict, world: int, bps: float | None) -> dict:
         link = Link(bps, 0.0)
         wire = allreduce_time(reduce_, world, link) + allgather_time(gather, world, link)
     latency = r.get("collectives_per_step", 0) * r.get("collective_latency_s", 0.0)
-    compute = r.get("compute_slowest_s", r["compute_s"])  # rows before 2026-11-23's last runs: rank 0's
+    compute = r.get("compute_slowest_s", r["compute_s"])  # a row without the slowest rank's: rank 0's
     rest = r["codec_seconds_per_step"] + wire + latency
     return {
         "compute": compute,

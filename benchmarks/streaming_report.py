@@ -1,6 +1,6 @@
 """Print the markdown tables of a benchmarks/streaming.py result.
 
-    python -m benchmarks.streaming_report [benchmarks/results/streaming.json]
+    python -m benchmarks.streaming_report [benchmarks/results/streaming_p32.json]
 
 ``benchmarks/report.py`` puts them on docs/results.md.
 """
@@ -22,7 +22,8 @@ def _mb(v: float) -> str:
     return f"{v / 1e6:.3f}"
 
 
-def report(doc: dict) -> str:
+def report(doc: dict, cpu: bool = True) -> str:
+    """The run's tables; ``cpu=False`` leaves out where the CPU went (the results page does)."""
     c, rows, t = doc["config"], doc["rows"], doc["targets"]
     m = doc["machine"]
     lines = [
@@ -83,6 +84,8 @@ def report(doc: dict) -> str:
             + ", ".join(f"{n} {r['loadavg']:.1f}" for n, r in rows.items())
             + "."
         )
+    if not cpu:
+        return "\n".join(lines)
     comp = rows["compute"]
     lines += [
         "",
@@ -111,7 +114,7 @@ def report(doc: dict) -> str:
 
 
 def main() -> int:
-    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "results", "streaming.json")
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "results", "streaming_p32.json")
     with open(path) as f:
         print(report(json.load(f)))
     return 0

@@ -10,6 +10,14 @@ A method is a codec (``gz.TopK``, ``gz.SignSGD``, ...: a pure tensor <-> payload
 transform with error feedback) or a protocol (``gz.PowerSGD``, ``gz.Filter``,
 ``gz.Policy``, ...: how tensors travel between the ranks); ``gz.parse("TopK(0.01)")``
 builds one from its spec. Importing gradzip never imports triton or cupy.
+
+The public names load on first use, all at once, from the table in ``gradzip/_names.py``:
+``import gradzip`` alone does not import torch (``gradzip --help`` answers before torch
+loads), and ``gradzip.fsdp`` loads only when first used (``torch.distributed.fsdp`` takes
+seconds to import). Outside the tools, and the kernels within their own floor, only this
+package loads modules by name: the table's modules, on the first ``gz.<name>``, and the
+methods' modules when the registry asks (``_names.install_loader``: the registry, on the
+ground floor, never imports the floors above it).
 """
 
 import os as _os
@@ -52,9 +60,9 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .codecs.quant import Int8 as Int8
     from .codecs.quant import SignSGD as SignSGD
     from .codecs.quant import TernGrad as TernGrad
-    from .codecs.sparse import RandomK as RandomK
-    from .codecs.sparse import TopK as TopK
+    from .codecs.randomk import RandomK as RandomK
     from .codecs.threshold import Threshold as Threshold
+    from .codecs.topk import TopK as TopK
     from .codecs.transform import DCT as DCT
     from .costmodel.link import Link as Link
     from .engine import Engine as Engine

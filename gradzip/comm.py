@@ -32,6 +32,11 @@ therefore made CUDA-aware on the call's device (``submit(..., device=)``): setti
 result records an event on the callback's stream, and ``wait()`` or ``then()`` on it
 makes the caller's current stream wait for that event (DDP's reducer, the
 DistributedOptimizer and LocalSGD read the result on their own streams).
+
+A :class:`Communicator` also counts the bytes of every collective (:mod:`gradzip.stats`),
+``split(L)`` gives the node and cross communicators of ``Hierarchical``, and where ``trace``
+is a list each collective's kind, bytes, issue and completion times are appended to it
+(``benchmarks/overlap.py``).
 """
 
 from __future__ import annotations

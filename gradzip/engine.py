@@ -29,6 +29,19 @@ owns the safety nets, all decided identically on every rank:
   Either way, when the step ends, the residuals and codec state of every tensor
   touched in that step are put back as they were before it
   (``ErrorFeedback.restore``): a skipped step never poisons the residual.
+
+Before the protocol runs, the engine applies local clipping (``clip``: each tensor's norm to
+``clip / sqrt(N)``) and momentum correction (:mod:`gradzip.momentum`) to the call's tensors, and
+it books ``bytes_raw`` and ``bytes_link_raw = protocol.link_raw(bytes_raw, N)`` per call. Its
+``state_dict()`` holds the version, the owner (``rank``, ``world_size``, ``method_repr``), the
+method's config, error feedback, the step, residuals, momentum buffers, per-tensor state,
+stats, and ``calls``: which tensors shared each call of the last step. A call-wide choice
+(``TopK(scope="call")``) and gloo's summation order depend on that grouping, and DDP's first
+step after a restart uses other buckets, so the first step after a load holds the front end's
+calls until ``flush()`` and runs them grouped as the saved run did (``_regroup``).
+``check_state`` refuses, before anything changes, a state of another version, owner, method,
+error feedback or momentum-correction mode; ``routes()`` lists each tensor with its method,
+protocol and reason, and ``set_log`` calls a function from ``end_step`` every few steps.
 """
 
 from __future__ import annotations

@@ -796,6 +796,34 @@ def compress(
     to ``set_allocate_memory_from_process_group_for_comm(True)`` or with another custom comm,
     native HSDP (a 2-D mesh) with ``replicate``.
     """
+    checked = _check_compress(model, reduce_scatter, all_gather, replicate, replicate_group)
+    return _install(
+        model,
+        checked,
+        reduce_scatter,
+        replicate,
+        error_feedback=error_feedback,
+        replicate_error_feedback=replicate_error_feedback,
+        on_nonfinite=on_nonfinite,
+    )
+
+
+@dataclass
+class _Checked:
+    """What ``_check_compress`` found: the FSDP modules' parameter groups and the three groups."""
+
+    pgs: list  # (name, module, FSDPParamGroup)
+    module_names: dict
+    ranks: list[int]
+    rs_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup
+    rep_group: dist.ProcessGroup | None
+    gather_method: WeightGather | None
+
+
+def _check_compress(model, reduce_scatter, all_gather, replicate, replicate_group) -> _Checked:
+    """Every refusal of ``compress``, before anything is installed: the arguments, each FSDP
+    module's parameter group and comms, and the meshes."""
     if reduce_scatter is None and replicate is None and all_gather is None:
         raise ValueError(
             "gradzip.fsdp.compress: give reduce_scatter= (a codec, or Hierarchical(codec)), all_gather= (Int8(), "
@@ -930,6 +958,16 @@ def compress(
             "gradzip.fsdp: FSDP reduce-scatters over other ranks than it all-gathers over "
             f"({ranks} and {dist.get_process_group_ranks(shard_group)})"
         )
+    return _Checked(pgs, module_names, ranks, rs_group, shard_group, rep_group, gather_method)
+
+
+def _install(
+    model, checked: _Checked, reduce_scatter, replicate, *, error_feedback, replicate_error_feedback, on_nonfinite
+) -> FSDPState:
+    """Build the engines and put gradzip's comms and hooks on every checked FSDP module."""
+    pgs, ranks = checked.pgs, checked.ranks
+    rs_group, shard_group, rep_group = checked.rs_group, checked.shard_group, checked.rep_group
+    gather_method, module_names = checked.gather_method, checked.module_names
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     check_real(trained)
     layout = layout_of(trained)

@@ -4,6 +4,10 @@ No torch here, nor anything that imports it (only :mod:`gradzip.args`): ``gradzi
 its command line with these before it imports the modules that do the work, so ``--help``
 and a refused option answer at once. :mod:`gradzip.bench` and :mod:`gradzip.plan` take
 their defaults from here.
+
+``gradzip bench --preset NAME`` makes a committed results table's options the parser's
+defaults (:data:`PRESETS`, :func:`apply_preset`); ``benchmarks/merge_runs.py`` pools runs of
+one configuration, made a row or a seed at a time, into that table.
 """
 
 from __future__ import annotations
@@ -20,10 +24,9 @@ import gradzip.args as args
 # -- gradzip bench ----------------------------------------------------------------------------
 #: The demo's methods (``make demo``, ``gradzip bench`` without ``--methods``), in the method
 #: grammar (``gradzip.registry``); the baseline first. Short, so that 3 seeds stay a few minutes.
-#: Those that train at SGD momentum 0.9 on MNIST (benchmarks/results/accuracy_mnist_4ranks_sgd_stc_cpu.json,
-#: accuracy_mnist_4ranks_sgd_cpu.json and diloco_*): top-k with sign values chosen over the whole
-#: bucket (STC, about 300x at 4 ranks), Int8, PowerSGD and DiLoCo. SignSGD and the adaptive
-#: Threshold diverge there, so they are left out of the demo (docs/results.md shows them).
+#: Those that train at SGD momentum 0.9 on MNIST (docs/results.md): top-k with sign values chosen
+#: over the whole bucket (STC, about 300x at 4 ranks), Int8, PowerSGD and DiLoCo. SignSGD and the
+#: adaptive Threshold diverge there, so they are left out of the demo.
 DEFAULT_METHODS = (
     "Identity, TopK(0.003, values='sign', scope='call'), Int8, PowerSGD(rank=2), "
     "DiLoCo(period=32, compression=Int8(), outer_kwargs={'momentum': 0.5})"
@@ -48,7 +51,7 @@ DEFAULT_EPOCHS = {"mnist": 16, "digits": 20}
 #: The language model (tiny, 4 ranks, 1,000 steps, warm-up 50 steps, cosine), Identity's
 #: validation loss at seed 0 by AdamW lr, with global clipping 2: 1e-3 1.859, 2e-3 1.741,
 #: 4e-3 1.694, 6e-3 1.682, 8e-3 1.686; without clipping: 4e-3 1.698, 6e-3 1.677 (the best; no
-#: clipping is the default). benchmarks/results/explore/explore_lm_identity_lr*_seed0_cpu.json.
+#: clipping is the default).
 DEFAULT_LR = {"sgd": 0.05, "adamw": 5e-3, ("shakespeare", "adamw"): 6e-3, ("shakespeare", "sgd"): 0.3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 OPTIMIZERS = ("sgd", "adamw")

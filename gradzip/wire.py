@@ -32,6 +32,16 @@ dtypes, scale, lengths consistent with the shape, codes). Every refusal is a
 protocol knows it), the sending rank and the field. A corruption that leaves a
 frame its codec could have written (a value byte) decodes as that frame; the
 optional checksum (:func:`set_checksum`) catches those too.
+
+**Rounds.** Receivers decode the ranks in rank order into one float32 buffer (float64 for
+float64 gradients), so every rank computes the same floats. :func:`pack_round` packs a round's
+messages with one copy of all their tables to the device (and the bodies by one strided copy
+where each message is one frame whose bodies are the rows of one view); :func:`unpack_many`
+parses every sender's message of a round with one host copy of their tables, which reaches
+:data:`HEAD_BYTES` into each message's first body (handed to the codec as ``Payload.head``),
+one padding test (its flag read with the codec's own check, :func:`host_values`) and one
+``check_frames`` over all their frames; where one fails it re-checks message by message, so a
+refusal names the same frame, tensor and rank.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ after the first iteration does not touch them.
 ``DistributedDataParallel.register_comm_hook(state, hook)`` takes (and that torch's
 wrappers such as ``fp16_compress_wrapper(hook)`` wrap); :func:`register_hook` registers that
 pair. A DDP model takes one gradzip hook: a second one is refused before it changes anything.
+
+After the last bucket of a step the hook calls ``engine.flush()`` and ``engine.end_step()``.
+With ``on_nonfinite="raise"`` the last bucket's call waits for the step's futures and raises
+``FloatingPointError`` from the hook itself (an exception set on a future would reach
+``backward()`` as a ``RuntimeError``). With ``find_unused_parameters=True`` an all-zero
+gradient is a parameter unused on this rank: it is sent as zeros and keeps its residual.
 """
 
 import weakref

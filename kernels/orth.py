@@ -3,7 +3,8 @@
 PowerSGD orthonormalizes the columns of every ``P`` and ``Q`` of a call (stored transposed:
 the rows of a ``k x n`` matrix). As torch ops that is some twenty operations a column, for
 every batch of one shape: 26 ms of a ResNet-50 step under cProfile on an H200, the step
-42.7 ms without it (``docs/kernels.md``). :func:`orthonormalize_rows_` takes every matrix of a call in one
+42.7 ms without it (``benchmarks/results/dryrun_profile_nvidia-h200.txt``).
+:func:`orthonormalize_rows_` takes every matrix of a call in one
 buffer and a table of where each lies; its kernels (:mod:`.numba_ops`, :mod:`.triton.orth`)
 run them all in one call, one matrix a program on a GPU.
 

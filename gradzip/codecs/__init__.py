@@ -3,8 +3,9 @@
 from .base import Codec, TensorContext, tensor_seed
 from .cast import BF16, FP16, Identity
 from .quant import QSGD, Int8, SignSGD, TernGrad
-from .sparse import RandomK, TopK
+from .randomk import RandomK
 from .threshold import Threshold
+from .topk import TopK
 from .transform import DCT
 
 __all__ = [

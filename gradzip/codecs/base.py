@@ -4,6 +4,14 @@ A codec is pure: it never talks to other ranks. How its payloads travel is a
 protocol's business (:mod:`gradzip.protocols`); a codec only says whether its
 payload bodies may be added up by an allreduce (``summable``) and, where it needs
 one, which protocol carries it (``protocol``, a registered protocol name).
+
+What a codec declares (``summable``, ``biased``, ``exact``, ``rounds_sum``, ``framable``,
+``keeps_zeros``, ``fixed_frames``, ``sparse``, ``scope``, ``protocol``, ``formats``) and
+does (``compress``/``decompress``, ``accumulate`` and its batched forms, ``encode`` with error
+feedback inside the call) is on :class:`Codec`. Per-tensor state lives in ``ctx.store``, owned
+and checkpointed by the engine, so one codec object can serve several front ends. An argument
+documented as accepting a schedule (``TopK``/``RandomK`` ``ratio``, ``Threshold`` ``density``)
+is checked with :func:`gradzip.warmup.check` and read with ``warmup.at(value, ctx.step)``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ elements) stays in the error-feedback residual. On the wire (format 2, :mod:`gra
 
 * the positions as a list of gaps, bit-packed at the width the largest gap needs, each
   with the element's sign in one more bit (``FMT_SIGNED_INDEX``, built on
-  :func:`gradzip.codecs.sparse.pack_gaps`);
+  :func:`gradzip.codecs.positions.pack_gaps`);
 * or, when that list would be longer than a 2-bit-per-element bitmap
   (0 / +tau / -tau), the bitmap (``FMT_BITMAP2``). A frame is therefore never
   larger than ``ceil(n / 4)`` bytes plus its 10-byte frame entry (6 bytes, and 4 for
@@ -44,6 +44,10 @@ Policies (per tensor, state kept in the front end's ``state_dict``):
 **Shake-up**: with ``shake_every = K > 0``, every K-th step of a tensor is
 encoded with ``tau / shake_factor`` to flush residual mass that sits just under
 the threshold. The policy does not adapt on shake-up steps.
+
+**Momentum correction** zeroes a coordinate's momentum where the codec sent only with
+``mask=True``: otherwise a coordinate over tau sends ``±tau`` and keeps the rest in its
+residual, and zeroing its momentum would stall the coordinates that move most.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from .base import (
     check_scale,
     check_vdtype,
 )
-from .sparse import call_counts, check_codes2, pack_gaps, topk_abs, unpack_gaps
+from .positions import check_codes2, pack_gaps, unpack_gaps
+from .topk import call_counts, topk_abs
 
 __all__ = ["Threshold", "exact_tau"]
 
@@ -123,7 +128,7 @@ class Threshold(Codec):
         shake_factor: the divisor of those steps, > 1.
         scope: ``"tensor"`` or, with ``policy="target"``, ``"call"``: tau is then the
             ``ceil(density * n)``-th largest ``|v|`` over all the call's tensors together
-            (``n`` their elements; :func:`gradzip.codecs.sparse.call_counts`), one threshold
+            (``n`` their elements; :func:`gradzip.codecs.topk.call_counts`), one threshold
             for a DDP bucket; only ``AllGather`` carries it.
         mask: with momentum correction, zero a coordinate's momentum when it is sent (DGC's
             factor masking; the ``|v| - tau`` it keeps stays in the residual). Off by default.
@@ -136,17 +141,17 @@ class Threshold(Codec):
     tensor, whatever the scale: start there (``density=0.001`` sends about 0.1%, plus
     the 4-byte scale and the positions). Measured with ``benchmarks/accuracy.py``
     (gradzip bench's MNIST CNN, 2 gloo ranks, 4 epochs, SGD lr 0.05, seed 0; 2-core AMD EPYC VM,
-    torch 2.13.0+cpu; ``benchmarks/results/explore_threshold_mnist_2ranks_m*.json``):
-    with SGD momentum 0.9, ``policy="target", density=0.001`` reached 84.7% at 964x
+    torch 2.13.0+cpu): with SGD momentum 0.9, ``policy="target", density=0.001`` reached 84.7% at 964x
     fewer link bytes, ``tau=1e-3`` fixed 57.1% at 15.9x, and ``"adaptive"`` with
     ``band=(1e-4, 1e-3)`` 29.1% (Identity: 97.3%); with momentum 0.5 the adaptive
     policy reached 93.0% at 34x (Identity: 95.7%). On 4 ranks (CNN, 16 epochs,
-    momentum 0.9, ``accuracy_mnist_4ranks_sgd_cpu.json``) the adaptive policy fell to
-    chance on every seed. Threshold is momentum-masked only with ``mask=True``. What trains
-    at momentum 0.9 there is one threshold for the whole bucket with masked momentum
-    correction: ``Threshold(policy="target", density=0.0029, scope="call", mask=True)`` with
-    ``register_hook(..., optimizer=sgd)`` reached 302.9x at -0.77 pp against Identity (4 ranks,
-    16 epochs, 3 seeds, ``accuracy_mnist_4ranks_sgd_stc_cpu.json``).
+    momentum 0.9) the adaptive policy fell to chance on every seed. Threshold is
+    momentum-masked only with ``mask=True``. What trains at momentum 0.9 there is one
+    threshold for the whole bucket with masked momentum correction and local clipping:
+    ``Threshold(policy="target", density=0.0029, scope="call", mask=True)`` with
+    ``register_hook(..., optimizer=sgd, clip=2.0)`` moves 305x fewer link bytes at -0.36 pp
+    against Identity (4 ranks, 16 epochs, mean of 8 seeds; docs/results.md,
+    ``accuracy_mnist_4ranks_sgd_clip2_8seeds_cpu.json``).
     """
 
     formats = {"SIGNED_INDEX": FMT_SIGNED_INDEX, "BITMAP2": FMT_BITMAP2}
@@ -295,7 +300,7 @@ class Threshold(Codec):
     def check_frame(self, payload: Payload) -> None:
         """EMPTY, SIGNED_INDEX or BITMAP2, each with tau (the scale: > 0 and finite in
         float32) and value dtype code 0; an empty body for EMPTY; for SIGNED_INDEX the gaps
-        as :func:`~gradzip.codecs.sparse.pack_gaps` codes them, at least one position, and
+        as :func:`~gradzip.codecs.positions.pack_gaps` codes them, at least one position, and
         shorter than the 2-bit map (else the encoder sends the map), on a tensor of fewer
         than 2**31 elements; for BITMAP2 ``ceil(n / 4)`` bytes, codes 0, 1, 2 only, at least
         one set, none after the ``n``-th. The positions parsed are kept for the decode."""

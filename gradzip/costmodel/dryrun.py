@@ -5,6 +5,10 @@ method's protocol on sample tensors against a :class:`LoopbackComm` (``N`` ranks
 that all send what this rank sends) and records every tensor the exchange hands
 to a collective, exactly what :class:`gradzip.stats.Stats` counts in a real run
 (size exchanges, headers and padding included).
+
+A dry run runs the protocol without the engine, so its codec seconds leave the engine's
+checks out; ``dry_run(..., flag=True)`` offers the engine's non-finite flag to the protocol
+as the engine does (``DryRun.flag_carried``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ Horovod's). Results follow Horovod 0.28.1: ``prescale_factor`` scales each rank'
 double precision and cast back, truncating towards zero as Horovod's C++ does (``[2, 5]`` and
 ``[3, 5]`` average to ``[2, 5]``). ``reducescatter`` gives the first ``n % size`` ranks one row
 more, as Horovod. ``Adasum`` runs :func:`adasum_` (Maleki et al.) on power-of-two worlds.
+
+Every collective is first agreed on by the set's ranks (:func:`_agree`: one allreduce(MAX) of a
+62-bit hash of its kind, dtypes, shapes, op, root and scales and its negation, the same small
+collective whatever the kind); on a mismatch every rank raises ``HorovodInternalError`` naming
+the field, as Horovod's coordinator does, before any data moves.
 """
 
 from __future__ import annotations

@@ -5,8 +5,19 @@ A protocol is the only code that yields collective rounds. Its
 call's tensors through the :class:`Call` (which applies error feedback), yields
 ``Round``\\ s of collectives launched through the call's communicator, and returns
 the flat average. Codecs never communicate; :func:`as_protocol` gives each codec
-the protocol that carries it (its own ``protocol`` name, else ``Allreduce`` for
-summable codecs and ``AllGather`` for the others).
+the protocol that carries it: its own ``protocol`` name (``Int8(allreduce=True)``:
+``Int8Allreduce``); else ``AllGather`` for a ``scope="call"`` codec; ``TwoPhase`` for a cast
+whose sum rounds (``FP16``, ``BF16``) with error feedback on several ranks; ``Allreduce`` for
+the other summable codecs; and for the rest ``TwoPhase`` from ``TWO_PHASE_FROM`` (4) ranks on,
+``AllGather`` below.
+
+A protocol declares ``biased`` (error feedback defaults on), ``rounds`` (when fixed, for
+parallel composition), ``plain(call)`` (every tensor summed exactly as it is: the engine then
+needs no non-finite flag), ``link_raw(nbytes, world)`` (the link bytes of the plain collective
+it stands in for, booked as ``bytes_link_raw``), ``routes`` (its partition of a call, for the
+cost model) and ``check_names`` (refusing patterns that match no tensor). The :class:`Call` is
+its only access to error feedback. Where the engine needs a call's non-finite flag, a protocol
+may carry it in its first round (``Call.take_flag``), saving the engine's own allreduce.
 """
 
 from __future__ import annotations

@@ -1,4 +1,13 @@
-"""Parallel composition: several protocols run as one, round by round."""
+"""Parallel composition: several protocols run as one, round by round.
+
+:func:`parallel` runs several protocols (a ``Policy``'s or ``Adaptive``'s routes) as one:
+merged round ``t`` holds round ``t - start[j]`` of every running protocol, works concatenated
+in protocol order, and is ``last`` only when every protocol in it is on its last round.
+:func:`aligned_starts` right-aligns the protocols whose round count is fixed, so that a plain
+allreduce rides in the asynchronous last round. A route whose tensors sit back to back in the
+call's ``dest`` (a layer's weight and bias in DDP's bucket) writes its result there
+(:func:`contiguous_run`); the other routes write into a scratch buffer kept per call, and
+:func:`scatter_routes` copies their tensors into the call's output."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ __all__ = ["qsgd_encode_triton", "terngrad_encode_triton"]
 # TILE_GPU keep the 8-warp tile). These encoders issue far more instructions per element than
 # the sign encoder (Philox draws, correctly rounded divides) and hold about 100 registers a
 # thread; the smaller tile measured faster on an H100 (benchmarks/kernel_tune.py;
-# docs/kernels_h100.md).
+# docs/kernels.md).
 CODES_TILE_GPU = 2048
 CODES_WARPS_GPU = 4
 

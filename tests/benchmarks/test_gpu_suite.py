@@ -43,6 +43,7 @@ def smoke(tmp_path_factory):
     return out, run.stdout
 
 
+@pytest.mark.long
 def test_smoke_runs_every_part_into_the_given_folder(smoke):
     out, text = smoke
     files = gpu_suite.files(SLUG)
@@ -95,6 +96,7 @@ def test_every_codec_and_protocol_of_the_grammar_is_in_the_profile():
     assert grammar - set(gpu_suite.COMPOSITE) <= measured, grammar - measured
 
 
+@pytest.mark.long
 def test_the_measured_profile_is_the_plans_device_profile(smoke):
     out, _ = smoke
     doc = json.loads((out / gpu_suite.files(SLUG)["profile"]).read_text())
@@ -127,6 +129,7 @@ def test_device_key_names_the_plans_device():
     assert h100_profile.device_key("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
 
 
+@pytest.mark.long
 def test_budget_skips_parts_and_a_part_past_its_share_is_killed(tmp_path):
     run = _suite("--smoke", "--out", str(tmp_path), "--budget", "0", timeout=300)
     assert run.returncode == 0, run.stderr
@@ -202,10 +205,10 @@ def test_dryrun_profile_counts_and_profiles_a_step_on_the_cpu(tmp_path):
     from benchmarks import dryrun_profile
 
     out = tmp_path / "ops.json"
-    argv = ["--device", "cpu", "--model", "tiny", "--world", "4", "--methods", "Int8();SignSGD()"]
+    argv = ["--device", "cpu", "--model", "tiny", "--world", "2", "--methods", "Int8();SignSGD()"]
     assert dryrun_profile.main([*argv, "--count", "--steps", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["world"] == 4 and set(doc["methods"]) == {"Int8()", "SignSGD()"}
+    assert doc["world"] == 2 and set(doc["methods"]) == {"Int8()", "SignSGD()"}
     assert all(r["aten_ops"] > 0 and r["ms_per_step"] > 0 for r in doc["methods"].values())
     report = tmp_path / "report.txt"
     assert dryrun_profile.main([*argv[:-1], "Int8()", "--out", str(report)]) == 0

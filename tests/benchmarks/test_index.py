@@ -1,7 +1,8 @@
-"""benchmarks/README.md indexes every script and every result file, nothing under
-benchmarks/results/ goes unreferenced, the scripts import as modules of the ``benchmarks``
-package (no ``sys.path`` patches), and every ``python -m benchmarks.NAME`` command the docs
-show names a script and flags it defines."""
+"""benchmarks/README.md indexes every script and every result file; benchmarks/results/ holds only
+files that the results page, the README or a benchmark's documentation (a page of docs/) names,
+and no superseded ``*_before`` run; the scripts import as modules of the ``benchmarks`` package
+(no ``sys.path`` patches), and every ``python -m benchmarks.NAME`` command the docs show names a
+script and flags it defines."""
 
 from __future__ import annotations
 
@@ -44,10 +45,33 @@ def test_benchmarks_readme_names_every_result_file():
     assert not missing, f"benchmarks/README.md does not name {missing}"
 
 
+def _citing_text() -> str:
+    """What may keep a result file: the README and the pages of docs/ (the results page and the
+    pages that document a benchmark). Not the index, benchmarks/README.md, nor a script's
+    docstring (which names its default output whatever that holds): naming a file there alone
+    does not keep it."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return "\n".join(_expand(p.read_text()) for p in pages)
+
+
 def test_no_result_file_is_unreferenced():
-    text = "\n".join(_expand(p.read_text()) for p in DOCS)
+    text = _citing_text()
     missing = [rel for rel in _result_files() if not _named(rel, text)]
-    assert not missing, f"nothing names {missing} (README.md, docs/results.md, benchmarks/README.md)"
+    assert not missing, (
+        f"nothing names {missing}: cite each on the results page (benchmarks/report_page.md), in the README "
+        "or in the page of docs/ that documents its benchmark, or `git rm` it"
+    )
+
+
+def test_the_index_alone_keeps_no_result_file():
+    """The rule reads the README and docs/ only, not the index (whose "The results" section
+    names every file by construction)."""
+    assert "## The results" in INDEX.read_text() and "## The results" not in _citing_text()
+
+
+def test_no_superseded_before_run_is_kept():
+    kept = [rel for rel in _result_files() if Path(rel).stem.endswith("_before") or "_before_" in Path(rel).stem]
+    assert not kept, f"superseded runs stay in git history, not in benchmarks/results/: {kept}"
 
 
 def test_exploratory_runs_live_in_explore():

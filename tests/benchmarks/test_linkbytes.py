@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_quick_measures_lo_beside_bytes_link(tmp_path):
     from benchmarks import linkbytes

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.sparse import FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2, call_counts
+from gradzip.codecs.topk import FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2, call_counts
 from gradzip.engine import Engine
 from gradzip.protocols.base import as_protocol
 from gradzip.protocols.reduce_scatter import ReduceScatter

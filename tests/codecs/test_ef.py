@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.sparse import FMT_SPARSE_EF, FMT_SPARSE_MASK, ef_low_bits, ef_nbytes, pack_ef, pack_gaps, unpack_ef
+from gradzip.codecs.positions import ef_low_bits, ef_nbytes, pack_ef, pack_gaps, unpack_ef
+from gradzip.codecs.topk import FMT_SPARSE_EF, FMT_SPARSE_MASK
 from gradzip.wire import FMT_DENSE, FrameError
 
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradzip.codecs.sparse import pack_ef, unpack_ef, unpack_ef_many
+from gradzip.codecs.positions import pack_ef, unpack_ef, unpack_ef_many
 from gradzip.wire import FrameError
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,9 @@ deterministically, and decoded as a receiving protocol decodes it
 (``unpack_frames(..., check=codec)``, then the codec's ``accumulate_many``):
 
 * the header: version, flags, reserved bytes, frame count;
-* each frame's entry: the format byte (every code 0..31 and a few above), the value-dtype
+* each frame's entry: the format byte (every code a gradzip codec writes, and a sample of
+  the others, which every receiver refuses alike as an unknown format; a frame of one message
+  takes half of them, the same frame of the other message the other half), the value-dtype
   code (0..7 and 127), the scale flag, the scale (0, negative, NaN, infinities, another
   positive value), the length field (off by 1, 2, 4, zero, huge, doubled);
 * each frame's body: the fields a decoder reads to find its way (gap width, LEB128 count,
@@ -44,16 +46,10 @@ import torch
 import gradzip as gz
 from gradzip import wire
 from gradzip.codecs.base import TensorContext
+from gradzip.codecs.positions import ef_low_bits
 from gradzip.codecs.quant import qsgd_bits
-from gradzip.codecs.sparse import (
-    FMT_SPARSE,
-    FMT_SPARSE_EF,
-    FMT_SPARSE_MASK,
-    FMT_SPARSE_SIGN,
-    FMT_SPARSE_SIGN2,
-    ef_low_bits,
-)
 from gradzip.codecs.threshold import FMT_BITMAP2, FMT_SIGNED_INDEX
+from gradzip.codecs.topk import FMT_SPARSE, FMT_SPARSE_EF, FMT_SPARSE_MASK, FMT_SPARSE_SIGN, FMT_SPARSE_SIGN2
 from gradzip.wire import FMT_DENSE, FMT_EMPTY, FrameError, accum_dtype, pack_frames, unpack_frames
 
 SHAPES = [(40, 30), (300,), (6, 5), (1,), (0,), (37, 11)]
@@ -83,6 +79,29 @@ CODECS = [
     gz.TernGrad(),
     gz.Int8(block=5),
 ]
+
+
+def _format_codes() -> list[int]:
+    """Every frame format gradzip defines (the ``FMT_*`` codes of gradzip.wire and of every
+    module of gradzip.codecs), and a sample of the codes no codec writes: the first and last
+    unused below 32, one between, and a few above."""
+    import importlib
+    import pkgutil
+
+    import gradzip.codecs
+
+    names = ["gradzip.wire"] + [f"gradzip.codecs.{m.name}" for m in pkgutil.iter_modules(gradzip.codecs.__path__)]
+    known = set()
+    for name in names:
+        mod = importlib.import_module(name)
+        known |= {v for k, v in vars(mod).items() if k.startswith("FMT_") and isinstance(v, int)}
+    unused = [c for c in range(32) if c not in known]
+    return sorted(known | {unused[0], unused[len(unused) // 2], unused[-1], 64, 127, 128, 255})
+
+
+FORMAT_CODES = _format_codes()
+#: Every code 0..31 and a few above (the checksum test, which costs little, takes them all).
+ALL_FORMAT_CODES = [*range(32), 64, 127, 128, 255]
 
 
 def _message(codec, dtype, feedback, seed=0):
@@ -168,7 +187,7 @@ def _elements_of_byte(codec, p, b: int, n: int) -> torch.Tensor:
     return mask
 
 
-def _mutations(codec, msg, clean):
+def _mutations(codec, msg, clean, formats=FORMAT_CODES):
     """(label, frame index or None, corrupted message, allowed element masks per frame or
     "moved": the gap-change rule, see the module docstring)."""
     raw, entries, end = _layout(msg)
@@ -199,7 +218,7 @@ def _mutations(codec, msg, clean):
 
     for i, (e, p) in enumerate(zip(entries, clean)):
         n = p.numel
-        for code in [*range(32), 64, 127, 128, 255]:
+        for code in formats:
             if code != e.fmt:
                 out.append(("format", i, put([(e.pos, code)]), nothing))
         low = e.vcode & 0x7F
@@ -327,13 +346,29 @@ def _mutations(codec, msg, clean):
 _outs_clean: list = []
 
 
-def _run(codec, dtype, feedback):
+def _alternate_formats(cases, parity=0):
+    """``cases`` with every other format code of each frame: the frames in turn take the even
+    and the odd ones of :data:`FORMAT_CODES` (so each code still reaches half the frames; the
+    other ``parity`` takes the other half)."""
+    seen: dict = {}
+    out = []
+    for case in cases:
+        label, frame = case[0], case[1]
+        if label == "format":
+            j = seen[frame] = seen.get(frame, -1) + 1
+            if (j + frame + parity) % 2:
+                continue
+        out.append(case)
+    return out
+
+
+def _run(codec, dtype, feedback, parity):
     global _outs_clean
     msg, shapes, dtypes, grads = _message(codec, dtype, feedback)
     clean, outs = _decode(codec, msg, shapes, dtypes, grads)
     _outs_clean = outs
     stats = {"cases": 0, "refused": 0, "explained": 0, "positions": 0, "unchanged": 0, "silent": []}
-    for label, frame, bad, allowed in _mutations(codec, msg, clean):
+    for label, frame, bad, allowed in _alternate_formats(_mutations(codec, msg, clean), parity):
         stats["cases"] += 1
         try:
             _, got = _decode(codec, bad, shapes, dtypes, grads)
@@ -370,7 +405,7 @@ def _run(codec, dtype, feedback):
 def test_structural_corruptions_never_decode_silently_to_a_wrong_tensor(codec):
     totals = {"cases": 0, "refused": 0, "explained": 0, "positions": 0, "unchanged": 0}
     for dtype, feedback in ((torch.float32, False), (torch.float16, True)):
-        stats = _run(codec, dtype, feedback)
+        stats = _run(codec, dtype, feedback, parity=int(feedback))  # each (frame, format code) in one
         assert not stats["silent"], (dtype, stats["silent"][:10])
         for k in totals:
             totals[k] += stats[k]
@@ -415,7 +450,7 @@ def test_with_the_checksum_every_corruption_is_refused(codec):
         clean, outs = _decode(codec, msg, shapes, dtypes, grads)
         global _outs_clean
         _outs_clean = outs
-        cases = _mutations(codec, msg, clean)
+        cases = _mutations(codec, msg, clean, formats=ALL_FORMAT_CODES)
         assert len(cases) > 300
         for _, _, bad, _ in cases:
             with pytest.raises(FrameError):
@@ -499,17 +534,23 @@ def test_the_reported_corruptions_are_refused_naming_rank_frame_tensor_and_field
     _refused(gz.Identity(), raw, p, grad, "length")
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: repr(c)[:48])
+# Every configuration but TopK's bfloat16 values: its frames and checks are the float16 ones
+# with another value dtype (each costs seconds here: their Elias-Fano checks, frame by frame).
+UNPACK_MANY_CODECS = [c for c in CODECS if not (isinstance(c, gz.TopK) and c.values == "bf16")]
+
+
+@pytest.mark.parametrize("codec", UNPACK_MANY_CODECS, ids=lambda c: repr(c)[:48])
 def test_unpack_many_refuses_and_decodes_as_unpack_frames_does(codec):
     """Every corruption of the middle of three messages (ranks 0, 1 and 2, as one receive
-    buffer holds them): ``unpack_many`` raises the refusal ``unpack_frames`` raises for that
-    message alone (field, frame, tensor, rank 1), or returns the same frames."""
+    buffer holds them; half the format codes a frame): ``unpack_many`` raises the refusal
+    ``unpack_frames`` raises for that message alone (field, frame, tensor, rank 1), or returns
+    the same frames."""
     global _outs_clean
     msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
     other = _message(codec, torch.float32, False, seed=1)[0]
     clean, _outs_clean = _decode(codec, msg, shapes, dtypes, grads)
     cases = 0
-    for _, _, bad, _ in _mutations(codec, msg, clean):
+    for _, _, bad, _ in _alternate_formats(_mutations(codec, msg, clean)):  # half the format codes a frame
         cases += 1
         buf = torch.cat([other, bad, msg])  # one buffer: the messages are views of it
         msgs = [
@@ -552,14 +593,15 @@ def test_unpack_many_refuses_and_decodes_as_unpack_frames_does(codec):
 @pytest.mark.parametrize("codec", [c for c in CODECS if isinstance(c, gz.TopK)], ids=lambda c: repr(c)[:48])
 def test_topk_checks_a_message_as_it_checks_frame_by_frame(codec):
     """TopK.check_frames (its Elias-Fano frames' positions checked together) refuses exactly
-    what check_frame refuses frame by frame, with the same error, and parses the same positions."""
+    what check_frame refuses frame by frame, with the same error, and parses the same positions
+    (half the format codes a frame)."""
     from gradzip.codecs.base import Codec
 
     global _outs_clean
     msg, shapes, dtypes, grads = _message(codec, torch.float32, False)
     clean, _outs_clean = _decode(codec, msg, shapes, dtypes, grads)
     cases = 0
-    for _, _, bad, _ in [(None, None, msg, None), *_mutations(codec, msg, clean)]:
+    for _, _, bad, _ in [(None, None, msg, None), *_alternate_formats(_mutations(codec, msg, clean))]:
         try:  # the frames as the wire splits them, not checked yet
             a = unpack_frames(bad, shapes, dtypes, grad_dtypes=grads)
             b = unpack_frames(bad, shapes, dtypes, grad_dtypes=grads)
@@ -615,7 +657,7 @@ def test_unpack_many_hands_each_body_its_first_bytes_read_with_the_table(monkeyp
     TopK's Elias-Fano check then reads its counts from them with no copy of its own, parsing
     what a check without heads parses; a message whose first body is corrupt in its count is
     still refused, naming its sender."""
-    from gradzip.codecs.sparse import FMT_SPARSE_EF
+    from gradzip.codecs.topk import FMT_SPARSE_EF
 
     codec, world = gz.TopK(0.01), 4
     frames = [codec.compress(torch.randn(5000, generator=torch.Generator().manual_seed(j))) for j in range(world)]

@@ -6,6 +6,9 @@ new residual are finite, and with error feedback the mass is conserved: residual
 input exactly (for quantizers, to half an ulp of the residual where a sent value is far
 above the input). float32, float16, bfloat16 and float64, with each dtype's extremes (float64
 well beyond float32's range).
+
+The default run draws 40 cases a codec (derandomized: the same ones every run) and runs one
+tensor of every family and dtype; the ``long`` run draws 400.
 """
 
 import math
@@ -19,18 +22,25 @@ import gradzip as gz
 from gradzip.codecs.base import TensorContext
 from tests.codecs.test_properties import all_codecs
 
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ_LONG = settings(FUZZ, max_examples=400)
 FAMILIES = ["normal", "denormal", "max", "equal", "zero", "mixed"]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 F32_MAX = torch.finfo(torch.float32).max
 
 
-@st.composite
-def nasty(draw, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)):
-    dtype = draw(st.sampled_from(dtypes))
-    shape = tuple(draw(st.lists(st.integers(0, 23), min_size=0, max_size=3)))
+BIGS_F64 = [F32_MAX, 1e60, 1e300]  # float64's "max" family: float32's maximum and far beyond it
+
+
+def _equal_values(fi):
+    return [1.0, -3.5, 1e-3, fi.max, fi.tiny]
+
+
+def nasty_tensor(dtype, shape, family, seed, choice=None):
+    """A finite ``dtype`` tensor of ``shape`` from ``family`` (``choice``: float64's maximum for
+    "max", the value for "equal")."""
     n = math.prod(shape)
-    family = draw(st.sampled_from(FAMILIES))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    g = torch.Generator().manual_seed(seed)
     fi = torch.finfo(dtype)
     signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
     if family == "normal":
@@ -38,10 +48,10 @@ def nasty(draw, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.floa
     elif family == "denormal":
         x = signs * fi.smallest_normal * torch.rand(n, generator=g, dtype=torch.float64)
     elif family == "max":
-        big = fi.max if dtype != torch.float64 else draw(st.sampled_from([F32_MAX, 1e60, 1e300]))
+        big = fi.max if dtype != torch.float64 else choice
         x = signs * big * torch.where(torch.rand(n, generator=g) < 0.5, 1.0, torch.rand(n, generator=g).double())
     elif family == "equal":
-        x = torch.full((n,), draw(st.sampled_from([1.0, -3.5, 1e-3, fi.max, fi.tiny])), dtype=torch.float64)
+        x = torch.full((n,), choice, dtype=torch.float64)
     elif family == "zero":
         x = torch.zeros(n, dtype=torch.float64)
     else:  # magnitudes over the whole exponent range, mixed signs
@@ -50,6 +60,39 @@ def nasty(draw, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.floa
     x = x.to(dtype).reshape(shape)
     assert bool(torch.isfinite(x).all())
     return x
+
+
+@st.composite
+def nasty(draw, dtypes=DTYPES):
+    dtype = draw(st.sampled_from(dtypes))
+    shape = tuple(draw(st.lists(st.integers(0, 23), min_size=0, max_size=3)))
+    family = draw(st.sampled_from(FAMILIES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    choice = None
+    if family == "max" and dtype == torch.float64:
+        choice = draw(st.sampled_from(BIGS_F64))
+    elif family == "equal":
+        choice = draw(st.sampled_from(_equal_values(torch.finfo(dtype))))
+    return nasty_tensor(dtype, shape, family, seed, choice)
+
+
+SWEEP_SHAPES = [(3, 7), (), (2,), (1, 1), (23,), (0, 4)]
+
+
+def every_family():
+    """One tensor of every family and dtype (every float64 maximum and every equal value), the
+    shapes in turn (0-d, one element, empty, ragged): what 40 random cases may miss."""
+    out = []
+    for dtype in DTYPES:
+        for family in FAMILIES:
+            choices = {
+                "max": BIGS_F64 if dtype == torch.float64 else [None],
+                "equal": _equal_values(torch.finfo(dtype)),
+            }
+            for choice in choices.get(family, [None]):
+                shape = SWEEP_SHAPES[len(out) % len(SWEEP_SHAPES)]
+                out.append(nasty_tensor(dtype, shape, family, 1000 + len(out), choice))
+    return out
 
 
 def _unrepresentable(comp, x) -> bool:
@@ -81,10 +124,7 @@ QUANTIZERS = [
 ]
 
 
-@pytest.mark.parametrize("comp", EXACT, ids=lambda c: repr(c)[:40])
-@FUZZ
-@given(x=nasty(), step=st.integers(0, 5))
-def test_fuzz_codec(comp, x, step):
+def _check_codec(comp, x, step):
     p, _ = _encode(comp, x, step, feedback=False)
     if p is None:
         return
@@ -98,10 +138,7 @@ def test_fuzz_codec(comp, x, step):
     assert torch.equal(r.double() + d.double(), keep)
 
 
-@pytest.mark.parametrize("comp", QUANTIZERS, ids=lambda c: repr(c)[:40])
-@FUZZ
-@given(x=nasty(), step=st.integers(0, 5))
-def test_fuzz_quantizer(comp, x, step):
+def _check_quantizer(comp, x, step):
     """Quantizers may decode far above a tiny input (±scale for 1e-8): there the residual is
     c - d correctly rounded; everywhere else, and always for Int8, it is exact."""
     p, _ = _encode(comp, x, step, feedback=False)
@@ -121,3 +158,45 @@ def test_fuzz_quantizer(comp, x, step):
         assert bool(sterbenz.all())
     ulp = torch.nextafter(r.abs(), torch.tensor(math.inf, dtype=r.dtype)).double() - r.abs().double()
     assert torch.all(err <= ulp / 2)
+
+
+@pytest.mark.parametrize("comp", EXACT, ids=lambda c: repr(c)[:40])
+@FUZZ
+@given(x=nasty(), step=st.integers(0, 5))
+def test_fuzz_codec(comp, x, step):
+    _check_codec(comp, x, step)
+
+
+@pytest.mark.parametrize("comp", QUANTIZERS, ids=lambda c: repr(c)[:40])
+@FUZZ
+@given(x=nasty(), step=st.integers(0, 5))
+def test_fuzz_quantizer(comp, x, step):
+    _check_quantizer(comp, x, step)
+
+
+@pytest.mark.parametrize("comp", EXACT, ids=lambda c: repr(c)[:40])
+def test_every_family_and_dtype_codec(comp):
+    for step, x in enumerate(every_family()):
+        _check_codec(comp, x, step % 6)
+
+
+@pytest.mark.parametrize("comp", QUANTIZERS, ids=lambda c: repr(c)[:40])
+def test_every_family_and_dtype_quantizer(comp):
+    for step, x in enumerate(every_family()):
+        _check_quantizer(comp, x, step % 6)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("comp", EXACT, ids=lambda c: repr(c)[:40])
+@FUZZ_LONG
+@given(x=nasty(), step=st.integers(0, 5))
+def test_fuzz_codec_long(comp, x, step):
+    _check_codec(comp, x, step)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("comp", QUANTIZERS, ids=lambda c: repr(c)[:40])
+@FUZZ_LONG
+@given(x=nasty(), step=st.integers(0, 5))
+def test_fuzz_quantizer_long(comp, x, step):
+    _check_quantizer(comp, x, step)

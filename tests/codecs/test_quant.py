@@ -207,11 +207,13 @@ def body_bytes(c, n):
     return 4 * nb + packed_nbytes(n, bits)
 
 
+# The dtype is drawn with the tensor (each of the 40 cases a quantizer runs, not a
+# parametrization each): every dtype occurs (one missing from 40 draws: about 1e-7).
 @pytest.mark.parametrize("comp", QUANTIZERS, ids=IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @PROPS
 @given(data=st.data())
-def test_shape_dtype_and_frame_size(comp, dtype, data):
+def test_shape_dtype_and_frame_size(comp, data):
+    dtype = data.draw(st.sampled_from(DTYPES))
     x = data.draw(tensors(dtype=dtype))
     p = comp.compress(x, ctx(x))
     y = comp.decompress(p)
@@ -228,12 +230,12 @@ def test_shape_dtype_and_frame_size(comp, dtype, data):
 
 
 @pytest.mark.parametrize("comp", QUANTIZERS, ids=IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @PROPS
 @given(data=st.data())
-def test_error_feedback_keeps_everything(comp, dtype, data):
+def test_error_feedback_keeps_everything(comp, data):
     """residual + decoded == compensated: exactly for Int8 and wherever d = 0 or d/c in [1/2, 2];
     elsewhere the residual is c - d correctly rounded to float32 (see gradzip.codecs.quant)."""
+    dtype = data.draw(st.sampled_from(DTYPES))
     mem = RefMemory()
     first = data.draw(tensors(dtype=dtype))
     for step in range(3):
@@ -447,7 +449,7 @@ def test_qsgd_bits_and_int8_lanes():
 
 
 # -- multi-process: wire bytes, fp16/bf16 through the engine and the DDP hook -------------
-N_BIG = 1 << 20
+N_BIG = 1 << 18  # the ratios below hold from 2**16 up; 2**20 cost twice the time
 
 
 def wire_cases():
@@ -578,7 +580,7 @@ def test_wire_bytes_dtypes_and_ddp_hook_on_two_ranks():
             step = second["bytes_sent"] - first["bytes_sent"]
             assert step == expected_step_bytes(label, comp, N_BIG, world), (label, step, second)
     ratio = {k: res[0]["wire"][k]["stats"][1]["ratio"] for k in wire_cases()}  # config check included
-    print("\nratios over 2 steps of 2**20 fp32 elements:", {k: round(v, 2) for k, v in ratio.items()})
+    print("\nratios over 2 steps of 2**18 fp32 elements:", {k: round(v, 2) for k, v in ratio.items()})
     assert ratio["SignSGD"] >= 30 and ratio["SignSGD-b4096"] >= 30, ratio
     assert ratio["TernGrad"] >= 15, ratio
     assert ratio["QSGD4"] >= 7, ratio
@@ -744,8 +746,16 @@ def test_int8_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kernels
     x = (torch.randn(n, generator=g) * 3).to(dtype)
     r = torch.randn(n, generator=g, dtype=acc) * 0.1
     ctxs = [TensorContext(name=f"t#{j}/4", step=0) for j in range(4)]
-    for block in (64, 1024, None):
+    # (under the interpreter, where every launch costs, 1024 would take 64's route again)
+    for block in (64, None) if kernels == "triton" else (64, 1024, None):
         _pieces_as_one_by_one(Int8(block=block), x, r, bounds, ctxs, acc)
+
+
+TRITON_PIECES = [
+    (64, [0, 1024, 2048, 3072, 4096]),
+    (None, [0, 1024, 2048, 2048, 4096]),
+    (None, [5, 37, 38, 1100, 3001]),
+]
 
 
 @pytest.mark.parametrize("kernels", [None, "reference", "triton"])
@@ -792,4 +802,8 @@ def test_signsgd_encodes_a_tensors_pieces_together_as_piece_by_piece(dtype, kern
             else [("sign_ef", b - a) for a, b in zip(bounds, bounds[1:])]
         )
         assert calls == want, (block, bounds, calls)
-        _pieces_as_one_by_one(codec, x, r, bounds, ctxs, acc)
+        # Under the interpreter every launch costs: the routes' choice is checked in every case
+        # above; the frames of one case a kernel (the equal pieces of a block, and the two awkward
+        # layouts of sign_ef_segments), as the other backends check every case.
+        if kernels != "triton" or (block, bounds) in TRITON_PIECES:
+            _pieces_as_one_by_one(codec, x, r, bounds, ctxs, acc)

@@ -11,7 +11,7 @@ import torch
 
 import gradzip as gz
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.sparse import distinct_positions
+from gradzip.codecs.randomk import distinct_positions
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 1), (10, 3), (100, 50), (100, 51), (1000, 999), (1_000_003, 10_007)])

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip.codecs.sparse import topk_abs
+from gradzip.codecs.topk import topk_abs
 
 
 def check(v: torch.Tensor, k: int) -> None:

@@ -4,10 +4,11 @@ owner pieces of a Flat bucket) against Codec.encode_pieces (an encode a piece)."
 import pytest
 import torch
 
-import gradzip.codecs.sparse as sparse
+import gradzip.codecs.positions as positions
+import gradzip.codecs.topk as topk
 import gradzip.kernels as K
 from gradzip.codecs.base import Codec, TensorContext
-from gradzip.codecs.sparse import FMT_SPARSE_EF, TopK
+from gradzip.codecs.topk import FMT_SPARSE_EF, TopK
 from gradzip.kernels import bitpack
 from gradzip.wire import pack_frames, unpack_frames
 
@@ -31,13 +32,13 @@ def _same(a, b):
 
 def _spy(monkeypatch):
     calls = []
-    real = sparse._pack_ef_rows
+    real = positions._pack_ef_rows
 
     def spy(idx, n):
         calls.append(idx.shape)
         return real(idx, n)
 
-    monkeypatch.setattr(sparse, "_pack_ef_rows", spy)
+    monkeypatch.setattr(topk, "_pack_ef_rows", spy)
     return calls
 
 
@@ -206,7 +207,7 @@ def test_large_pieces_take_the_rows_path_on_a_gpu_only(monkeypatch):
     torch.topk over the piece); the GPU's side (gpu_side_on_cpu) gives the same frames where
     no magnitudes tie at the k-th place (here: random normal values)."""
     calls = _spy(monkeypatch)
-    n, pieces = sparse._PREFILTER_FROM + 8, 2
+    n, pieces = topk._PREFILTER_FROM + 8, 2
     x, r, _ = _inputs(n * pieces, torch.float32, seed=3)
     bounds = [0, n, 2 * n]
     ctxs = _ctxs(pieces, torch.float32)
@@ -246,7 +247,7 @@ def test_segments_decode_together_as_frame_by_frame(kw, monkeypatch):
     from gradzip.kernels import scatter_add_sparse
 
     launches = []
-    monkeypatch.setattr(sparse.K, "scatter_add_sparse", lambda *a: launches.append(1) or scatter_add_sparse(*a))
+    monkeypatch.setattr(topk.K, "scatter_add_sparse", lambda *a: launches.append(1) or scatter_add_sparse(*a))
     g = torch.Generator().manual_seed(2)
     codec = TopK(0.05, **kw)
     sizes = [300, 257, 1, 300]  # one element: a DENSE frame (its value takes what it would)
@@ -255,7 +256,7 @@ def test_segments_decode_together_as_frame_by_frame(kw, monkeypatch):
     sent = [
         codec.compress(x, TensorContext(name=f"p{j}", k=k if n > 1 else 1)) for j, (n, x) in enumerate(zip(sizes, xs))
     ]
-    assert (sent[2].fmt == sparse.FMT_DENSE) == ("values" not in kw)
+    assert (sent[2].fmt == topk.FMT_DENSE) == ("values" not in kw)
     starts = [0, 300, 557, 558]
 
     def received():

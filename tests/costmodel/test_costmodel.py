@@ -8,8 +8,9 @@ import torch
 
 from gradzip import plan
 from gradzip.codecs import FP16, Identity, TopK
+from gradzip.codecs.positions import ef_nbytes
 from gradzip.codecs.quant import Int8, SignSGD
-from gradzip.codecs.sparse import FMT_SPARSE_EF, ef_nbytes
+from gradzip.codecs.topk import FMT_SPARSE_EF
 from gradzip.costmodel import (
     CodecFit,
     CodecProfile,

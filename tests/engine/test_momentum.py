@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip as gz
 from gradzip import wire
 from gradzip.codecs.base import TensorContext
-from gradzip.codecs.sparse import pack_gaps, unpack_gaps
+from gradzip.codecs.positions import pack_gaps, unpack_gaps
 from gradzip.hooks import register_hook
 from tests import support
 from tests.support import run_ranks
@@ -256,7 +256,7 @@ def _clipped(rank, world):
 
 
 # -- lean frames -----------------------------------------------------------------------------------
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 5000), data=st.data())
 def test_packed_gaps_round_trip(n, data):
     k = data.draw(st.integers(0, min(n, 300)))
@@ -271,7 +271,7 @@ def test_packed_gaps_round_trip(n, data):
             unpack_gaps(body[:-1], n, 4, extra_bits=1)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_sparse_frames_round_trip_in_messages(data):
     """Frames of every sparse codec, packed into one message with others, decode to what each

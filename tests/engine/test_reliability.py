@@ -11,7 +11,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -22,6 +21,7 @@ from gradzip.codecs.base import TensorContext
 from gradzip.engine import Engine
 from gradzip.hooks import register_hook
 from tests.support import RefMemory, batch, make_model, params, run_ranks, train_steps
+from tests.support.ranks import _context as ranks_context
 
 pytestmark = pytest.mark.slow
 
@@ -331,7 +331,7 @@ def _doomed(rank, world, port, q):
 
 
 def test_survivors_raise_when_a_rank_dies():
-    ctx = mp.get_context("spawn")
+    ctx = ranks_context()  # fresh processes (not the pool's), forked from the preloaded forkserver
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_doomed, args=(r, 3, port, q)) for r in range(3)]

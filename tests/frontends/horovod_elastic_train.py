@@ -14,8 +14,11 @@ sampler=..., epoch=0, batch=0)`` with a reset callback that scales the learning 
 and commits every ``COMMIT_EVERY`` batches.
 
 ``GRADZIP_TEST_KILL=RANK:EPOCH:BATCH`` makes that rank SIGKILL itself after that batch of that
-epoch on the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0). Each rank writes ``OUT_DIR/rank<r>.pt``: the
-final parameters, its gradzip residuals, how many resets it saw, and the optimizer's stats.
+epoch on the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0). ``GRADZIP_TEST_STOP=EPOCH:BATCH``
+makes every rank raise :class:`Stopped` there instead (on the first attempt): the in-process
+stand-in for a killed job, whose test calls ``main`` again as torchrun's agent restarts the
+workers. Each rank writes ``OUT_DIR/rank<r>.pt``: the final parameters, its gradzip residuals,
+how many resets it saw, and the optimizer's stats.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import torch.nn.functional as F
 import gradzip.horovod as hvd
 
 EPOCHS, BATCH, SAMPLES, COMMIT_EVERY, LR = 2, 8, 96, 2, 0.05
+
+
+class Stopped(Exception):
+    """Raised on every rank at ``GRADZIP_TEST_STOP`` (the module docstring)."""
 
 
 def main(out_dir: str) -> dict:
@@ -56,6 +63,8 @@ def main(out_dir: str) -> dict:
     kill = os.environ.get("GRADZIP_TEST_KILL", "")
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
     kill_rank, kill_epoch, kill_at = (int(x) for x in kill.split(":")) if kill and first_attempt else (-1, -1, -1)
+    stop = os.environ.get("GRADZIP_TEST_STOP", "")
+    stop_epoch, stop_at = (int(x) for x in stop.split(":")) if stop and first_attempt else (-1, -1)
 
     @hvd.elastic.run
     def train(state):
@@ -71,6 +80,8 @@ def main(out_dir: str) -> dict:
                     state.commit()
                 if (hvd.rank(), state.epoch, state.batch) == (kill_rank, kill_epoch, kill_at):
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-run, a batch after a commit
+                if (state.epoch, state.batch) == (stop_epoch, stop_at):
+                    raise Stopped(f"every rank stops after batch {stop_at} of epoch {stop_epoch}")
             state.sampler.set_epoch(state.epoch + 1)
             state.batch = 0
             state.commit()

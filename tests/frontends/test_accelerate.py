@@ -4,7 +4,8 @@ steps), resumes from its own ``save_state`` bit for bit (gradzip's per-rank file
 Accelerate's), and logs gradzip's scalars to the Accelerator's tracker.
 
 The ranks are started as torchrun starts them (its environment, the process group already up), and
-each runs ``examples/accelerate_ddp.py``'s ``main``: the example is what is tested."""
+each runs ``examples/accelerate_ddp.py``'s ``main``: the example is what is tested. Both tests read
+one run in fresh processes (Accelerate's state and torchrun's environment stay in a process)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,17 @@ def _train(rank, world, root):
     return out
 
 
-def test_an_accelerator_trains_accumulates_resumes_and_logs_with_gradzip(tmp_path):
-    res = run_ranks(_train, 2, str(tmp_path), fresh=True)
+def _both(rank, world, root):
+    return {"train": _train(rank, world, root), "two_models": _two_models(rank, world, root)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_both, 2, str(tmp_path_factory.mktemp("accelerate")), fresh=True)
+
+
+def test_an_accelerator_trains_accumulates_resumes_and_logs_with_gradzip(results):
+    res = [r["train"] for r in results]
     for method in METHODS:
         runs = [r[method] for r in res]
         for r in runs:
@@ -144,12 +154,11 @@ def _two_models(rank, world, root):
     return out
 
 
-def test_two_models_keep_their_own_state_and_a_load_before_compress_is_refused(tmp_path):
+def test_two_models_keep_their_own_state_and_a_load_before_compress_is_refused(results):
     """A GAN's two models on one Accelerator: save_state writes each model's gradzip files (the
     first model's beside Accelerate's, the second's in gradzip_model_1/) and load_state gives each
     its own back; an optimizer loaded before compress, whose momentum gradzip held, is refused."""
-    res = run_ranks(_two_models, 2, str(tmp_path), fresh=True)
-    for r in res:
+    for r in (r["two_models"] for r in results):
         assert {"gradzip_rank0_of_2.pt", "gradzip_rank1_of_2.pt", "gradzip_model_1"} <= set(r["files"])
         assert r["second"] == ["gradzip_rank0_of_2.pt", "gradzip_rank1_of_2.pt"]
         assert r["same"] == [True, True]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from gradzip.frontend import FrontEnd
 from tests.support import batch, make_model, run_ranks, train_steps
+from tests.support.models import forget_dtensor_caches
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 
@@ -224,6 +225,7 @@ def _fsdp(rank, root, hsdp):
     import gradzip as gz
 
     def build(seed):
+        forget_dtensor_caches()  # a pooled rank: no mesh of an earlier process group
         model = make_model(seed)
         if hsdp:
             mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
@@ -287,7 +289,7 @@ def _all(rank, world, root):
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        yield run_ranks(_all, 2, root, fresh=True)
+        yield run_ranks(_all, 2, root)
 
 
 FRONT_ENDS = ["ddp", "optim", "local_sgd", "diloco", "horovod", "fsdp", "hsdp"]

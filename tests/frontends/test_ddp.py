@@ -127,7 +127,7 @@ def _stress(rank, world, comp, steps):
     ids=["threshold", "topk", "topk-sign-call", "threshold-call"],
 )
 def test_many_buckets_on_four_ranks_neither_hang_nor_diverge(comp):
-    steps = 15  # 24 buckets of two rounds each: 720 collectives a rank
+    steps = 4  # 24 buckets of two rounds each, ~45 collectives a rank a step: DDP's first, 3 on rebuilt buckets
     res = run_ranks(_stress, 4, comp, steps, timeout=180)
     assert res[0]["stats"]["collectives"] > 2 * steps * 6  # many buckets, two rounds each
     for r in res[1:]:  # replicas stay identical

@@ -1,6 +1,6 @@
 """Bit-identical resume where the grouping of tensors into calls matters, at 2 and 4 ranks.
 
-* DDP: save at step 5, rebuild the model, DDP and the hook, load, train to step 10, against
+* DDP: save at step 2, rebuild the model, DDP and the hook, load, train to step 4, against
   a run that never stopped. DDP's first step after a restart groups the gradients into its
   initial buckets (one, for this model), the unbroken run into its rebuilt ones; the engine
   state records the last step's calls and the first step after a load runs them so. Without
@@ -10,6 +10,7 @@
   residual rows come back to that rank (the plain state folds them into the pending update,
   which loads into the self-addressed row only, so the next encode sees other inputs); saved
   so and loaded on fewer ranks, the pending update carries over as from the plain state.
+  One 4-rank run saves the checkpoint that its bit-identical resume and the 2-rank loads read.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ DDP_METHODS = {
 def _ddp(rank, world, names):
     out = {}
     for name in names:
-        r = ddp_resume_matches_unbroken(rank, DDP_METHODS[name](), 5)
+        r = ddp_resume_matches_unbroken(rank, DDP_METHODS[name](), 2)
         out[name] = {
             "differ": sum(not torch.equal(a, b) for a, b in zip(r["unbroken"], r["resumed"])),
             "max": max(float((a - b).abs().max()) for a, b in zip(r["unbroken"], r["resumed"])),
@@ -99,44 +100,47 @@ def _pending(state):
     return {k: v.full_tensor().clone() for k, v in state.state_dict().items() if k != "step"}
 
 
+FSDP_STEPS, FSDP_SAVE_AT = 4, 2
+
+
 def _fsdp(rank, world, root):
-    unbroken = _fsdp_run(rank, world, root, steps=10)
-    _fsdp_run(rank, world, root, steps=10, save_at=5)
-    resumed = _fsdp_run(rank, world, root, steps=10, load=True)
-    return {"unbroken": unbroken, "resumed": resumed}
+    unbroken = _fsdp_run(rank, world, root, steps=FSDP_STEPS)
+    saved = _fsdp_run(rank, world, root, steps=FSDP_STEPS, save_at=FSDP_SAVE_AT)
+    resumed = _fsdp_run(rank, world, root, steps=FSDP_STEPS, load=True)
+    return {"unbroken": unbroken, "saved": saved, "resumed": resumed}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp_int8_resume_through_dcp_is_bit_identical(world):
-    with tempfile.TemporaryDirectory() as root:
-        res = run_ranks(_fsdp, world, os.path.join(root, "ckpt"), timeout=400, fresh=True)
+def _fsdp_load(rank, world, root, exact):
+    return _fsdp_run(rank, world, root, steps=FSDP_SAVE_AT, load=True, exact=exact)
+
+
+def _assert_bit_identical(res):
     for r in res:
         u, v = r["unbroken"], r["resumed"]
-        assert u["step"] == v["step"] == 10
+        assert u["step"] == v["step"] == FSDP_STEPS
         differ = [n for n in u["params"] if not torch.equal(u["params"][n], v["params"][n])]
         assert not differ, differ
         assert u["residuals"].keys() == v["residuals"].keys()
         assert all(torch.equal(u["residuals"][k], v["residuals"][k]) for k in u["residuals"])
 
 
-def _fsdp_save(rank, world, root):
-    return _fsdp_run(rank, world, root, steps=10, save_at=5)
+def test_fsdp_int8_resume_through_dcp_is_bit_identical_on_2_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        _assert_bit_identical(run_ranks(_fsdp, 2, os.path.join(root, "ckpt"), timeout=400))
 
 
-def _fsdp_load(rank, world, root, exact):
-    return _fsdp_run(rank, world, root, steps=5, load=True, exact=exact)
-
-
-def test_fsdp_exact_checkpoint_loads_on_fewer_ranks_as_the_pending_update():
-    """Saved with ``state.exact()`` on 4 ranks, loaded on 2 (with ``exact()`` or the plain
-    state): the ranks differ, so the pending update carries over, bit for bit, as from a plain
-    checkpoint."""
+def test_fsdp_int8_resume_on_4_ranks_is_bit_identical_and_loads_on_2_as_the_pending_update():
+    """Saved with ``state.exact()`` on 4 ranks: resumed on 4, bit for bit; loaded on 2 (with
+    ``exact()`` or the plain state), where the ranks differ, so the pending update carries
+    over, bit for bit, as from a plain checkpoint."""
     with tempfile.TemporaryDirectory() as root:
         path = os.path.join(root, "ckpt")
-        saved = run_ranks(_fsdp_save, 4, path, timeout=400, fresh=True)[0]
+        res = run_ranks(_fsdp, 4, path, timeout=400)
+        _assert_bit_identical(res)
+        saved = res[0]["saved"]
         for exact in (True, False):
-            loaded = run_ranks(_fsdp_load, 2, path, exact, timeout=400, fresh=True)[0]
-            assert loaded["step"] == saved["step"] == 5
+            loaded = run_ranks(_fsdp_load, 2, path, exact, timeout=400)[0]
+            assert loaded["step"] == saved["step"] == FSDP_SAVE_AT
             assert saved["pending"].keys() == loaded["pending"].keys()
             assert all(torch.equal(saved["pending"][k], loaded["pending"][k]) for k in saved["pending"])
             assert sum(float(v.abs().sum()) for v in saved["pending"].values()) > 0

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.support import run_ranks
+from tests.support.models import forget_dtensor_caches
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")]
 
@@ -59,10 +60,13 @@ def loss_of(model, idx, tgt):
 
 def build(world: int, layout: str = "fsdp", mp: bool = False, raf: bool = True):
     """The model, sharded: ``layout`` is ``fsdp`` (1-D), ``hsdp`` (FSDP2's native HSDP on a
-    2 x W/2 mesh) or ``hsdp_shard`` (FSDP on the shard sub-mesh, for gradzip's replica hook)."""
+    2 x W/2 mesh) or ``hsdp_shard`` (FSDP on the shard sub-mesh, for gradzip's replica hook).
+    The tests run in pooled ranks (FSDP's and gradzip's first-use costs paid once a pool), so
+    the DTensor caches of an earlier call, which would hand out its meshes, are cleared first."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    forget_dtensor_caches()
     torch.manual_seed(0)
     model = Net()
     if layout == "fsdp":
@@ -143,15 +147,18 @@ COMBOS = [
 ]
 
 
+COMBO_STEPS = 3
+
+
 def _combos(rank, world):
     out = []
     for kw in COMBOS:
-        plain = train(rank, world, steps=6, **kw)
-        ident = train(rank, world, rs="Identity()", steps=6, **kw)
-        int8 = train(rank, world, rs="Int8()", steps=6, **kw)
+        plain = train(rank, world, steps=COMBO_STEPS, **kw)
+        ident = train(rank, world, rs="Identity()", steps=COMBO_STEPS, **kw)
+        int8 = train(rank, world, rs="Int8()", steps=COMBO_STEPS, **kw)
         out.append((plain, ident, int8))
-    # other framed codecs through the same protocol (default configuration, 4 steps)
-    others = {spec: train(rank, world, rs=spec, steps=4) for spec in CODECS}
+    # other framed codecs through the same protocol (default configuration, 3 steps)
+    others = {spec: train(rank, world, rs=spec, steps=3) for spec in CODECS}
     return out, others
 
 
@@ -159,24 +166,27 @@ CODECS = ["TopK(0.1)", "SignSGD()", "QSGD()", "FP16()"]
 
 
 def test_2_ranks_identity_is_plain_fsdp2_bit_for_bit_with_mixed_precision_accumulation_and_reshard():
-    results = run_ranks(_combos, 2, fresh=True)
+    results = run_ranks(_combos, 2)
     combos, others = results[0]
     for kw, (plain, ident, int8) in zip(COMBOS, combos):
         assert _equal(plain["params"], ident["params"]), kw
         assert plain["losses"] == ident["losses"], kw
         # one engine step per synchronized backward; accumulation microbatches reduce nothing
-        assert ident["step"] == 6 and ident["stats"]["steps"] == 6, kw
+        assert ident["step"] == COMBO_STEPS and ident["stats"]["steps"] == COMBO_STEPS, kw
         # Int8 with error feedback stays in plain FSDP2's band
         assert max(abs(a - b) for a, b in zip(int8["losses"], plain["losses"])) < 5e-3, kw
         assert 0 < _max_diff(int8["params"], plain["params"]) < 5e-3, kw
     assert _equal(results[1][0][0][2]["params"], combos[0][2]["params"])  # every rank holds the same parameters
-    plain = combos[0][0]["losses"][:4]
+    plain = combos[0][0]["losses"][:3]
     for spec, o in others.items():
         assert max(abs(a - b) for a, b in zip(o["losses"], plain)) < 2e-2, spec
         assert o["stats"]["ratio"] > 1.5, spec
 
 
 # -- 4 ranks: the reduction order, Int8, stats ------------------------------------------
+
+
+FOUR_STEPS = 3
 
 
 def _four(rank, world):
@@ -217,28 +227,28 @@ def _four(rank, world):
         for n in names
     }
     out["plain_equal"] = all(torch.equal(grads["identity"][n], grads["plain"][n]) for n in names)
-    out["plain"] = train(rank, world, steps=10)
-    out["identity"] = train(rank, world, rs="Identity()", steps=10)
-    out["int8"] = train(rank, world, rs="Int8()", steps=10)
+    out["plain"] = train(rank, world, steps=FOUR_STEPS)
+    out["identity"] = train(rank, world, rs="Identity()", steps=FOUR_STEPS)
+    out["int8"] = train(rank, world, rs="Int8()", steps=FOUR_STEPS)
     return out
 
 
 def test_4_ranks_identity_int8_and_stats():
-    results = run_ranks(_four, 4, timeout=280, fresh=True)
+    results = run_ranks(_four, 4, timeout=280)
     r = results[0]
     # Bit for bit with the float32 mean summed in rank order (gradzip's order on every backend).
     assert all(r["rank_order"].values()), r["rank_order"]
     # gloo's reduce-scatter sums in ring order ((x[j-1] + x[j-2]) + x[j-3]) + x[j]: the two
     # differ by float32 rounding only, within the bound of two orders of a 4-term sum.
     assert all(r["within_bound"].values()), r["within_bound"]
-    # ... and the parameters stay that close after 10 steps (SGD with momentum, lr 0.1)
+    # ... and the parameters stay that close after FOUR_STEPS steps (SGD with momentum, lr 0.1)
     assert _max_diff(r["identity"]["params"], r["plain"]["params"]) < 1e-6
     assert max(abs(a - b) for a, b in zip(r["identity"]["losses"], r["plain"]["losses"])) < 1e-5
     # Int8 with error feedback: within plain FSDP2's band
     assert max(abs(a - b) for a, b in zip(r["int8"]["losses"], r["plain"]["losses"])) < 5e-3
     assert _max_diff(r["int8"]["params"], r["plain"]["params"]) < 5e-3
     s = r["int8"]["stats"]
-    assert s["steps"] == 10 and s["collectives"] > 0
+    assert s["steps"] == FOUR_STEPS and s["collectives"] > 0
     # bytes_link_raw is a plain reduce-scatter's (N-1)/N of the input, not an allreduce's
     assert s["bytes_link_raw"] == pytest.approx(3 / 4 * s["bytes_raw"])
     # even on this tiny model (3 groups of 0.2-3k elements, a 16-byte header per parameter
@@ -254,23 +264,27 @@ def test_4_ranks_identity_int8_and_stats():
 # -- HSDP on a 2 x 2 mesh -----------------------------------------------------------------
 
 
+HSDP_STEPS = 3
+
+
 def _hsdp(rank, world):
     out = {}
-    out["native"] = train(rank, world, layout="hsdp", steps=6)
-    out["identity"] = train(rank, world, layout="hsdp_shard", rs="Identity()", replicate="Identity()", steps=6)
-    out["int8+powersgd"] = train(rank, world, layout="hsdp_shard", rs="Int8()", replicate="PowerSGD(rank=2)", steps=6)
-    out["native+int8"] = train(rank, world, layout="hsdp", rs="Int8()", steps=6)
-    out["replicate only"] = train(rank, world, layout="hsdp_shard", replicate="Int8()", steps=6, mp=True)
+    n = HSDP_STEPS
+    out["native"] = train(rank, world, layout="hsdp", steps=n)
+    out["identity"] = train(rank, world, layout="hsdp_shard", rs="Identity()", replicate="Identity()", steps=n)
+    out["int8+powersgd"] = train(rank, world, layout="hsdp_shard", rs="Int8()", replicate="PowerSGD(rank=2)", steps=n)
+    out["native+int8"] = train(rank, world, layout="hsdp", rs="Int8()", steps=n)
+    out["replicate only"] = train(rank, world, layout="hsdp_shard", replicate="Int8()", steps=n, mp=True)
     return out
 
 
 def test_hsdp_2x2_compressed_reduce_scatter_and_replica_allreduce():
-    results = run_ranks(_hsdp, 4, timeout=280, fresh=True)
+    results = run_ranks(_hsdp, 4, timeout=280)
     r = results[0]
     native = r["native"]
     # FSDP on the shard sub-mesh + gradzip's replica average == FSDP2's native HSDP, bit for bit
     assert _equal(r["identity"]["params"], native["params"])
-    assert r["identity"]["replicate_stats"]["steps"] == 6
+    assert r["identity"]["replicate_stats"]["steps"] == HSDP_STEPS
     for k in ("native+int8", "replicate only"):
         assert max(abs(a - b) for a, b in zip(r[k]["losses"], native["losses"])) < 5e-3, k
     # PowerSGD(rank=2) on the replica average is lossier: a wider band
@@ -290,6 +304,9 @@ def _pending_full(state):
     return {k: v.full_tensor().clone() for k, v in state.state_dict().items() if k != "step"}
 
 
+SAVED_AT = 2  # steps before the save
+
+
 def _save(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -301,7 +318,7 @@ def _save(rank, world, root):
         model, mesh = build(world, layout)
         state = gz.fsdp.compress(model, rs, replicate=rep, replicate_group=mesh["replicate"] if rep else None)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        for step in range(4):
+        for step in range(SAVED_AT):
             idx, tgt = batch(rank, step)
             loss_of(model, idx, tgt).backward()
             opt.step()
@@ -346,7 +363,7 @@ def _load(rank, world, root):
             "params": {n: p.full_tensor() for n, p in model.named_parameters()},
         }
         losses = []
-        for step in range(4, 7):  # training resumes
+        for step in range(SAVED_AT, SAVED_AT + 2):  # training resumes
             idx, tgt = batch(rank, step)
             loss = loss_of(model, idx, tgt)
             loss.backward()
@@ -361,12 +378,12 @@ def _load(rank, world, root):
 
 def test_dcp_save_on_4_ranks_load_on_2_keeps_the_pending_update():
     with tempfile.TemporaryDirectory() as root:
-        saved = run_ranks(_save, 4, root, timeout=280, fresh=True)[0]
-        loaded = run_ranks(_load, 2, root, timeout=280, fresh=True)[0]
+        saved = run_ranks(_save, 4, root, timeout=280)[0]
+        loaded = run_ranks(_load, 2, root, timeout=280)[0]
     for name in ("fsdp", "hsdp"):
         s, ld = saved[name], loaded[name]
-        assert ld["step"] == s["step"] == 4
-        assert ld["step_after"] == 7
+        assert ld["step"] == s["step"] == SAVED_AT
+        assert ld["step_after"] == SAVED_AT + 2
         assert _equal(ld["params"], s["params"])
         assert all(torch.isfinite(torch.tensor(ld["losses"])))
         # residual mass: the update error feedback still owed, resharded from 4 shards to 2
@@ -412,6 +429,7 @@ def _errors(rank, world):
         else:
             out[label] = None
 
+    forget_dtensor_caches()
     mesh = init_device_mesh("cpu", (world,))
     # several parameter groups per module (a per-parameter mesh)
     other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"), shard_mesh_dim=0)
@@ -481,7 +499,7 @@ def _errors(rank, world):
 
 
 def test_clear_errors_and_nonfinite_steps():
-    r = run_ranks(_errors, 2, fresh=True)[0]
+    r = run_ranks(_errors, 2)[0]
     assert "2 FSDP parameter groups" in r["groups"] and "shard_placement_fn" in r["groups"]
     assert "set_allocate_memory_from_process_group_for_comm(False)" in r["allocator before"]
     assert "set_allocate_memory_from_process_group_for_comm(True) cannot be combined" in r["allocator after"]

@@ -100,6 +100,11 @@ def job(tmp_path_factory):
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        # The codecs' torch reference path: the job compares gradzip.horovod with horovod.torch
+        # (and its two transports), not kernels, and so its ranks need not import numba (~1 s each).
+        GRADZIP_KERNELS="reference",
+        # Horovod's gloo rendezvous waits 30 s by default; a loaded 2-core machine has missed it.
+        HOROVOD_GLOO_TIMEOUT_SECONDS="120",
     )
     cmd = [
         horovodrun,

@@ -8,7 +8,12 @@ ranks without a kill is the reference: the final parameters must be equal bit fo
 they are only if the restart brought back every rank's error-feedback residuals (TopK keeps
 95% of each gradient in them) along with the model, the momentum and the sampler.
 
-One torchrun launch with a restart: about 20 s on a loaded 2-core machine (marked slow).
+One torchrun launch with a restart is three rounds of interpreters importing torch one after
+the other (the agent, the workers, the restarted workers): 12-20 s on a loaded 2-core machine,
+so it is marked ``long``. The default run has its in-process stand-in: the same script on the
+ranks of tests/support, every rank stopped at the same batch (``GRADZIP_TEST_STOP``), then its
+``main`` run again as a restarted worker's (``TORCHELASTIC_RESTART_COUNT=1``): the commit on disk,
+the reset callbacks and the residuals give the uninterrupted run's parameters bit for bit.
 """
 
 from __future__ import annotations
@@ -30,18 +35,79 @@ SCRIPT = ROOT / "tests" / "frontends" / "horovod_elastic_train.py"
 METHOD = "TopK(0.05)"
 
 
-def _reference(rank, world, out_dir):
-    """The script's main() on the ranks of tests/support, no kill, no torchrun: commits in memory."""
+def _script():
+    """The script, imported with a clean environment and METHOD from GRADZIP_COMPRESSION."""
     sys.path.insert(0, str(SCRIPT.parent))
-    for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GRADZIP_ELASTIC_DIR"):
+    for k in (
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "GRADZIP_ELASTIC_DIR",
+        "GRADZIP_TEST_KILL",
+        "GRADZIP_TEST_STOP",
+    ):
         os.environ.pop(k, None)
     os.environ["GRADZIP_COMPRESSION"] = METHOD
     import horovod_elastic_train
 
-    return horovod_elastic_train.main(out_dir)
+    return horovod_elastic_train
+
+
+def _reference(rank, world, out_dir):
+    """The script's main() on the ranks of tests/support, no kill, no torchrun: commits in memory."""
+    return _script().main(out_dir)
+
+
+def _check_resumed(got: list, ref: list) -> None:
+    """The resumed ranks' results against the uninterrupted run's, rank by rank."""
+    for r in range(2):
+        assert got[r]["restart_count"] == 1 and got[r]["resets"] == [2], got[r]  # the reset callback ran once
+        assert got[r]["method"] == ref[r]["method"] == "TopK(ratio=0.05)"
+        assert all(torch.equal(a, b) for a, b in zip(got[r]["params"], ref[r]["params"])), f"rank {r}: parameters"
+        assert got[r]["residuals"].keys() == ref[r]["residuals"].keys()
+        assert all(torch.equal(got[r]["residuals"][k], ref[r]["residuals"][k]) for k in ref[r]["residuals"])
+        assert any(float(v.abs().sum()) > 0 for v in got[r]["residuals"].values())
+    assert ref[0]["resets"] == []
+
+
+def _stopped_and_restarted(rank, world, root):
+    """The uninterrupted run; then a run every rank leaves after batch 3 of epoch 1 (the last
+    commit on disk: batch 2), and main() again as the restarted workers run it. The codecs run
+    their torch reference path (what is tested is the restart; a fresh process need not import
+    numba for the CPU kernels first)."""
+    import gradzip.kernels as K
+
+    os.environ[K.ENV_VAR] = "reference"
+    script = _script()
+    ref = script.main(os.path.join(root, "reference"))
+    commits = os.path.join(root, "commits")
+    os.environ["GRADZIP_ELASTIC_DIR"] = commits
+    os.environ["GRADZIP_TEST_STOP"] = "1:3"
+    try:
+        script.main(os.path.join(root, "stopped"))
+    except script.Stopped:
+        stopped = True
+    else:
+        stopped = False
+    left = sorted(os.listdir(commits))
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # what the agent gives the restarted workers
+    got = script.main(os.path.join(root, "restarted"))
+    return {"reference": ref, "got": got, "stopped": stopped, "left": left, "after": sorted(os.listdir(commits))}
+
+
+def test_a_job_stopped_mid_run_resumes_from_its_commit_with_its_codec_state(tmp_path):
+    """The default run's stand-in for the torchrun test below (the module docstring): fresh
+    processes, as the script leaves its environment and gradzip.horovod's reports behind."""
+    outs = run_ranks(_stopped_and_restarted, 2, str(tmp_path), fresh=True)
+    for rank, o in enumerate(outs):
+        assert o["stopped"], "GRADZIP_TEST_STOP did not stop the run"
+        assert any(f.endswith(f"rank{rank}of2.pt") for f in o["left"]), o["left"]  # the commit the restart loads
+        assert o["after"] == [], "commits left behind after the run"
+    _check_resumed([o["got"] for o in outs], [o["reference"] for o in outs])
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
     run_id = f"gz-{uuid.uuid4().hex[:8]}"
     env = dict(
@@ -72,15 +138,7 @@ def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
     assert p.returncode == 0, log
     got = [torch.load(tmp_path / "killed" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ref = run_ranks(_reference, 2, str(tmp_path / "reference"), fresh=True)
-
-    for r in range(2):
-        assert got[r]["restart_count"] == 1 and got[r]["resets"] == [2], got[r]  # the reset callback ran once
-        assert got[r]["method"] == ref[r]["method"] == "TopK(ratio=0.05)"
-        assert all(torch.equal(a, b) for a, b in zip(got[r]["params"], ref[r]["params"])), f"rank {r}: parameters"
-        assert got[r]["residuals"].keys() == ref[r]["residuals"].keys()
-        assert all(torch.equal(got[r]["residuals"][k], ref[r]["residuals"][k]) for k in ref[r]["residuals"])
-        assert any(float(v.abs().sum()) > 0 for v in got[r]["residuals"].values())
-    assert ref[0]["resets"] == []
+    _check_resumed(got, ref)
     assert "in place of Compression.none" in p.stderr and "compression ratio" in p.stderr
     assert not any((tmp_path / "commits").glob("commit.*")), "commits left behind after the run"
 
@@ -128,8 +186,8 @@ def test_a_commit_of_two_ranks_loads_on_one_with_the_residuals_resharded(tmp_pat
     """A restart on another world size: the model, the optimizer and the objects come from rank
     0's commit, every rank's residuals are resharded (their sum is kept)."""
     d = str(tmp_path / "commits")
-    two = run_ranks(_commit_on, 2, d, 3, fresh=True)
-    (one,) = run_ranks(_commit_on, 1, d, 0, fresh=True)
+    two = run_ranks(_commit_on, 2, d, 3)
+    (one,) = run_ranks(_commit_on, 1, d, 0)
     assert one["loaded"] and one["epoch"] == 5
     assert all(torch.equal(a, b) for a, b in zip(one["params"], two[0]["params"]))
     assert all(torch.equal(a, b) for a, b in zip(one["momentum"], two[0]["momentum"]))

@@ -213,7 +213,7 @@ def _checkpoint(rank, world, k):
 
 
 def _digits(rank, world):
-    cfg = bench.BenchConfig(dataset="digits", workers=world, epochs=8)
+    cfg = bench.BenchConfig(dataset="digits", workers=world, epochs=6)
     data = bench.load_dataset("digits", cfg.seed)
     xtr, ytr, xte, yte = data
     out = {"ddp": bench.train_one(rank, world, None, cfg, data)["accuracy"]}

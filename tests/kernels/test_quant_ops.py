@@ -457,9 +457,22 @@ def _check_encoders(
             assert same(got[0], want[0]) and torch.equal(got[1], want[1]), ("tern", clip, block, route)
 
 
+# Every size once and every dtype at several (every interpreted launch costs, whatever its
+# size: not the full cross product); 4097 (several programs, a ragged tail) in every dtype.
+SIZE_DTYPES = [
+    (0, torch.float32),
+    (1, torch.float16),
+    (31, torch.bfloat16),
+    (33, torch.float32),
+    (4097, torch.float32),
+    (4097, torch.float16),
+    (4097, torch.bfloat16),
+]
+SIZE_DTYPE_IDS = [f"{n}-{str(d).split('.')[-1]}" for n, d in SIZE_DTYPES]
+
+
 @interp
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n,dtype", SIZE_DTYPES, ids=SIZE_DTYPE_IDS)
 def test_encoder_kernels_match_references(dtype, n):
     """Scales, words, codes and residuals bit for bit (the float64 block sums of these data
     are exact), on both routes: one pass where it applies (see one_pass_shape), two passes."""
@@ -468,10 +481,11 @@ def test_encoder_kernels_match_references(dtype, n):
 
 
 @interp
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # float16: above
 def test_encoder_kernels_share_blocks_between_programs_and_end_ragged(dtype):
-    """Small tiles: programs of several blocks (one pass), blocks across programs (two passes)."""
-    x, r = data(4097, dtype, 3), torch.randn(4097, generator=gen(4)) * 0.3
+    """Small tiles: programs of several blocks (one pass), blocks across programs (two passes);
+    2049 elements: five programs of the small tile, the last one ragged."""
+    x, r = data(2049, dtype, 3), torch.randn(2049, generator=gen(4)) * 0.3
     _check_encoders(
         x,
         r,
@@ -531,8 +545,7 @@ def _check_int8(x, blocks, routes=("auto", "two"), tile=None):
 
 
 @interp
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n,dtype", SIZE_DTYPES, ids=SIZE_DTYPE_IDS)
 def test_int8_kernel_matches_reference(dtype, n):
     """Scales and codes bit for bit on both routes (one pass: blocks of at most the tile), with
     blocks that share a program, span programs (tile 512) and end ragged."""
@@ -766,13 +779,18 @@ def _segments_input(n, extreme=False):
     return x
 
 
-def _segments_check(encode, tile=None, blocks=(None, 8, 100, 1024, 8192)):
+def _extremes(n, extremes):
+    """The ``extreme`` flags to run for ``n`` elements: below 96 the extreme input is the plain one."""
+    return [e for e in extremes if not (e and n < 96)] or [False]
+
+
+def _segments_check(encode, tile=None, blocks=(None, 8, 100, 1024, 8192), extremes=(False, True), bounds_of=None):
     """``encode(x, bounds, block=, residual=)`` against the reference and against
     ``int8_encode_reference`` and ``int8_apply_`` piece by piece, bit for bit: the bodies, the
     residual (apart, and written over x) and the elements outside the pieces left alone."""
-    for n, bounds in SEGMENT_BOUNDS:
+    for n, bounds in bounds_of or SEGMENT_BOUNDS:
         for block in blocks:
-            for extreme in (False, True):
+            for extreme in _extremes(n, extremes):
                 x = _segments_input(n, extreme)
                 want, woffs = Q.int8_encode_segments_reference(x, bounds, block=block)
                 r_want = torch.full((n,), 7.0)
@@ -811,11 +829,21 @@ def test_int8_encode_segments_is_int8_encode_and_its_subtraction_per_piece():
 def test_int8_encode_segments_kernel_matches_reference():
     """The Triton kernel (one launch: pieces whose blocks share no program, blocks beyond the
     tile piece by piece), with the interpreter's tile and a small one (programs of 2 blocks
-    of 256, a piece spanning many programs)."""
+    of 256, a piece spanning many programs). Every interpreted program costs: with the
+    interpreter's tile, blocks of 8 (many a program; 1024 is another power of two), 100 (padded
+    to 128), 8192 (longer than any piece) and None (piece by piece) on the extreme inputs
+    (random values with ties, NaN, infinity and float32's ends planted); with the small tile,
+    the random ones."""
     from gradzip.kernels.triton.int8 import int8_encode_segments_triton
 
-    _segments_check(int8_encode_segments_triton)
-    _segments_check(int8_encode_segments_triton, tile=512, blocks=(100, 1024))  # 1024: piece by piece
+    _segments_check(int8_encode_segments_triton, blocks=(None, 8, 100, 8192), extremes=(True,))
+    _segments_check(
+        int8_encode_segments_triton, tile=512, blocks=(100,), extremes=(False,), bounds_of=SEGMENT_BOUNDS[:3]
+    )
+    # 1024: piece by piece, a two-pass encode of the small tile a piece
+    _segments_check(
+        int8_encode_segments_triton, tile=512, blocks=(1024,), extremes=(False,), bounds_of=SEGMENT_BOUNDS[2:3]
+    )
 
 
 @pytest.mark.parametrize("op", ["int8_encode_segments", "sign_ef_segments"])
@@ -837,7 +865,9 @@ def test_int8_encode_segments_checks_its_arguments():
         K.int8_encode_segments(x, [0, 10], residual=torch.zeros(10, dtype=torch.float64))
 
 
-def _sign_segments_check(encode, tile=None, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+def _sign_segments_check(
+    encode, tile=None, dtypes=(torch.float32, torch.bfloat16, torch.float16), extremes=(False, True)
+):
     """``encode(x, bounds, residual=, out=)`` against the reference and against
     ``sign_ef_reference`` piece by piece, bit for bit: the bodies, the new residual (apart,
     written over the residual read, and over x compensated in place) and the elements outside
@@ -850,7 +880,7 @@ def _sign_segments_check(encode, tile=None, dtypes=(torch.float32, torch.bfloat1
     kw = {} if tile is None else {"tile": tile}
     for n, bounds in SEGMENT_BOUNDS:
         for dtype in dtypes:
-            for extreme in (False, True):
+            for extreme in _extremes(n, extremes):
                 x = _segments_input(n, extreme).to(dtype)
                 r = torch.randn(n, generator=gen(n)) * 0.5
                 want, woffs = Q.sign_ef_segments_reference(x, bounds)
@@ -892,11 +922,13 @@ def test_sign_ef_segments_is_sign_ef_per_piece():
 @quiet[1]
 def test_sign_ef_segments_kernels_match_reference():
     """The three Triton launches with the interpreter's tile and a small one (256: a piece spanning
-    several programs, a program's words crossing no piece)."""
+    several programs, a program's words crossing no piece): every dtype on the extreme inputs
+    (random values with NaN, infinity and float32's ends planted) with the interpreter's tile,
+    float32 on the random ones with the small tile (every interpreted program costs)."""
     from gradzip.kernels.triton.sign import sign_ef_segments_triton
 
-    _sign_segments_check(sign_ef_segments_triton, dtypes=(torch.bfloat16,))
-    _sign_segments_check(sign_ef_segments_triton, tile=256, dtypes=(torch.float32, torch.float16))
+    _sign_segments_check(sign_ef_segments_triton, extremes=(True,))
+    _sign_segments_check(sign_ef_segments_triton, tile=256, dtypes=(torch.float32,), extremes=(False,))
 
 
 def test_sign_ef_segments_checks_its_arguments():
@@ -1154,8 +1186,9 @@ def test_twophase_decodes_the_owners_pieces_by_the_kernels_as_by_the_reference(s
     import gradzip as gz
     from gradzip.costmodel import dry_run
 
-    # Sizes that 4 owners split evenly: the loopback hands this rank's messages to every peer.
-    tensors = [data(n, torch.float32, n) for n in (4, 36, 516, 1036)]
+    # Sizes that 4 owners split evenly: the loopback hands this rank's messages to every peer;
+    # pieces of 1 element and of 259 (two sizes: every interpreted launch costs).
+    tensors = [data(n, torch.float32, n) for n in (4, 1036)]
 
     def run(kernels):
         monkeypatch.setenv(K.ENV_VAR, kernels)

@@ -4,9 +4,10 @@
   kernel runs on CPU tensors and must match its reference bit for bit (the math here
   is exact: comparisons, bit packing, one float add per element in a fixed order).
 * Every kernel is compiled ahead of time for sm_90 (PTX and cubin, no GPU needed),
-  which catches lowering errors the interpreter does not.
+  which catches lowering errors the interpreter does not (``long``: about 40 s; the
+  default run compiles a representative few, a streaming kernel's 16-byte loads included).
 * The compressors give the same payloads and decodes with GRADZIP_KERNELS=triton.
-* ``benchmarks/kernels.py --smoke`` runs end to end.
+* ``benchmarks/kernels.py --smoke`` runs end to end (one size by default; both smoke sizes are ``long``).
 
 Sizes: 0, 1, 31, 33 (around a 32-element word), 4097 (several small programs and a
 ragged tail) and 20011 (the interpreter's default program size), kept small because the
@@ -65,10 +66,30 @@ def with_specials(x: torch.Tensor, tau: float) -> torch.Tensor:
 # -- threshold + error feedback --------------------------------------------------------------------
 
 
+def _dtype_cases(sizes, flags=(None,)):
+    """float32 at every size (and flag); float16 and bfloat16 at the sizes past 1, the flags in
+    turn: every dtype, not the cross product (every interpreted launch costs)."""
+    cases = [(torch.float32, *s, f) for s in sizes for f in flags]
+    wide = [s for s in sizes if (s[0] if isinstance(s, tuple) else s) > 1]
+    for j, dtype in enumerate((torch.float16, torch.bfloat16)):
+        cases += [(dtype, *s, flags[(i + j) % len(flags)]) for i, s in enumerate(wide)]
+    return cases
+
+
+def _case_id(case):
+    def word(v):
+        if isinstance(v, bool):
+            return "residual" if v else "plain"
+        return str(v).replace("torch.", "")
+
+    return "-".join(word(v) for v in case if v is not None)
+
+
+THRESHOLD_CASES = _dtype_cases(SIZES, (True, False))
+
+
 @interp
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,rows", SIZES, ids=[str(s[0]) for s in SIZES])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "plain"])
+@pytest.mark.parametrize("dtype,n,rows,with_residual", THRESHOLD_CASES, ids=[_case_id(c) for c in THRESHOLD_CASES])
 def test_threshold_ef_matches_reference(dtype, n, rows, with_residual):
     from gradzip.kernels.triton.threshold import threshold_ef_triton
 
@@ -192,9 +213,11 @@ def _peer_frames(n, peers, vdtype, seed):
     return idxs, vals, out0
 
 
+SPARSE_MANY_CASES = [(d, n, p) for d, n, p, _ in _dtype_cases([(1, 3), (33, 8), (4097, 5)])]
+
+
 @interp
-@pytest.mark.parametrize("vdtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,peers", [(1, 3), (33, 8), (4097, 5)])
+@pytest.mark.parametrize("vdtype,n,peers", SPARSE_MANY_CASES, ids=[_case_id(c) for c in SPARSE_MANY_CASES])
 def test_scatter_add_sparse_many_matches_frame_by_frame(vdtype, n, peers):
     """Every peer's frame in one launch (a stable sort, then a program per element's run) against
     the reference frame by frame, bit for bit: indices shared by several peers (so each element's
@@ -220,9 +243,11 @@ def test_scatter_add_sparse_many_matches_frame_by_frame(vdtype, n, peers):
 # -- top-k compaction ----------------------------------------------------------------------------
 
 
+ABS_SELECT_CASES = [(d, n) for d, n, _ in _dtype_cases([(n,) for n in (0, 1, 31, 33, 4097, 20011)])]
+
+
 @interp
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [0, 1, 31, 33, 4097, 20011])
+@pytest.mark.parametrize("dtype,n", ABS_SELECT_CASES, ids=[_case_id(c) for c in ABS_SELECT_CASES])
 def test_abs_select_matches_reference(dtype, n):
     from gradzip.kernels.triton.topk import abs_select_triton
 
@@ -364,24 +389,77 @@ def test_every_kernel_has_an_aot_spec():
     assert declared and declared == covered
 
 
-@pytest.fixture(scope="module")
-def aot_rows(tmp_path_factory):
-    """Compile every spec in one child process without the interpreter (no GPU needed),
-    into an empty cache, so nothing passes on a stale build."""
+#: What the default run compiles for sm_90 (a few seconds, where every spec takes ~40 s: that is
+#: ``long``): the threshold kernel (streaming: a divisible spec must load 16 bytes; and a ragged
+#: spec), a decoder and the top-k compaction (streaming too): each one's first divisible and
+#: first ragged spec.
+AOT_SMOKE = ("_threshold_ef_kernel", "_decode_add_bitmap2_kernel", "_abs_select_kernel")
+
+
+def _smoke_specs():
+    picked = {}
+    for i, s in enumerate(SPECS):
+        key = (s["kernel"].__name__, bool(s.get("divisible")))
+        if key[0] in AOT_SMOKE:
+            picked.setdefault(key, i)
+    return sorted(picked.values())
+
+
+SMOKE_SPECS = _smoke_specs()
+#: The bandwidth-bound kernels, which load 16 bytes per instruction where the launcher specializes.
+STREAMING = {
+    "_threshold_ef_kernel",
+    "_abs_select_kernel",
+    "_sign_encode_kernel",
+    "_sign_onepass_kernel",
+    "_codes_encode_kernel",
+    "_codes_onepass_kernel",
+}
+
+# The child compiles the specs (their indices in aot_specs()) of argv[1] (every spec where it is
+# empty) with the module's own compile_all, and prints its rows.
+_AOT_CHILD = """
+import json, sys
+from gradzip.kernels.triton import aot
+picked = [int(i) for i in sys.argv[1].split(",") if i]
+specs = aot.module_specs(None)
+aot.module_specs = lambda modules: [specs[i] for i in picked] if picked else specs
+for row in aot.compile_all(90):
+    print(json.dumps(row))
+"""
+
+
+def _compile_in_child(tmp_path_factory, indices=()):
+    """Compile specs in one child process without the interpreter (no GPU needed), into an
+    empty cache, so nothing passes on a stale build: those of ``indices``, or every one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     out = subprocess.run(
-        [sys.executable, "-m", "gradzip.kernels.triton.aot", "--arch", "90"],
+        [sys.executable, "-c", _AOT_CHILD, ",".join(map(str, indices))],
         capture_output=True,
         text=True,
         env=env,
         cwd=str(ROOT),
         timeout=300,
     )
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(SPECS), out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")], out.stderr
+
+
+@pytest.fixture(scope="module")
+def aot_rows(tmp_path_factory):
+    """Every spec compiled (``long``)."""
+    rows, err = _compile_in_child(tmp_path_factory)
+    assert len(rows) == len(SPECS), err[-3000:]
     return rows
+
+
+@pytest.fixture(scope="module")
+def aot_smoke_rows(tmp_path_factory):
+    """The specs of :data:`SMOKE_SPECS`, by their index in :data:`SPECS`."""
+    rows, err = _compile_in_child(tmp_path_factory, SMOKE_SPECS)
+    assert len(rows) == len(SMOKE_SPECS), err[-3000:]
+    return dict(zip(SMOKE_SPECS, rows))
 
 
 def _spec_id(s):
@@ -389,30 +467,48 @@ def _spec_id(s):
     return f"{s['kernel'].__name__}-{ptrs}-{'div' if s.get('divisible') else 'ragged'}"
 
 
-@pytest.mark.parametrize("i", range(len(SPECS)), ids=[_spec_id(s) for s in SPECS])
-def test_aot_compile_for_sm90(aot_rows, i):
-    row, spec = aot_rows[i], SPECS[i]
+def _check_aot_row(row, spec):
     assert row["kernel"] == spec["kernel"].__name__ and row["signature"] == spec["signature"]
     assert row["ok"], row.get("error")
     assert row["ptx_target"] == "sm_90" and row["cubin_bytes"] > 1000
     assert row["num_warps_built"] == spec["num_warps"]
 
 
-def test_aot_streaming_kernels_use_16_byte_loads(aot_rows):
+def _check_vector_loads(rows, streaming):
     """With aligned pointers and n % 16 == 0 (what the launcher specializes on), the
     bandwidth-bound kernels load 16 bytes per instruction."""
-    streaming = {
-        "_threshold_ef_kernel",
-        "_abs_select_kernel",
-        "_sign_encode_kernel",
-        "_sign_onepass_kernel",
-        "_codes_encode_kernel",
-        "_codes_onepass_kernel",
-    }
-    rows = [row for row in aot_rows if row["kernel"] in streaming and row["divisible"]]
+    rows = [row for row in rows if row["kernel"] in streaming and row["divisible"]]
     assert {row["kernel"] for row in rows} == streaming
     for row in rows:
         assert row["vector_loads"] > 0, row
+
+
+def test_aot_smoke_covers_streaming_and_ragged_specs():
+    """The default run's subset holds a streaming kernel's divisible and ragged specs."""
+    smoke = [SPECS[i] for i in SMOKE_SPECS]
+    assert {s["kernel"].__name__ for s in smoke} == set(AOT_SMOKE)
+    assert any(s["kernel"].__name__ in STREAMING and s.get("divisible") for s in smoke)
+    assert any(not s.get("divisible") for s in smoke)
+
+
+@pytest.mark.parametrize("i", SMOKE_SPECS, ids=[_spec_id(SPECS[i]) for i in SMOKE_SPECS])
+def test_aot_compile_for_sm90_of_representative_kernels(aot_smoke_rows, i):
+    _check_aot_row(aot_smoke_rows[i], SPECS[i])
+
+
+def test_aot_representative_streaming_kernels_use_16_byte_loads(aot_smoke_rows):
+    _check_vector_loads(list(aot_smoke_rows.values()), STREAMING & set(AOT_SMOKE))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("i", range(len(SPECS)), ids=[_spec_id(s) for s in SPECS])
+def test_aot_compile_for_sm90(aot_rows, i):
+    _check_aot_row(aot_rows[i], SPECS[i])
+
+
+@pytest.mark.long
+def test_aot_streaming_kernels_use_16_byte_loads(aot_rows):
+    _check_vector_loads(aot_rows, STREAMING)
 
 
 def test_aot_specs_belong_to_their_modules():
@@ -432,12 +528,15 @@ def test_aot_specs_belong_to_their_modules():
 
 
 @interp
-def test_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize(
+    "sizes", [["--sizes", "4099"], pytest.param([], marks=pytest.mark.long)], ids=["one-size", "smoke-sizes"]
+)
+def test_benchmark_smoke(tmp_path, sizes):
     spec = importlib.util.spec_from_file_location("gz_bench_kernels", ROOT / "benchmarks" / "kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "k.json"
-    assert mod.main(["--smoke", "--out", str(out)]) == 0
+    assert mod.main(["--smoke", *sizes, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["smoke"] is True and data["copy_bandwidth_gbps"] > 0
     names = {r["kernel"] for r in data["results"]}
@@ -454,9 +553,14 @@ def test_benchmark_smoke(tmp_path):
 
 
 # -- bit packing of any width (kernels/triton/bits.py) ------------------------------------------
+# Every width at 37 elements (a ragged last byte, several programs a row of the small block);
+# the empty and one-element rows at the extreme widths; 300 elements at one width (a larger
+# small block: every interpreted program costs, so not the full cross product).
+PACK_CASES = [(0, 1), (0, 63), (1, 1), (1, 63), *[(37, b) for b in (1, 3, 7, 8, 13, 33, 63)], (300, 13)]
+
+
 @interp
-@pytest.mark.parametrize("bits", [1, 3, 7, 8, 13, 33, 63])
-@pytest.mark.parametrize("n", [0, 1, 37, 300])
+@pytest.mark.parametrize("n,bits", PACK_CASES, ids=[f"{n}-{b}" for n, b in PACK_CASES])
 def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
     """pack_uint_triton and unpack_uint_triton against bitpack's torch route (numpy off), bit for
     bit: 1-D streams and 2-D rows (each padded to a byte), several programs a row (a small
@@ -473,7 +577,8 @@ def test_pack_and_unpack_uint_match_the_torch_route(bits, n, monkeypatch):
         v[0, -1] = hi  # the largest value, in the last place of a row
         v[1, 0] = hi
     want = bitpack.pack_uint(v, bits)
-    for block in (None, 8):
+    small = 64 if n >= 100 else 16 if bits > 16 else 8  # several programs a row, packing and unpacking
+    for block in (None, small):
         got = pack_uint_triton(v, bits, block=block)
         assert got.shape == want.shape and torch.equal(got, want)
         assert torch.equal(pack_uint_triton(v[1], bits, block=block), bitpack.pack_uint(v[1], bits))

@@ -1,11 +1,13 @@
 """One table of public names (``gradzip/_names.py``): ``__all__``, ``gz.<name>``, the
 type-checking imports, the registry's methods and the tests' codec list all agree with it,
-and an exported in-tree codec is its own file plus one table entry."""
+and an exported in-tree codec is its own file plus one table entry: the toy codec that
+docs/architecture.md shows ("Writing a codec"), which is this file's :data:`TOY`."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +156,17 @@ def test_an_exported_codec_is_its_own_file_and_one_table_entry(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"]
+
+
+def test_the_architecture_pages_toy_codec_is_the_one_tested_here():
+    """docs/architecture.md's "Writing a codec" shows :data:`TOY` verbatim, so the page's
+    example is the codec the test above builds and runs."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "## Writing a codec" in text
+    section = text.split("## Writing a codec", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the section holds one python block: the toy codec"
+    assert blocks[0].strip() == textwrap.dedent(TOY).strip(), "docs/architecture.md's toy codec is not TOY"
 
 
 def _env(root) -> dict:

@@ -14,8 +14,8 @@ from gradzip.bench import free_port
 from gradzip.codecs.base import TensorContext
 from gradzip.codecs.cast import FP16
 from gradzip.codecs.quant import Int8, SignSGD
-from gradzip.codecs.sparse import TopK
 from gradzip.codecs.threshold import Threshold
+from gradzip.codecs.topk import TopK
 from gradzip.engine import Engine
 from gradzip.protocols.filter import REF, SENT, SKIPPED, Filter
 from gradzip.protocols.powersgd import PowerSGD

@@ -128,7 +128,7 @@ def _train_all(rank, world, comps, steps, cap_mb):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.long)])
 def test_every_non_summable_codec_trains_to_plain_ddps_loss_band(world):
     """Every codec at 2 and 4 ranks; at 8 (eight processes on the CI's two cores) a sparsifier,
     a sign and a quantizer."""

@@ -149,3 +149,25 @@ def ddp_resume_matches_unbroken(
         load,
         k,
     )
+
+
+def forget_dtensor_caches() -> None:
+    """Clear torch's DTensor caches (sharding propagation, redistribute planners) in this process.
+
+    A pooled rank (:mod:`tests.support.ranks`) runs each call in a new process group, but
+    ``DeviceMesh`` equality ignores the mesh's process groups, so a sharding result cached in
+    an earlier call can hand a DTensor the earlier call's mesh, whose group names the new
+    process group does not know ("Could not resolve the process group registered under the
+    name 7") or, worse, knows as other groups. Call it before building meshes in a pooled
+    rank; a fresh process starts with these caches empty anyway."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:  # the C++ dispatch's own cache (torch 2.13)
+        clear_fast_path()
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    except ImportError:  # older torch: no planner cache
+        return
+    clear_redistribute_planner_cache()

@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 
 from gradzip.bench import free_port, init_worker
 
+from .models import forget_dtensor_caches
+
 #: What the forkserver imports once, so that a rank forked from it starts in milliseconds.
 PRELOAD = [
     "torch",
@@ -36,7 +38,9 @@ PRELOAD = [
     "torch.nn.parallel",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    "torch._dynamo",  # the first torch.optim optimizer imports it (about 1 s)
     "gradzip",
+    "gradzip.kernels.numba_ops",
     "gradzip.bench",
     "gradzip.hooks",
     "tests.support",
@@ -96,6 +100,7 @@ def _serve(rank, world, inbox, q):
         if task is None:
             return
         fn, port, args, timeout_s = task
+        forget_dtensor_caches()  # a DeviceMesh of an earlier call's process group must not be reused
         torch.manual_seed(seed)
         torch.set_num_threads(threads)
         try:
