@@ -187,8 +187,9 @@ def lm(doc: dict) -> str:
         f"{cfg['total_steps']} steps, batch {cfg['batch_size']}/rank, {cfg['optimizer']} lr {cfg['lr']:g}{warmup}"
         f"{clip}; seeds {_seeds(cfg['seeds'])}; {_machine(doc['machine'])})",
         "",
-        "| method | link ratio | link MB/step | val loss (nats/byte) | bits/byte | gap to DDP (%) | ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | link ratio | link MB/step | val loss (nats/byte) | bits/byte | gap to DDP (%) "
+        "| DDP-equivalent steps | ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         loss = f"{r['val_loss']:.4f}"
@@ -197,18 +198,37 @@ def lm(doc: dict) -> str:
             loss += f" ± {r['val_loss_std']:.4f}"
             if gap:
                 gap += f" ± {r['gap_pct_std']:.2f} [{r['gap_pct_min']:+.2f}..{r['gap_pct_max']:+.2f}]"
+        eq = _ddp_steps(r, doc["rows"])
         lines.append(
             f"| {r['method']} | {r['ratio']:.1f}× | {r['bytes_link_per_step'] / 1e6:.4f} | {loss} "
-            f"| {r['bits_per_byte']:.4f} | {gap} | {1000 * r['seconds_per_step']:.1f} |"
+            f"| {r['bits_per_byte']:.4f} | {gap} | {eq} | {1000 * r['seconds_per_step']:.1f} |"
         )
     return "\n".join(lines)
+
+
+def _ddp_steps(row: dict, rows: list) -> str:
+    """A row's DDP-equivalent steps (``ddp_steps_pct``, else from its seeds' curves and the
+    baseline's: :func:`gradzip.bench.report.ddp_equivalent_pct`), as a percentage."""
+    from gradzip.bench.report import ddp_equivalent_pct
+
+    pct = row.get("ddp_steps_pct")
+    base = next((r for r in rows if r["method"] in ("Identity", "DDP")), None)
+    if pct is None and base is not None and row is not base:
+        by_seed = {s["seed"]: s for s in base.get("per_seed", [])}
+        eq = [ddp_equivalent_pct(s.get("curve"), by_seed.get(s["seed"], {}).get("curve")) for s in row["per_seed"]]
+        pct = statistics.fmean(eq) if eq and all(e is not None for e in eq) else None
+    if row is base:
+        return "100%"
+    return f"{pct:.0f}%" if pct is not None else ""
 
 
 #: What a language-model table's columns mean, said once on the page (``{{ lm_columns }}``).
 LM_COLUMNS = (
     "Validation loss: nats per byte on the whole validation text after the last step, mean ± sample std over "
     "the seeds; gap: 100 × (loss − Identity's) / Identity's on the same seed, in percent, mean ± sample std "
-    "[min..max]; link ratio: plain DDP's ring-allreduce bytes on a rank's link / gradzip's."
+    "[min..max]; DDP-equivalent steps: the step, in percent of the run, at which DDP's validation curve reached "
+    "the method's final loss (on the curve's fixed subset of the validation text); link ratio: plain DDP's "
+    "ring-allreduce bytes on a rank's link / gradzip's."
 )
 
 

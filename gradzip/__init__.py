@@ -56,6 +56,11 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .codecs.cast import BF16 as BF16
     from .codecs.cast import FP16 as FP16
     from .codecs.cast import Identity as Identity
+    from .codecs.chunked import ChunkTopK as ChunkTopK
+    from .codecs.lowbit import FP4 as FP4
+    from .codecs.lowbit import FP8 as FP8
+    from .codecs.lowbit import Int2 as Int2
+    from .codecs.lowbit import Int4 as Int4
     from .codecs.quant import QSGD as QSGD
     from .codecs.quant import Int8 as Int8
     from .codecs.quant import SignSGD as SignSGD
@@ -68,6 +73,9 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .engine import Engine as Engine
     from .local_sgd import DiLoCo as DiLoCo
     from .local_sgd import LocalSGD as LocalSGD
+    from .local_sgd import SparseLoCo as SparseLoCo
+    from .onebit import OneBitAdam as OneBitAdam
+    from .onebit import ZeroOneAdam as ZeroOneAdam
     from .optim import DistributedOptimizer as DistributedOptimizer
     from .policy import Policy as Policy
     from .protocols.adaptive import Adaptive as Adaptive

@@ -48,6 +48,8 @@ import torch
 
 import gradzip.args as args
 
+from .engine import STATE_VERSION
+
 __all__ = ["reshard", "save", "load", "read_states", "write_states", "PerRank", "state_path"]
 
 _PIECE = re.compile(r"^(?P<name>.*)#(?P<j>\d+)/(?P<n>\d+)(?P<owner>:owner)?$")
@@ -88,7 +90,12 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
     first = states[0]
     old = len(states)
     for r, s in enumerate(states):
-        if s.get("rank") is not None and (int(s["rank"]) != r or int(s.get("world_size", old)) != old):
+        if s.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"states[{r}] has gradzip state version {s.get('version')!r}, and this gradzip reads "
+                f"{STATE_VERSION}: reshard it with the gradzip that saved it"
+            )
+        if int(s["rank"]) != r or int(s["world_size"]) != old:
             raise ValueError(
                 f"states[{r}] was saved by rank {s['rank']} of {s.get('world_size')}: pass the {old} ranks' states "
                 "in rank order, one per rank"
@@ -124,12 +131,13 @@ def reshard(states: list[dict], world_size: int, *, preserve: str = "sum") -> li
             "method_repr": first.get("method_repr"),
             "method": dict(first["method"]),
             "error_feedback": first["error_feedback"],
+            "error_decay": first["error_decay"],
             "step": first["step"],
             "residuals": {k: v.clone() for k, v in residuals.items()},
             "tensor_state": {k: dict(v) for k, v in tensor_state.items()},
             "stats": dict(first["stats"]),
             "momentum": {k: v.clone() for k, v in momentum.items()},
-            "momentum_mode": first.get("momentum_mode"),
+            "momentum_mode": first["momentum_mode"],
         }
         for r in range(world_size)
     ]

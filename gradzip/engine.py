@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -71,7 +70,7 @@ from .wire import accum_dtype
 
 __all__ = ["Engine", "layout_of", "all_finite", "check_owner", "STATE_VERSION"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: the error decay and the momentum-correction mode are recorded
 #: ``Momentum.mode()`` as a checkpoint's refusal names it.
 _MODES = {
     "momentum": "momentum correction (precondition=False, update='optimizer')",
@@ -136,16 +135,8 @@ def check_owner(sd: dict, rank: int, world_size: int) -> None:
 
     Error-feedback residuals, momentum buffers and adaptive thresholds are per rank: a
     rank that loads another rank's state runs on that rank's residuals, and nothing in
-    the training shows it. States saved before gradzip recorded their rank (``"rank"``
-    missing) load with a warning."""
-    saved_rank, saved_world = sd.get("rank"), sd.get("world_size")
-    if saved_rank is None or saved_world is None:
-        warnings.warn(
-            "this gradzip state does not record the rank that saved it (saved by an older gradzip): "
-            f"make sure it is rank {rank}'s own; error-feedback state is per rank",
-            stacklevel=3,
-        )
-        return
+    the training shows it."""
+    saved_rank, saved_world = sd["rank"], sd["world_size"]
     method = sd.get("method_repr") or sd.get("method", {}).get("name", "?")
     if int(saved_world) != world_size:
         raise ValueError(
@@ -251,6 +242,8 @@ class Engine:
             :class:`~gradzip.comm.Communicator` to use as it is (Horovod's).
         start_iter: steps before this one run a plain allreduce.
         error_feedback: ``None`` turns it on for biased methods.
+        error_decay: ``beta`` in ``(0, 1]``: each residual is read as ``beta * r``
+            (:mod:`gradzip.feedback`); below 1 it needs error feedback.
         on_nonfinite: ``"skip"`` or ``"raise"``.
         layout: ``[(name, shape, dtype)]`` of the tensors (``layout_of``), compared
             across ranks on the first call.
@@ -265,6 +258,7 @@ class Engine:
         process_group: dist.ProcessGroup | Communicator | None = None,
         start_iter: int = 0,
         error_feedback: bool | None = None,
+        error_decay: float = 1.0,
         on_nonfinite: str = "skip",
         layout: list | None = None,
         momentum: Momentum | None = None,
@@ -283,7 +277,10 @@ class Engine:
         self.protocol = as_protocol(method, self.comm.world_size, feedback=self.error_feedback)
         if layout is not None:
             self.protocol.check_names([n for n, _, _ in layout])
-        self.memory = ErrorFeedback() if self.error_feedback else None
+        self.error_decay = args.number("error_decay", error_decay, 0.0, 1.0, lo_open=True)
+        if self.error_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"error_decay={self.error_decay} decays error-feedback residuals: it needs error_feedback")
+        self.memory = ErrorFeedback(self.error_decay) if self.error_feedback else None
         self.momentum = momentum
         self.moments = ErrorFeedback() if momentum is not None else None  # its buffers, rolled back alike
         # No state at all (Identity's plain allreduce, no error feedback, no momentum): a NaN/Inf
@@ -612,6 +609,8 @@ class Engine:
         """What every rank must agree on (flat keys, plain values)."""
         d = {f"method.{k}": v for k, v in self.method.config().items()}
         d.update(error_feedback=self.error_feedback, start_iter=self.start_iter, on_nonfinite=self.on_nonfinite)
+        if self.error_decay != 1.0:
+            d["error_decay"] = self.error_decay
         d.update(momentum=self.momentum.describe() if self.momentum is not None else None, clip=self.clip)
         if self.layout is not None:
             blob = json.dumps(self.layout, sort_keys=True).encode()
@@ -720,6 +719,7 @@ class Engine:
             "method_repr": repr(self.method),
             "method": self.method.config(),
             "error_feedback": self.error_feedback,
+            "error_decay": self.error_decay,
             "step": self.step,
             "residuals": self.memory.state_dict() if self.memory is not None else {},
             "momentum": self.moments.state_dict() if self.moments is not None else {},
@@ -737,8 +737,10 @@ class Engine:
         another momentum-correction mode (``precondition``, ``update="sign"``)."""
         if sd.get("version") != STATE_VERSION:
             raise ValueError(
-                f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}); "
-                "states saved by gradzip 0.1 (version 1) cannot be loaded: their codec state and frames differ"
+                f"gradzip state version {sd.get('version')!r} is not supported (expected {STATE_VERSION}): "
+                "an older state lacks what this one records (a version-2 state: the error decay, the "
+                "momentum-correction mode and the saving rank); resume with the gradzip that saved it, or start "
+                "from the model alone"
             )
         check_owner(sd, self.comm.rank, self.comm.world_size)
         saved, mine = sd["method"], self.method.config()
@@ -752,9 +754,13 @@ class Engine:
             raise ValueError(
                 f"error_feedback differs from the checkpoint: saved {sd['error_feedback']}, now {self.error_feedback}"
             )
+        if float(sd["error_decay"]) != self.error_decay:
+            raise ValueError(
+                f"error_decay differs from the checkpoint: saved {sd['error_decay']}, now {self.error_decay}"
+            )
         if self.moments is None and sd.get("momentum"):
             raise ValueError("the checkpoint holds momentum buffers of momentum correction: pass the optimizer again")
-        saved_mode = sd.get("momentum_mode")  # absent from states saved before 2026-12-01
+        saved_mode = sd["momentum_mode"]
         mode = self.momentum.mode() if self.momentum is not None else None
         if saved_mode is not None and mode is not None and saved_mode != mode:
             raise ValueError(

@@ -14,6 +14,14 @@ arithmetic written into it), and the residual a step started from is still
 intact when the step ends, which is what :meth:`restore` needs. A buffer is
 never handed out while a snapshot holds it.
 
+**Decay** (``ErrorFeedback(decay=beta)``, the engine's ``error_decay``): a residual is read for
+compensation as ``beta * r`` (:meth:`check_shape`, :meth:`compensate`), so a codec sends
+``g + beta * r`` and keeps what it did not send: the mass ``(1 - beta) * r`` is dropped each step
+on purpose. This is the decaying error buffer of SparseLoCo (beta 0.95 on DiLoCo's
+pseudo-gradient) and DeMo (beta 0.999, the buffer being the momentum). ``beta = 1`` is plain error
+feedback. A protocol's second memory (TwoPhase's owner residuals, read by :meth:`residual`) does
+not decay.
+
 **Rollback.** The first :meth:`set` of a name in a step remembers the residual it
 replaces; the engine calls :meth:`restore` to put every remembered residual back
 when the step turns out non-finite, else :meth:`release`. Only the engine
@@ -33,7 +41,8 @@ _ABSENT = object()
 
 
 class ErrorFeedback:
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = float(decay)
         self.residuals: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}
         self._held: dict[str, object] = {}  # name -> the residual a snapshot holds (or _ABSENT)
@@ -42,13 +51,16 @@ class ErrorFeedback:
         return self.residuals.get(name)
 
     def check_shape(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
-        """The residual of ``name`` on ``grad``'s device in the accumulation dtype, or None."""
+        """The residual of ``name`` on ``grad``'s device in the accumulation dtype, times the
+        decay (a new tensor where the decay is not 1), or None."""
         r = self.residuals.get(name)
         if r is None:
             return None
         if r.shape != grad.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(r.shape)}, gradient has {tuple(grad.shape)}")
         acc = accum_dtype(grad.dtype)
+        if self.decay != 1.0:
+            return torch.mul(r.to(device=grad.device, dtype=acc), self.decay)
         return r if (r.device, r.dtype) == (grad.device, acc) else r.to(device=grad.device, dtype=acc)
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -69,7 +81,7 @@ class ErrorFeedback:
         return torch.empty(like.shape, dtype=acc, device=like.device)
 
     def compensate(self, name: str, grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``grad + residual`` in the accumulation dtype, in ``out`` (default: :meth:`buffer`)."""
+        """``grad + decay * residual`` in the accumulation dtype, in ``out`` (default: :meth:`buffer`)."""
         r = self.check_shape(name, grad)
         out = self.buffer(name, grad) if out is None else out
         if r is None:

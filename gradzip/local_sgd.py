@@ -63,6 +63,7 @@ import gradzip.args as args
 from .checkpoint import reshard
 from .codecs.base import Codec
 from .codecs.cast import Identity
+from .codecs.chunked import ChunkTopK
 from .engine import Engine, check_real, layout_of
 from .frontend import FrontEnd
 from .protocols.base import Protocol
@@ -70,9 +71,9 @@ from .registry import register_frontend
 from .schedules import Constant, Streaming, as_schedule, long_run_period, split_fragments
 from .sync import check_parameters_agree
 
-__all__ = ["LocalSGD", "DiLoCo", "DILOCO_OUTER", "reshard_state"]
+__all__ = ["LocalSGD", "DiLoCo", "SparseLoCo", "DILOCO_OUTER", "SPARSELOCO_OUTER", "reshard_state"]
 
-STATE_VERSION = 3  # 3: fragments are pieces of tensors ("name[start:stop]"); 2 loads where they agree
+STATE_VERSION = 4  # 4: with the engine's state version 3 (the error decay recorded)
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023): ``torch.optim.SGD`` with these arguments.
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -174,6 +175,10 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         push_every: when to push deltas (default: ``period``); same forms as ``period``.
         pull_every: when to pull the global model (default: ``period``); same forms.
         error_feedback: ``None`` turns it on for biased methods.
+        error_decay: ``beta`` in ``(0, 1]``: the residual a push adds is ``beta * r``
+            (:mod:`gradzip.feedback`); SparseLoCo's decaying error buffer is
+            ``DiLoCo(..., compression=ChunkTopK(32, chunk=64, values="q2"), error_decay=0.95,
+            outer_kwargs={"lr": 1.0, "momentum": 0.0, "nesterov": False})`` (``docs/lm.md``).
         outer: the outer optimizer: ``None`` (with ``outer_kwargs=None``: plain averaging,
             ``G <- G + D``), an optimizer class, or a factory ``params -> optimizer``,
             called with the global copy of the parameters (and ``**outer_kwargs``). It steps
@@ -218,6 +223,7 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         push_every: int | Callable[[int], bool] | None = None,
         pull_every: int | Callable[[int], bool] | None = None,
         error_feedback: bool | None = None,
+        error_decay: float = 1.0,
         outer: OuterOptimizer | None = None,
         outer_kwargs: dict | None = None,
         fragments: int = 1,
@@ -283,6 +289,7 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
             compression,
             process_group=process_group,
             error_feedback=error_feedback,
+            error_decay=error_decay,
             on_nonfinite="raise",
             layout=layout_of(self._global.items()),  # the pieces: every rank must cut alike
         )
@@ -623,16 +630,11 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         sd = dict(state_dict)
         mine = dict(sd.pop("local_sgd"))
         version = mine.get("version")
-        if version == 1:  # before outer optimizers and streaming: one fragment, plain averaging
-            mine.update(
-                streaming=None,
-                alpha=0.0,
-                fragments=[list(self._names)],
-                outer=None,
-                inflight_fragment=0 if mine["inflight_avg"] else -1,
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"local_sgd state version {version!r} is not supported (expected {STATE_VERSION}): it was saved by "
+                "an older gradzip; resume with that gradzip, or start from the model alone"
             )
-        elif version not in (2, STATE_VERSION):  # 2: whole tensors only (it loads where its fragments are ours)
-            raise ValueError(f"local_sgd state version {version!r} is not supported (expected {STATE_VERSION})")
         if bool(mine["overlap"]) != self.overlap:
             raise ValueError(f"overlap differs from the checkpoint: saved {mine['overlap']}, now {self.overlap}")
         now = self.streaming.config() if self.streaming is not None else None
@@ -736,7 +738,10 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         v = bound.arguments
         kw = {k: v.get(k, d) for k, d in _SPEC_DEFAULTS.items()}  # DiLoCo's signature lacks some
         if cls is not LocalSGD and kw["outer"] is None and isinstance(kw["outer_kwargs"], (dict, type(None))):
-            kw["outer_kwargs"] = {**DILOCO_OUTER, **(kw["outer_kwargs"] or {})}  # DiLoCo's outer optimizer
+            outer = SPARSELOCO_OUTER if issubclass(cls, SparseLoCo) else DILOCO_OUTER
+            kw["outer_kwargs"] = {**outer, **(kw["outer_kwargs"] or {})}  # DiLoCo's or SparseLoCo's outer step
+        if issubclass(cls, SparseLoCo) and kw["compression"] is None:
+            kw["compression"] = SparseLoCo.default_compression()
         try:  # the constructor's own checks: a spec it would refuse is refused here
             c = LocalSGD._checked(v["period"], **kw)
         except TypeError as e:
@@ -776,7 +781,7 @@ class DiLoCo(LocalSGD):
         compression: the codec or protocol for the pseudo-gradients (default
             ``Identity()``).
         process_group, outer, outer_kwargs, fragments, delay, alpha, error_feedback,
-        check_parameters: as :class:`LocalSGD`'s.
+        error_decay, check_parameters: as :class:`LocalSGD`'s.
     """
 
     def __init__(
@@ -793,6 +798,7 @@ class DiLoCo(LocalSGD):
         delay: int = 0,
         alpha: float = 0.0,
         error_feedback: bool | None = None,
+        error_decay: float = 1.0,
         check_parameters: bool = True,
     ) -> None:
         if outer is None:
@@ -804,6 +810,7 @@ class DiLoCo(LocalSGD):
             compression,
             process_group=process_group,
             error_feedback=error_feedback,
+            error_decay=error_decay,
             outer=outer,
             outer_kwargs=outer_kwargs,
             fragments=fragments,
@@ -811,6 +818,77 @@ class DiLoCo(LocalSGD):
             alpha=alpha,
             check_parameters=check_parameters,
         )
+
+
+#: SparseLoCo's outer step (Sarfi et al. 2025): plain SGD at lr 1, no momentum; the decaying error
+#: buffer (``error_decay``) takes the outer momentum's place.
+SPARSELOCO_OUTER = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+
+
+@register_frontend
+class SparseLoCo(DiLoCo):
+    """SparseLoCo: DiLoCo whose pseudo-gradient is sent as a top-k of every 64 by 64 tile with
+    2-bit values (:class:`gradzip.codecs.chunked.ChunkTopK`), through an error buffer that decays
+    (``e <- error_decay * e + delta``; what is sent is subtracted from it), and applied by plain
+    SGD at lr 1 (:data:`SPARSELOCO_OUTER`): the decaying buffer does what DiLoCo's outer Nesterov
+    momentum does. The defaults are the paper's: 32 of every 4,096 elements (0.78%), 2-bit
+    values, decay 0.95; ``period`` is the inner steps between syncs (the paper's H = 15 to 30).
+
+    ``SparseLoCo(opt, model, period=30)`` is ``DiLoCo(opt, model, period=30,
+    compression=ChunkTopK(32, chunk=64, values="q2"), error_decay=0.95,
+    outer_kwargs=SPARSELOCO_OUTER)``; every argument is :class:`DiLoCo`'s, with these defaults.
+    Receivers average the ranks' frames; the authors' code averages each coordinate over the
+    ranks that sent it (``docs/lm.md``).
+
+    Args:
+        optimizer, model, period, process_group, outer, fragments, delay, alpha, error_feedback,
+        check_parameters: as :class:`DiLoCo`'s.
+        compression: default ``ChunkTopK(32, chunk=64, values="q2")``.
+        outer_kwargs: the outer SGD's arguments over :data:`SPARSELOCO_OUTER`.
+        error_decay: the error buffer's decay, default 0.95.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        period: int,
+        compression: Codec | Protocol | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        outer: OuterOptimizer | None = None,
+        outer_kwargs: dict | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        error_feedback: bool | None = None,
+        error_decay: float = 0.95,
+        check_parameters: bool = True,
+    ) -> None:
+        if compression is None:
+            compression = self.default_compression()
+        if outer is None:
+            outer_kwargs = {**SPARSELOCO_OUTER, **(outer_kwargs or {})}
+        super().__init__(
+            optimizer,
+            model,
+            period,
+            compression,
+            process_group=process_group,
+            outer=outer,
+            outer_kwargs=outer_kwargs,
+            fragments=fragments,
+            delay=delay,
+            alpha=alpha,
+            error_feedback=error_feedback,
+            error_decay=error_decay,
+            check_parameters=check_parameters,
+        )
+
+    @staticmethod
+    def default_compression() -> Codec:
+        """``ChunkTopK(32, chunk=64, values="q2")``: the paper's 0.78% with 2-bit values."""
+        return ChunkTopK(32, chunk=64, values="q2")
 
 
 def reshard_state(states: list, world_size: int, *, preserve: str = "sum") -> list:

@@ -31,11 +31,13 @@ DEFAULT_METHODS = (
     "Identity, TopK(0.003, values='sign', scope='call'), Int8, PowerSGD(rank=2), "
     "DiLoCo(period=32, compression=Int8(), outer_kwargs={'momentum': 0.5})"
 )
-#: The language-model table's rows (``--preset lm``, about 2 hours on a 2-core VM): per family the
+#: The language-model table's rows (``--preset lm``, about 3 hours on a 2-core VM): per family the
 #: setting nearest DDP's validation loss at seed 0 (docs/results.md, "A language model").
 LM_PRESET_METHODS = (
     "Identity, Int8(), PowerSGD(rank=32), Hook(TopK(0.3), momentum_correction='off'), "
-    "LocalSGD(period=8, compression=Int8())"
+    "LocalSGD(period=8, compression=Int8()), "
+    "SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2')), "
+    "LocalSGD(period=4, compression=Int4(block=256))"
 )
 #: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
 DEFAULT_SEEDS = (0, 1, 2)

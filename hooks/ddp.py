@@ -154,6 +154,7 @@ def comm_hook(
     clip: float | None = None,
     precondition: bool = False,
     update: str = "optimizer",
+    error_decay: float = 1.0,
 ) -> tuple[HookState, Hook]:
     """The ``(state, hook)`` pair of torch's ``DistributedDataParallel.register_comm_hook``::
 
@@ -194,6 +195,7 @@ def comm_hook(
         process_group=process_group,
         start_iter=start_iter,
         error_feedback=error_feedback,
+        error_decay=error_decay,
         on_nonfinite=on_nonfinite,
         layout=layout_of(trained),
         momentum=momentum,
@@ -218,6 +220,7 @@ def register_hook(
     clip: float | None = None,
     precondition: bool = False,
     update: str = "optimizer",
+    error_decay: float = 1.0,
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -251,6 +254,10 @@ def register_hook(
             ``optimizer``, the hook keeps its first moment as momentum correction does and
             replaces its step by ``p -= lr * sign(average)`` after the decoupled weight decay
             (signum, as DeMo applies it to a DCT-domain top-k: ``gz.DCT(gz.TopK(...))``).
+        error_decay: ``beta`` in ``(0, 1]``: each residual is compensated as ``beta * r``
+            (:mod:`gradzip.feedback`). DeMo is ``update="sign"`` with an SGD ``optimizer``
+            without momentum, ``error_decay=0.999`` and a chunked top-k of the DCT:
+            its residual is then DeMo's momentum (``docs/lm.md``).
 
     With ``find_unused_parameters=True``, a parameter unused on a rank is sent as zeros
     and keeps its residual (``Engine.reduce(zero_is_unused=True)``).
@@ -274,6 +281,7 @@ def register_hook(
         clip=clip,
         precondition=precondition,
         update=update,
+        error_decay=error_decay,
     )
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+import gradzip.args as args
+
 from ..codecs.base import Codec
 from ..momentum import UPDATES, Momentum
 from ..options import (
@@ -46,6 +48,10 @@ class Hook:
     precondition: bool | None = None
     error_feedback: bool | None = None
     update: str | None = None  # "sign": register_hook(update="sign") (the optimizer's momentum taken over)
+    error_decay: float | None = None  # register_hook(error_decay=...)
+    momentum: float | None = None  # the row's optimizer momentum (SGD) or beta1 (AdamW), else the bench's
+    lr_scale: float | None = None  # the row's learning rate, a multiple of the bench's (DeMo's sign steps)
+    start_iter: int | None = None  # register_hook(start_iter=...): plain allreduce before this step
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, (Codec, Protocol)):
@@ -58,6 +64,27 @@ class Hook:
             raise TypeError(f"precondition must be True or False, got {self.precondition!r}")
         if self.update is not None and self.update not in UPDATES:
             raise ValueError(f"update must be one of {list(UPDATES)}, got {self.update!r}")
+        if self.error_decay is not None:
+            self.error_decay = args.number("error_decay", self.error_decay, 0.0, 1.0, lo_open=True)
+        if self.momentum is not None:
+            self.momentum = args.number("momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if self.lr_scale is not None:
+            self.lr_scale = args.number("lr_scale", self.lr_scale, 0.0, lo_open=True)
+        if self.start_iter is not None:
+            self.start_iter = args.integer("start_iter", self.start_iter, 0)
+
+
+#: A row's own hook and optimizer options (:class:`Hook`), carried onto its :class:`Method`.
+_HOOK_OPTIONS = (
+    "error_feedback",
+    "momentum_correction",
+    "precondition",
+    "update",
+    "error_decay",
+    "momentum",
+    "lr_scale",
+    "start_iter",
+)
 
 
 register_value("Hook", Hook)
@@ -76,23 +103,23 @@ class Method:
     momentum_correction: str | None = None
     precondition: bool | None = None
     update: str | None = None
+    error_decay: float | None = None
+    momentum: float | None = None
+    lr_scale: float | None = None
+    start_iter: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.method, Hook):
             hook = self.method
             self.method = hook.method
-            for key in ("error_feedback", "momentum_correction", "precondition", "update"):
+            for key in _HOOK_OPTIONS:
                 if getattr(hook, key) is not None:
                     setattr(self, key, getattr(hook, key))
 
     def describe(self) -> str:
         if self.method is None:
             return "plain DDP"
-        opts = [
-            f"{k}={getattr(self, k)!r}"
-            for k in ("error_feedback", "momentum_correction", "precondition", "update")
-            if getattr(self, k) is not None
-        ]
+        opts = [f"{k}={getattr(self, k)!r}" for k in _HOOK_OPTIONS if getattr(self, k) is not None]
         return repr(self.method) + (f" ({', '.join(opts)})" if opts else "")
 
     @property
@@ -298,11 +325,17 @@ def lr_factor(step: int, total: int, warmup: int = 0, schedule: str = "cosine") 
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / span))
 
 
-def make_optimizer(cfg: BenchConfig, params) -> torch.optim.Optimizer:
-    """The optimizer that every method trains with (``cfg.optimizer``)."""
+def make_optimizer(
+    cfg: BenchConfig, params, momentum: float | None = None, lr_scale: float | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer that every method trains with (``cfg.optimizer``); a row's own
+    ``momentum`` (SGD's momentum or AdamW's beta1, else ``cfg.momentum``) and ``lr_scale``
+    (its learning rate over ``cfg.lr``)."""
+    m = cfg.momentum if momentum is None else momentum
+    lr = cfg.lr * (1.0 if lr_scale is None else lr_scale)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=m, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=(m, 0.999), weight_decay=cfg.weight_decay)
 
 
 def _codec_of(method):
@@ -332,6 +365,10 @@ def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | 
     accumulated per rank before compression and masked where a sparse codec sent), and
     ``clip=cfg.clip`` where the bench clips locally."""
     kw = {"error_feedback": method.error_feedback}
+    if method.error_decay is not None:
+        kw["error_decay"] = method.error_decay
+    if method.start_iter is not None:
+        kw["start_iter"] = method.start_iter
     if corrects_momentum(method, opt, cfg):
         kw["optimizer"] = opt
         if preconditions(method, cfg):
@@ -370,6 +407,8 @@ def check_methods(methods: dict[str, Method], cfg: BenchConfig) -> None:
                 terms(*m.method.args, **m.method.kwargs)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{label}: {exc}") from None
+        if isinstance(m.method, Spec) and getattr(m.method.cls, "builds_optimizer", False) and cfg.optimizer != "adamw":
+            raise ValueError(f"{label}: {m.method.cls.__name__} is an Adam; bench it with --optimizer adamw")
         if m.precondition and (m.hookless or cfg.optimizer != "adamw"):
             raise ValueError(f"{label}: precondition takes over AdamW's second moment in a DDP hook")
         if m.precondition and not takes_over(m, cfg):

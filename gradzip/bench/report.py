@@ -106,9 +106,32 @@ def aggregate(runs: list[dict], baseline: str = "Identity", metric: str = "accur
             else:
                 g = spread(100 * (seeds[s][metric] - base[s][metric]) / base[s][metric] for s in order)
                 row.update(gap_pct=g["mean"], gap_pct_std=g["std"], gap_pct_min=g["min"], gap_pct_max=g["max"])
+                eq = [ddp_equivalent_pct(seeds[s].get("curve"), base[s].get("curve")) for s in order]
+                if all(e is not None for e in eq):
+                    row["ddp_steps_pct"] = statistics.fmean(eq)
         row["per_seed"] = [{k: v for k, v in r.items() if k not in ("method", "config")} for r in rs]
         rows.append(row)
     return rows
+
+
+def ddp_equivalent_pct(curve, base_curve, start: float = math.log(256)) -> float | None:
+    """DDP-equivalent steps, in percent of the run: the step at which the baseline's curve
+    (``[[step, loss], ...]`` on the fixed validation subset, from ``start`` at step 0: an untrained
+    byte model's ``ln 256``) first reaches the method's last loss on that subset, linearly
+    interpolated, over the run's steps. 100 or more: the method's last loss is at or below the
+    baseline's (the baseline's last loss is where it ends). None without curves."""
+    if not curve or not base_curve:
+        return None
+    total, target = curve[-1][0], curve[-1][1]
+    prev_step, prev_loss = 0, start
+    for step, loss in base_curve:
+        if loss <= target:
+            if prev_loss == loss:
+                return 100.0 * step / total
+            frac = (prev_loss - target) / (prev_loss - loss)
+            return 100.0 * (prev_step + frac * (step - prev_step)) / total
+        prev_step, prev_loss = step, loss
+    return 100.0 * base_curve[-1][0] / total  # not reached: the baseline ends above the method
 
 
 def _pp(x) -> str:
@@ -187,6 +210,7 @@ LM_CSV_FIELDS = [
     "gap_pct_std",
     "gap_pct_min",
     "gap_pct_max",
+    "ddp_steps_pct",
     "seconds_per_step",
     "steps",
     "n_seeds",
@@ -207,6 +231,9 @@ FIELDS_DOC = {
     "over seeds; bits_per_byte = val_loss / ln 2, perplexity = exp(val_loss)",
     "gap_pct": "the language model: mean over seeds of 100 * (val_loss - the baseline's on the same seed) / the "
     "baseline's; gap_pct_std/min/max its spread",
+    "ddp_steps_pct": "the language model: DDP-equivalent steps, the step at which the baseline's validation curve "
+    "reached the method's last loss on the curve's subset, in percent of the run's steps (interpolated; 100: at or "
+    "below the baseline's last), mean over seeds",
     "per_seed": "each seed's run: accuracy or val_loss, curve (test accuracy after each epoch, or [step, validation "
     "loss on a fixed subset] pairs, the last on all of it), bytes, ratio, stats_ratio (the front end's own "
     "stats()['ratio'])",
@@ -226,7 +253,7 @@ def format_lm_table(rows: list[dict]) -> str:
     loss_h = f"val loss ({n} seed{'s' if n > 1 else ''})"
     head = (
         f"{'method':<{w}}{'link ratio':>11}{'handed':>9}{'link MB/step':>14}{loss_h:>32}{'bits/byte':>10}"
-        f"{'gap %':>26}{'ms/step':>9}"
+        f"{'gap %':>26}{'DDP steps':>10}{'ms/step':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -237,9 +264,10 @@ def format_lm_table(rows: list[dict]) -> str:
             loss += f"±{r['val_loss_std']:.4f} [{r['val_loss_min']:.3f}..{r['val_loss_max']:.3f}]"
             if gap:
                 gap += f"±{r['gap_pct_std']:.2f} [{r['gap_pct_min']:+.2f}..{r['gap_pct_max']:+.2f}]"
+        eq = f"{r['ddp_steps_pct']:.0f}%" if "ddp_steps_pct" in r else ""
         lines.append(
             f"{r['method']:<{w}}{r['ratio']:>10.1f}×{r['ratio_handed']:>8.1f}×{r['bytes_link_per_step'] / 1e6:>14.4f}"
-            f"{loss:>32}{r['bits_per_byte']:>10.4f}{gap:>26}{1000 * r['seconds_per_step']:>9.2f}"
+            f"{loss:>32}{r['bits_per_byte']:>10.4f}{gap:>26}{eq:>10}{1000 * r['seconds_per_step']:>9.2f}"
         )
     return "\n".join(lines)
 

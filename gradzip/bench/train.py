@@ -78,6 +78,21 @@ def _averaged(model: torch.nn.Module, world: int) -> torch.nn.Module:
 CURVE_WINDOWS = 64
 
 
+def _end_in_sync(opt, model: torch.nn.Module, world: int) -> None:
+    """End a front end's run on one model: local SGD's ``synchronize()``; a front end without
+    one (0/1 Adam between its syncs) ends on the ranks' average, by a plain allreduce that its
+    byte counts leave out (as the peers' runs are scored)."""
+    sync = getattr(opt, "synchronize", None)
+    if sync is not None:
+        sync()
+        return
+    if world > 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p)
+                p.div_(world)
+
+
 def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=None, on_optimizer=None) -> dict:
     """Train cfg's model on this rank's data with ``method`` (a Method, a codec/protocol, or
     None) and seed ``cfg.seed``. Collective: every rank calls it with the same arguments.
@@ -95,15 +110,20 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
     model = make_model(cfg, data).to(device)
     local = isinstance(method.method, Spec)
     state = None
-    if local:  # a front end that wraps the optimizer (local SGD): no DDP
+    if local:  # a front end that communicates in the optimizer's step (local SGD, 1-bit Adam): no DDP
         net = model
-        inner = make_optimizer(cfg, model.parameters())
-        opt = method.method.cls(inner, model, *method.method.args, **method.method.kwargs)
+        spec = method.method
+        if getattr(spec.cls, "builds_optimizer", False):  # 1-bit Adam: an Adam of its own
+            kw = {"lr": cfg.lr, "betas": (cfg.momentum, 0.999), "weight_decay": cfg.weight_decay, **spec.kwargs}
+            opt = inner = spec.cls(model.parameters(), *spec.args, **kw)
+        else:
+            inner = make_optimizer(cfg, model.parameters())
+            opt = spec.cls(inner, model, *spec.args, **spec.kwargs)
         stats_of = opt.stats
     else:
         kw = {"device_ids": [rank]} if device.type == "cuda" else {}
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb, **kw)
-        opt = make_optimizer(cfg, net.parameters())
+        opt = make_optimizer(cfg, net.parameters(), method.momentum, method.lr_scale)
         if method.method is not None:
             state = register_hook(net, method.method, **hook_options(method, opt, cfg))
         stats_of = state.stats if state is not None else None
@@ -157,7 +177,7 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
                 curve.append([s + 1, score(few)])
                 evaluating += time.perf_counter() - te
         if local:
-            opt.synchronize()  # end on the averaged model
+            _end_in_sync(opt, model, world)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0 - evaluating
@@ -193,7 +213,7 @@ def train_one(rank: int, world: int, method, cfg: BenchConfig, data, on_step=Non
                     curve.append(_accuracy(model, xte, yte))
                 evaluating += time.perf_counter() - te
         if local:
-            opt.synchronize()  # end on the averaged model
+            _end_in_sync(opt, model, world)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0 - evaluating

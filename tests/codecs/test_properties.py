@@ -42,6 +42,8 @@ SETTINGS = {
     "TernGrad": (),
     "Int8": (),
     "DCT": (),  # its error feedback rounds in the transforms: tests/codecs/test_transform.py
+    "ChunkTopK": ("ChunkTopK(k=8, chunk=16)", "ChunkTopK(k=8, chunk=16, values='bf16')"),
+    "Int2": (),  # error feedback rounds like SignSGD's (c - d correctly rounded): tests/codecs/test_lowbit.py
 }
 
 

@@ -127,6 +127,7 @@ def _two_models(rank, world, root):
     saved = [s.state_dict() for s in (s1, s2)]
     folder = os.path.join(root, "two")
     acc.save_state(folder)
+    acc.wait_for_everyone()  # rank 0 writes the model file; no rank loads before it is there
     for s in (s1, s2):  # train on: the states move away from the saved ones
         for r in s.engine.memory.residuals.values():
             r.add_(1.0)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip as gz
+from gradzip.engine import STATE_VERSION
 from tests.support import make_model, run_ranks, train_steps
 
 
@@ -142,15 +143,17 @@ def test_states_carry_their_rank_and_refuse_another_ranks(tmp_path):
 def test_reshard_assigns_ranks_and_refuses_states_out_of_order():
     def state(rank, world):
         return {
-            "version": 2,
+            "version": STATE_VERSION,
             "rank": rank,
             "world_size": world,
             "method_repr": "TopK()",
             "method": {"name": "TopK"},
             "error_feedback": True,
+            "error_decay": 1.0,
             "step": 3,
             "residuals": {"w": torch.full((4,), float(rank))},
             "momentum": {},
+            "momentum_mode": None,
             "tensor_state": {},
             "stats": {},
         }
@@ -159,6 +162,9 @@ def test_reshard_assigns_ranks_and_refuses_states_out_of_order():
     assert [(s["rank"], s["world_size"]) for s in new] == [(0, 3), (1, 3), (2, 3)]
     with pytest.raises(ValueError, match=r"states\[0\] was saved by rank 1"):
         gz.reshard([state(1, 2), state(0, 2)], 2)
+    old = {**state(1, 2), "version": STATE_VERSION - 1}  # an older gradzip's: refused, naming both versions
+    with pytest.raises(ValueError, match=rf"states\[1\] has gradzip state version {STATE_VERSION - 1}"):
+        gz.reshard([state(0, 2), old], 2)
 
 
 def test_reshard_takes_an_optimizers_whole_states_and_sends_local_sgd_to_its_own():
@@ -168,11 +174,12 @@ def test_reshard_takes_an_optimizers_whole_states_and_sends_local_sgd_to_its_own
 
     def engine(rank):
         return {
-            "version": 2,
+            "version": STATE_VERSION,
             "rank": rank,
             "world_size": 2,
             "method": {"name": "TopK"},
             "error_feedback": True,
+            "error_decay": 1.0,
             "step": 3,
             "residuals": {"w": torch.full((4,), float(rank))},
             "momentum": {},
@@ -198,14 +205,16 @@ def test_reshard_dir_roundtrip(tmp_path):
 
     states = [
         {
-            "version": 2,
+            "version": STATE_VERSION,
             "rank": r,
             "world_size": 2,
             "method": {"name": "TopK"},
             "error_feedback": True,
+            "error_decay": 1.0,
             "step": 1,
             "residuals": {"w": torch.ones(3) * r},
             "momentum": {},
+            "momentum_mode": None,
             "tensor_state": {},
             "stats": {},
         }
