@@ -53,7 +53,9 @@ def _short_machine(m: dict) -> str:
 def _cmd(command: str) -> str:
     """A recorded command line in the form the scripts run in today: ``python -m benchmarks.X``
     for ``python benchmarks/X.py`` (the result files keep the form that was typed)."""
-    command = _requote(command.replace(f"{ROOT}/", ""))
+    # an output path as typed, absolute in the checkout it ran in: relative to the repository
+    command = re.sub(r"(?<![\w.])/\S*?/(benchmarks/results/)", r"\1", command.replace(f"{ROOT}/", ""))
+    command = _requote(command)
     return re.sub(r"(\S*python3?) benchmarks/(\w+)\.py\b", r"\1 -m benchmarks.\2", command).rstrip()
 
 
