@@ -738,10 +738,9 @@ class LocalSGD(FrontEnd, torch.optim.Optimizer):
         v = bound.arguments
         kw = {k: v.get(k, d) for k, d in _SPEC_DEFAULTS.items()}  # DiLoCo's signature lacks some
         if cls is not LocalSGD and kw["outer"] is None and isinstance(kw["outer_kwargs"], (dict, type(None))):
-            outer = SPARSELOCO_OUTER if issubclass(cls, SparseLoCo) else DILOCO_OUTER
-            kw["outer_kwargs"] = {**outer, **(kw["outer_kwargs"] or {})}  # DiLoCo's or SparseLoCo's outer step
-        if issubclass(cls, SparseLoCo) and kw["compression"] is None:
-            kw["compression"] = SparseLoCo.default_compression()
+            kw["outer_kwargs"] = {**cls.OUTER, **(kw["outer_kwargs"] or {})}  # DiLoCo's or SparseLoCo's outer step
+        if issubclass(cls, DiLoCo) and kw["compression"] is None:
+            kw["compression"] = cls.default_compression()
         try:  # the constructor's own checks: a spec it would refuse is refused here
             c = LocalSGD._checked(v["period"], **kw)
         except TypeError as e:
@@ -781,8 +780,18 @@ class DiLoCo(LocalSGD):
         compression: the codec or protocol for the pseudo-gradients (default
             ``Identity()``).
         process_group, outer, outer_kwargs, fragments, delay, alpha, error_feedback,
-        error_decay, check_parameters: as :class:`LocalSGD`'s.
+        check_parameters: as :class:`LocalSGD`'s.
+        error_decay: as :class:`LocalSGD`'s; None: :attr:`ERROR_DECAY` (1, plain error feedback).
     """
+
+    #: The outer step's arguments when ``outer`` is None, and the error decay when ``error_decay`` is None.
+    OUTER = DILOCO_OUTER
+    ERROR_DECAY = 1.0
+
+    @staticmethod
+    def default_compression() -> Codec | None:
+        """The pseudo-gradients' method when ``compression`` is None (None: ``Identity()``)."""
+        return None
 
     def __init__(
         self,
@@ -798,11 +807,15 @@ class DiLoCo(LocalSGD):
         delay: int = 0,
         alpha: float = 0.0,
         error_feedback: bool | None = None,
-        error_decay: float = 1.0,
+        error_decay: float | None = None,
         check_parameters: bool = True,
     ) -> None:
+        if compression is None:
+            compression = self.default_compression()
+        if error_decay is None:
+            error_decay = self.ERROR_DECAY
         if outer is None:
-            outer_kwargs = {**DILOCO_OUTER, **(outer_kwargs or {})}
+            outer_kwargs = {**self.OUTER, **(outer_kwargs or {})}
         super().__init__(
             optimizer,
             model,
@@ -848,42 +861,8 @@ class SparseLoCo(DiLoCo):
         error_decay: the error buffer's decay, default 0.95.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: torch.nn.Module,
-        period: int,
-        compression: Codec | Protocol | None = None,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        outer: OuterOptimizer | None = None,
-        outer_kwargs: dict | None = None,
-        fragments: int = 1,
-        delay: int = 0,
-        alpha: float = 0.0,
-        error_feedback: bool | None = None,
-        error_decay: float = 0.95,
-        check_parameters: bool = True,
-    ) -> None:
-        if compression is None:
-            compression = self.default_compression()
-        if outer is None:
-            outer_kwargs = {**SPARSELOCO_OUTER, **(outer_kwargs or {})}
-        super().__init__(
-            optimizer,
-            model,
-            period,
-            compression,
-            process_group=process_group,
-            outer=outer,
-            outer_kwargs=outer_kwargs,
-            fragments=fragments,
-            delay=delay,
-            alpha=alpha,
-            error_feedback=error_feedback,
-            error_decay=error_decay,
-            check_parameters=check_parameters,
-        )
+    OUTER = SPARSELOCO_OUTER
+    ERROR_DECAY = 0.95
 
     @staticmethod
     def default_compression() -> Codec:

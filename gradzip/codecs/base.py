@@ -25,7 +25,7 @@ import torch
 from ..registry import Registered
 from ..wire import FrameError, Payload, accum_dtype, formats, itemsize
 
-__all__ = ["Codec", "TensorContext", "tensor_seed", "check_input", "FrameError"]
+__all__ = ["Codec", "MessageChecks", "TensorContext", "tensor_seed", "check_input", "FrameError"]
 
 
 @dataclass
@@ -64,6 +64,25 @@ def check_input(x) -> None:
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"gradients must be real floating point, got {x.dtype}")
+
+
+class MessageChecks:
+    """:meth:`Codec.check_frame` and :meth:`Codec.check_frames` from one ``_first_bad(payloads)``:
+    ``(index, FrameError)`` of the first frame that no encoder of this configuration writes, or
+    None, found with one host read for the whole message. Mixed in before :class:`Codec`."""
+
+    def _first_bad(self, payloads) -> tuple[int, FrameError] | None:
+        raise NotImplementedError
+
+    def check_frame(self, payload) -> None:
+        bad = self._first_bad([payload])
+        if bad is not None:
+            raise bad[1]
+
+    def check_frames(self, payloads) -> None:
+        bad = self._first_bad(list(payloads))
+        if bad is not None:
+            raise bad[1].at(frame=bad[0])
 
 
 class Codec(Registered, register=False):

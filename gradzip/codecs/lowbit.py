@@ -97,7 +97,16 @@ import gradzip.kernels as K
 
 from ..kernels.bitpack import packed_nbytes, unpack_nbit
 from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, host_values, narrow
-from .base import Codec, TensorContext, check_format, check_input, check_length, check_no_scale, check_vdtype
+from .base import (
+    Codec,
+    MessageChecks,
+    TensorContext,
+    check_format,
+    check_input,
+    check_length,
+    check_no_scale,
+    check_vdtype,
+)
 
 __all__ = ["Int4", "Int2", "FP8", "FP4", "FMT_INT4", "FMT_INT2", "FMT_FP8", "FMT_FP4"]
 
@@ -149,7 +158,7 @@ def _per_element(scales: torch.Tensor, n: int, b: int) -> torch.Tensor:
     return scales.reshape(-1, 1).expand(-1, b).reshape(-1)[:n]
 
 
-class _LowBit(Codec):
+class _LowBit(MessageChecks, Codec):
     """Blockwise scales and packed codes: encoding, decoding and the frame checks, shared."""
 
     fixed_frames = True  # nb float32 scales, then the codes: lengths from n alone
@@ -251,16 +260,6 @@ class _LowBit(Codec):
         v.sub_(self._values(payload, acc).view(v.shape).to(v.dtype))
 
     # -- distrusting frames ------------------------------------------------------------
-    def check_frame(self, payload: Payload) -> None:
-        bad = self._first_bad([payload])
-        if bad is not None:
-            raise bad[1]
-
-    def check_frames(self, payloads) -> None:
-        bad = self._first_bad(list(payloads))
-        if bad is not None:
-            raise bad[1].at(frame=bad[0])
-
     def _first_bad(self, payloads) -> tuple[int, FrameError] | None:
         """The first frame (in order) that no encoder of this configuration writes, and why:
         its format, value dtype, scale and length (on the host), then, for the frames before the
@@ -342,9 +341,6 @@ class Int4(_LowBit):
     _fmt, _label, _bits, _top = FMT_INT4, "Int4", 4, 7.0
     _bad_what = "code 8 (-8)"
 
-    def __init__(self, *, block: int | None = 64) -> None:
-        super().__init__(block=block)
-
     def _codes(self, t):
         q = t.round().clamp_(-7, 7).to(torch.int16)
         return (q & 0xF).to(torch.uint8)  # two's complement nibble
@@ -372,9 +368,6 @@ class Int2(_LowBit):
     keeps_zeros = False  # a zero element is sent as +S_b
     formats = {"INT2": FMT_INT2}
     _fmt, _label, _bits, _top = FMT_INT2, "Int2", 2, 3.0
-
-    def __init__(self, *, block: int | None = 64) -> None:
-        super().__init__(block=block)
 
     def _codes(self, t):
         big = t.abs() >= 2
@@ -429,9 +422,6 @@ class FP4(_LowBit):
     formats = {"FP4": FMT_FP4}
     _fmt, _label, _bits, _top = FMT_FP4, "FP4", 4, 1.0
     _bad_what = "code 8 (negative zero)"
-
-    def __init__(self, *, block: int | None = 64) -> None:
-        super().__init__(block=block)
 
     def _codes(self, t):
         a = t.abs()

@@ -65,6 +65,7 @@ from ..kernels.bitpack import packed_nbytes, unpack_nbit
 from ..wire import FrameError, Payload, accum_dtype, as_bytes, from_bytes, host_values, narrow, span_view
 from .base import (
     Codec,
+    MessageChecks,
     TensorContext,
     check_format,
     check_input,
@@ -156,7 +157,7 @@ def _spanned(bodies: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(parts), offsets
 
 
-class _Quantizer(Codec):
+class _Quantizer(MessageChecks, Codec):
     """Frame checks and decoding, shared: every peer's frames decode in one ``kernels.decode_add_quant``."""
 
     _kind = ""  # decode_add_quant's kind
@@ -219,16 +220,6 @@ class _Quantizer(Codec):
         frames = tuple((o, nb, p.numel) for o, (p, nb) in zip(offsets, good))
         neg_, top_ = host_values(K.quant_body_stats(whole, frames, self._kind, bits=self._bits))
         return not neg_ and self._bad_code(top_) is None
-
-    def check_frame(self, payload: Payload) -> None:
-        bad = self._first_bad([payload])
-        if bad is not None:
-            raise bad[1]
-
-    def check_frames(self, payloads) -> None:
-        bad = self._first_bad(list(payloads))
-        if bad is not None:
-            raise bad[1].at(frame=bad[0])
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         # -0.0 is the additive identity: -0.0 + d == d bit for bit, signed zeros included.

@@ -27,6 +27,7 @@ def _front_end_classes() -> dict[str, type]:
     from gradzip.fsdp import FSDPState
     from gradzip.hooks.ddp import HookState
     from gradzip.local_sgd import DiLoCo, LocalSGD
+    from gradzip.onebit import OneBitAdam, ZeroOneAdam
     from gradzip.optim import DistributedOptimizer
 
     return {
@@ -36,6 +37,8 @@ def _front_end_classes() -> dict[str, type]:
         "diloco": DiLoCo,
         "fsdp": FSDPState,
         "horovod": horovod._HorovodOptimizer,  # mixed into a subclass of the wrapped optimizer's class
+        "onebit": OneBitAdam,
+        "zero_one": ZeroOneAdam,
     }
 
 
@@ -197,6 +200,20 @@ def _local_sgd(rank, root, diloco):
     return _exercise(opt, train, lambda: build(0)[1], root, rank)
 
 
+def _onebit(rank, root, zero_one):
+    import gradzip as gz
+
+    def build(seed):
+        model = make_model(seed)
+        if zero_one:  # variance frozen after step 1; a 1-bit sync every step (the interval stays 1)
+            return model, gz.ZeroOneAdam(model.named_parameters(), lr=0.01, var_freeze_step=1)
+        return model, gz.OneBitAdam(model.named_parameters(), lr=0.01, freeze_step=1)
+
+    model, opt = build(0)
+    train = _counter(lambda first, n: train_steps(model, opt, n, rank, first))
+    return _exercise(opt, train, lambda: build(1)[1], root, rank)
+
+
 def _horovod(rank, root):
     import gradzip as gz
     import gradzip.horovod as hvd
@@ -281,6 +298,8 @@ def _all(rank, world, root):
         "local_sgd": _local_sgd(rank, os.path.join(root, "local_sgd"), diloco=False),
         "diloco": _local_sgd(rank, os.path.join(root, "diloco"), diloco=True),
         "horovod": _horovod(rank, os.path.join(root, "horovod")),
+        "onebit": _onebit(rank, os.path.join(root, "onebit"), zero_one=False),
+        "zero_one": _onebit(rank, os.path.join(root, "zero_one"), zero_one=True),
         "fsdp": _fsdp(rank, os.path.join(root, "fsdp"), hsdp=False),
         "hsdp": _fsdp(rank, os.path.join(root, "hsdp"), hsdp=True),
     }
@@ -292,7 +311,7 @@ def results():
         yield run_ranks(_all, 2, root)
 
 
-FRONT_ENDS = ["ddp", "optim", "local_sgd", "diloco", "horovod", "fsdp", "hsdp"]
+FRONT_ENDS = ["ddp", "optim", "local_sgd", "diloco", "horovod", "onebit", "zero_one", "fsdp", "hsdp"]
 
 
 @pytest.mark.parametrize("label", FRONT_ENDS)
@@ -325,7 +344,7 @@ def test_save_and_load_restore_the_state(results, label):
         assert r["loaded_stats"] if label not in ("fsdp", "hsdp") else "loaded_stats" not in r
 
 
-@pytest.mark.parametrize("label", ["ddp", "optim", "local_sgd", "diloco", "horovod"])
+@pytest.mark.parametrize("label", ["ddp", "optim", "local_sgd", "diloco", "horovod", "onebit", "zero_one"])
 def test_another_ranks_state_is_refused(results, label):
     for rank, res in enumerate(results):
         r = res[label]

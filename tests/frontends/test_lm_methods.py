@@ -3,13 +3,11 @@ DDP hook (many buckets, 4 ranks), SparseLoCo as DiLoCo with its defaults, and th
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
 from gradzip.engine import Engine
-from gradzip.hooks import register_hook
 from gradzip.local_sgd import SPARSELOCO_OUTER, DiLoCo, SparseLoCo
-from tests.support import make_model, many_buckets_model, params, run_ranks, train_steps
+from tests.support import make_model, many_buckets_model, params, run_ranks, train_many_buckets, train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +49,16 @@ def test_a_decaying_buffer_sends_g_plus_beta_r_and_keeps_the_rest():
 
 def _demo(rank, world, steps):
     model = many_buckets_model()
-    ddp = DDP(model, bucket_cap_mb=1)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0, weight_decay=0.01)
-    state = register_hook(ddp, gz.DCT(gz.ChunkTopK(32, chunk=64)), optimizer=opt, update="sign", error_decay=0.999)
     before = params(model)
-    for s in range(steps):
-        g = torch.Generator().manual_seed(s * 31 + rank)
-        x = torch.randn(4 * (rank + 1), 300, generator=g)
-        opt.zero_grad()
-        (ddp(x) ** 2).mean().backward()
-        opt.step()
+    state = train_many_buckets(
+        model,
+        gz.DCT(gz.ChunkTopK(32, chunk=64)),
+        rank,
+        steps,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.0, weight_decay=0.01),
+        update="sign",
+        error_decay=0.999,
+    )
     moved = [((a - b) / 1e-3).abs() for a, b in zip(params(model), before)]
     sd = state.state_dict()
     return params(model), moved, sd["error_decay"], state.stats()["ratio"]

@@ -3,7 +3,6 @@ momentum's mass kept by both error-feedback memories, ~1/32 of the link bytes; b
 and clear refusals; 0/1 Adam's schedule; non-finite steps skipped on every rank; argument
 checks. The multi-rank checks share one 2-rank and one 4-rank call."""
 
-import os
 import tempfile
 
 import pytest
@@ -278,77 +277,8 @@ def _sparse():
     return None
 
 
-def _untimed(state):
-    """``state`` without the wall-clock counters (a collective's time may land after a save)."""
-    if isinstance(state, dict):
-        return {
-            k: _untimed(v) for k, v in state.items() if k not in ("codec_seconds", "codec_cpu_seconds", "comm_seconds")
-        }
-    return state
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
-
-
-def _surface(rank, root, cls):
-    """The front-end contract (tests/frontends/test_contract.py's sequence): stats intervals,
-    routes, log_every, save/load to a directory, and another rank's state refused."""
-
-    def build(seed):
-        model = _mlp(seed)
-        if cls is OneBitAdam:
-            return model, OneBitAdam(model.named_parameters(), lr=0.01, freeze_step=1)
-        return model, ZeroOneAdam(
-            model.named_parameters(), lr=0.01, var_freeze_step=1, local_step_scaler=2, local_step_clipper=2
-        )
-
-    model, opt = build(0)
-    done = [0]
-
-    def train(n):
-        train_steps(model, opt, n, rank, done[0])
-        done[0] += n
-
-    out = {}
-    train(2)
-    first = opt.stats(reset=True)
-    train(1)
-    second = opt.stats(reset=True)
-    total = opt.stats()
-    out["steps"] = (first["steps"], second["steps"], total["steps"])
-    out["link"] = (first["bytes_link"], second["bytes_link"], total["bytes_link"])
-    out["routes"] = sorted({(r["name"], r["collective"]) for r in opt.routes()})
-    calls = []
-    opt.log_every(1, lambda step, s: calls.append((step, s["steps"])))
-    train(2)
-    opt.log_every(None)
-    train(1)
-    out["log"] = calls
-    directory = os.path.join(root, cls.__name__)
-    opt.save(directory)
-    fresh = build(1)[1]
-    fresh.load(directory)
-    out["loaded_state"] = _equal(_untimed(fresh.state_dict()), _untimed(opt.state_dict()))
-    dist.barrier()  # the other rank's file is written
-    other = torch.load(os.path.join(directory, f"gradzip_rank{1 - rank}_of_2.pt"), weights_only=True)
-    try:
-        fresh.load_state_dict(other)
-        out["refused"] = None
-    except ValueError as e:
-        out["refused"] = str(e)
-    return out
-
-
 def _two_ranks(rank, world, root):
     out = {"warmup": _warmup_vs_adamw(rank, world), "formula": _exact_vs_formula(rank, world)}
-    out["surface"] = {cls.__name__: _surface(rank, root, cls) for cls in (OneBitAdam, ZeroOneAdam)}
     out["resume_onebit"] = _resume(rank, _build_onebit, 5, 10, ("exp_avg", "exp_avg_sq"))
     out["refusals"] = _refusals(out["resume_onebit"]["ckpt"]["opt"])
     out["resume_zero_one"] = _resume(rank, _build_zero_one, 11, 14, ("exp_avg", "exp_avg_sq", "anchor"))
@@ -391,21 +321,6 @@ def test_warmup_is_adamw_on_the_average_gradient_bit_for_bit(two):
         "OneBitAdam(lr=0.01, betas=(0.8, 0.99), eps=1e-08, weight_decay=0.1, freeze_step=100, "
         "compression=TwoPhase(SignSGD()))"
     )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", ["OneBitAdam", "ZeroOneAdam"])
-def test_the_front_end_surface_behaves_as_every_front_ends(two, label):
-    names = {f"{i}.{w}" for i in (0, 2) for w in ("weight", "bias")}
-    for rank, res in enumerate(two):
-        r = res["surface"][label]
-        assert r["steps"] == (2, 1, 3)
-        first, second, total = r["link"]
-        assert first > 0 and second > 0 and first + second == pytest.approx(total)
-        assert r["routes"] == sorted((n, c) for n in names for c in ("full", "compressed"))
-        assert r["log"] == [(4, 1), (5, 1)]
-        assert r["loaded_state"]
-        assert r["refused"] is not None and f"saved by rank {1 - rank}" in r["refused"], r["refused"]
 
 
 @pytest.mark.slow

@@ -55,17 +55,18 @@ def many_buckets_model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)])
 
 
-def train_many_buckets(model: torch.nn.Module, method, rank: int, steps: int):
+def train_many_buckets(model: torch.nn.Module, method, rank: int, steps: int, optimizer=None, **hook):
     """``steps`` SGD steps of ``model`` under DDP with ``bucket_cap_mb=1`` and gradzip's hook
     running ``method`` (each rank its own batch size): the collective-order check every new
-    protocol gets. Returns the hook's state."""
+    protocol gets. ``optimizer(params)`` builds the optimizer (default SGD at lr 1e-3), handed
+    to the hook with ``hook``'s options when they are given. Returns the hook's state."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradzip.hooks import register_hook
 
     ddp = DDP(model, bucket_cap_mb=1)
-    state = register_hook(ddp, method)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3)))(ddp.parameters())
+    state = register_hook(ddp, method, **({"optimizer": opt, **hook} if hook else {}))
     for s in range(steps):
         g = torch.Generator().manual_seed(s * 31 + rank)
         x = torch.randn(4 * (rank + 1), 300, generator=g)
