@@ -13,10 +13,12 @@ measurably slower after some methods' steps than after others'.) For each method
 the step time is divided by plain DDP's in the same cycle; the script reports the median of
 those ratios and a bootstrap 95% interval of that median.
 
-``allreduce'`` is a second, identical plain DDP model: its ratio to ``allreduce`` is what
-the measurement reads when there is nothing to find (the A/A check of bias and noise).
-``torch allreduce_hook`` is PyTorch's own Python comm hook doing what DDP does in C++ (divide,
-allreduce): the price of running any Python hook per bucket, which gradzip's hook pays too.
+Methods are named as in step_time.py (the grammar's spelling; ``DDP``: plain DDP, the base).
+``control: DDP, a second model`` is a second, identical plain DDP model: its ratio to ``DDP`` is
+what the measurement reads when there is nothing to find (the A/A check of bias and noise).
+``peer: torch allreduce_hook`` is PyTorch's own Python comm hook doing what DDP does in C++
+(divide, allreduce): the price of running any Python hook per bucket, which gradzip's hook pays
+too. (Row names that start with ``control: `` or ``peer: `` are not gradzip methods.)
 
 Writes ``--out`` (default ``benchmarks/results/overhead_<ranks>ranks.json``).
 """
@@ -35,8 +37,8 @@ import time
 from benchmarks import step_time as st
 from benchmarks._common import RESULTS, module_argv
 
-AA = "allreduce'"  # the second plain DDP model
-TORCH_HOOK = "torch allreduce_hook"  # PyTorch's own Python comm hook doing DDP's allreduce
+AA = "control: DDP, a second model"  # the second plain DDP model (the A/A check)
+TORCH_HOOK = "peer: torch allreduce_hook"  # PyTorch's own Python comm hook doing DDP's allreduce
 
 
 def worker(a) -> None:
@@ -108,10 +110,10 @@ def median_interval(ratios: list, *, draws: int = 2000, seed: int = 0) -> tuple:
 
 def summarize(times: dict) -> list:
     """One row per method: each cycle's step time over plain DDP's in the same cycle."""
-    base = times["allreduce"]
+    base = times[st.DDP]
     rows = []
     for m, ts in times.items():
-        if m == "allreduce":
+        if m == st.DDP:
             continue
         ratios = [t / b for t, b in zip(ts, base)]
         lo, hi = median_interval(ratios)
@@ -134,7 +136,11 @@ def main(argv=None) -> int:
     p.add_argument("--method-list", default="", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help="seed of the step orders")
     p.add_argument("--rate", default="none", choices=list(st.RATES))
-    p.add_argument("--methods", default="allreduce,Identity,Policy(auto,TopK),Policy(auto)")
+    p.add_argument(
+        "--methods",
+        default="DDP,Identity,Policy(TopK(0.01), auto=True),Policy(PowerSGD(rank=4), auto=True)",
+        help="comma-separated labels of step_time.py's methods, DDP (plain DDP, the base) among them",
+    )
     st.add_run_args(p, steps=40)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -142,8 +148,8 @@ def main(argv=None) -> int:
         worker(a)
         return 0
     names = st.parse_methods(p, a.methods, a.ranks)
-    if names[0] != "allreduce":
-        p.error("--methods must include allreduce: the others are compared with it")
+    if names[0] != st.DDP:
+        p.error(f"--methods must include {st.DDP}: the others are compared with it")
     names[1:1] = [AA, TORCH_HOOK]
 
     from benchmarks import netns as net
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
     from gradzip.machine import machine
 
     rows = summarize(res["times"])
-    print(f"plain DDP: median step {statistics.median(res['times']['allreduce']):.3f}s over {a.steps} cycles")
+    print(f"plain DDP: median step {statistics.median(res['times'][st.DDP]):.3f}s over {a.steps} cycles")
     for r in rows:
         lo, hi = r["ci95"]
         print(
@@ -219,9 +225,9 @@ def main(argv=None) -> int:
         "depth": a.depth,
         "batch": a.batch,
         "gradient_as_bucket_view": a.bucket_view,
-        "allreduce_step_s": res["times"]["allreduce"],
+        "allreduce_step_s": res["times"][st.DDP],
         "note": "ratio = a method's step time over plain DDP's in the same cycle (slowest rank); "
-        f"{AA} is a second plain DDP model (the A/A check); {TORCH_HOOK} is torch's Python hook "
+        f"'{AA}' is a second plain DDP model (the A/A check); '{TORCH_HOOK}' is torch's Python hook "
         "doing DDP's allreduce",
         "rows": rows,
     }

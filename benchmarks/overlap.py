@@ -1,7 +1,7 @@
 """How much of each method's communication runs while the backward pass is still computing.
 
     python -m benchmarks.overlap                         # 2 ranks, loopback, step_time's MLP
-    python -m benchmarks.overlap --ranks 2 --methods "Int8,PowerSGD-1" --steps 8
+    python -m benchmarks.overlap --ranks 2 --methods "Int8,PowerSGD(rank=1)" --steps 8
 
 Every rank trains step_time.py's MLP (25.2M float32 parameters in 6 tensors; DDP's default
 25 MB buckets: several calls a step) through the gradzip DDP hook, and traces every collective
@@ -31,9 +31,10 @@ import statistics
 import sys
 import time
 
+from benchmarks import step_time
 from benchmarks._common import RESULTS, command, free_port, write_result
 
-DEFAULT_METHODS = "Identity,FP16,TopK-1%,SignSGD,Int8,PowerSGD-1,PowerSGD-4"
+DEFAULT_METHODS = "Identity,FP16,TopK(0.01),SignSGD,Int8,PowerSGD(rank=1),PowerSGD(rank=4)"
 
 
 def _union(intervals: list) -> float:
@@ -155,7 +156,7 @@ def summarize(rows: list) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated names of step_time.py's methods")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated labels of step_time.py's methods")
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--batch", type=int, default=16)
@@ -163,7 +164,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "overlap.json"))
     a = p.parse_args(argv)
-    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    a.methods = step_time.parse_methods(p, a.methods, a.ranks)
+    untraced = [m for m in a.methods if step_time.methods(None, a.ranks).get(m) is None]
+    if untraced:
+        p.error(f"--methods: no hook to trace in {untraced} (plain DDP has none; Policy(auto=True) needs a link)")
 
     import torch.multiprocessing as mp
 

@@ -69,7 +69,7 @@ def main() -> int:
             link = Link(r["bps"], LATENCY_S)
             comp = methods(r["bps"], world)[r["method"]]
             if comp is not None and hasattr(comp, "profile") and callable(comp.profile):
-                comp._profile, comp._profile_given = profile, True  # Policy(auto): cost with the same profile
+                comp._profile, comp._profile_given = profile, True  # Policy(auto=True): cost with the same profile
             # the compute the step waited for (the slowest rank's; rank 0's in rows that predate it)
             sc = step_cost(comp, layers, world, link, r.get("compute_slowest_s", r["compute_s"]), profile)
             pred = sc.compute_s + share * sc.codec_s + sc.wire_s

@@ -1,14 +1,14 @@
 """Where one rank's training step spends its time, for one method (cProfile; CPU, no root).
 
-    python -m benchmarks.profile_step "Policy(auto)" [--steps 5] [--top 18]
+    python -m benchmarks.profile_step "Policy(PowerSGD(rank=4), auto=True)" [--steps 5] [--top 18]
 
 One gloo rank (world size 1), the step_time.py model (25.2M parameters) under DDP with
-``gradient_as_bucket_view=True`` and gradzip's hook for the method (``allreduce``: no hook).
-The method is built by ``step_time.methods`` as if for ``--ranks`` ranks on a link of
-``--bps`` bits/s, so Policy(auto) chooses routes as it would there. With one rank the
-collectives cost almost nothing, so what is left is the host work of the step and the
-codec. Prints the mean wall time per step, then the functions with the most time spent
-in them.
+``gradient_as_bucket_view=True`` and gradzip's hook for the method, a label of
+``step_time.methods`` (``DDP``: no hook). The method is built by ``step_time.methods`` as if
+for ``--ranks`` ranks on a link of ``--bps`` bits/s, so ``Policy(..., auto=True)`` chooses
+routes as it would there. With one rank the collectives cost almost nothing, so what is
+left is the host work of the step and the codec. Prints the mean wall time per step, then
+the functions with the most time spent in them.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     a = p.parse_args(argv)
     known = st.methods(a.bps, a.ranks)
-    if a.method not in known:
-        p.error(f"unknown method {a.method!r}; known: {list(known)}")
+    names = st.parse_methods(p, a.method, a.ranks)
+    if len(names) != 1 or names[0] not in known:
+        p.error(f"name one method of {list(known)}, not {a.method!r}")
+    a.method = names[0]
 
     import torch
     import torch.distributed as dist

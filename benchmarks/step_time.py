@@ -33,9 +33,9 @@ Writes benchmarks/results/step_time.json and step_time.png.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -48,25 +48,33 @@ RATES = {"100mbit": 100e6, "1gbit": 1e9, "none": None}
 LATENCY_S = 50e-6  # per message between namespaces (veth + bridge; not shaped)
 
 
+#: Plain DDP's row (no hook), in the grammar's spelling (``gz.parse("DDP")`` is ``None``): the
+#: first method run, and the one every speed-up is against.
+DDP = "DDP"
+
+
 def methods(bps: float | None = None, world: int = 4) -> dict:
-    """The methods timed. ``Policy(auto)`` needs the link, so it exists only once ``bps`` is known."""
+    """The methods timed, each under its spelling in gradzip's method grammar: ``gz.parse(label)``
+    builds the same method (``DDP``: plain DDP, no hook). ``Policy(..., auto=True)`` needs the
+    link, so it exists only once ``bps`` is known; its label leaves the link and the world size
+    to the row (``gz.parse(label, {"link": link})``; the world size is the process group's)."""
     import gradzip as gz
 
     m = {
-        "allreduce": None,  # plain DDP, no hook
+        DDP: None,  # plain DDP, no hook
         "Identity": gz.Identity(),  # plain allreduce through gradzip's hook: the engine's own cost
         "FP16": gz.FP16(),
-        "TopK-1%": gz.TopK(ratio=0.01),
-        "Threshold": gz.Threshold(tau=1e-3, policy="adaptive"),
+        "TopK(0.01)": gz.TopK(ratio=0.01),
+        "Threshold(tau=0.001, policy='adaptive')": gz.Threshold(tau=1e-3, policy="adaptive"),
         "SignSGD": gz.SignSGD(),
         "Int8": gz.Int8(),  # the recipe that held on both bench tasks (TwoPhase from 4 ranks)
     }
-    m["PowerSGD-1"] = gz.PowerSGD(rank=1)  # the library's default rank
-    m["PowerSGD-4"] = gz.PowerSGD(rank=4)
+    m["PowerSGD(rank=1)"] = gz.PowerSGD(rank=1)  # the library's default rank
+    m["PowerSGD(rank=4)"] = gz.PowerSGD(rank=4)
     if bps:  # per layer: the default compressor or plain allreduce, whichever the cost model finds faster
-        link = gz.Link(bps, LATENCY_S)
-        m["Policy(auto)"] = gz.Policy(gz.PowerSGD(rank=4), auto=True, link=link, world_size=world)
-        m["Policy(auto,TopK)"] = gz.Policy(gz.TopK(ratio=0.01), auto=True, link=link, world_size=world)
+        auto = {"auto": True, "link": gz.Link(bps, LATENCY_S), "world_size": world}
+        m["Policy(PowerSGD(rank=4), auto=True)"] = gz.Policy(gz.PowerSGD(rank=4), **auto)
+        m["Policy(TopK(0.01), auto=True)"] = gz.Policy(gz.TopK(ratio=0.01), **auto)
     return m
 
 
@@ -84,7 +92,7 @@ def build_model(width: int, depth: int):
 # -- one rank ----------------------------------------------------------------------------
 def calibrate_bps(world: int) -> float:
     """Link bandwidth in bits/s through the ring formula, from a timed 64 MB allreduce
-    (rank 0's figure, broadcast: every rank builds Policy(auto) from the same one)."""
+    (rank 0's figure, broadcast: every rank builds Policy(auto=True) from the same one)."""
     import torch
     import torch.distributed as dist
 
@@ -154,7 +162,7 @@ def worker(a) -> None:
     latency = statistics.median(lat)
 
     bw = calibrate_bps(a.world) if a.calibrate else None
-    comp = methods(a.bps or bw, a.world)[a.method]  # after the calibration: Policy(auto) needs the link
+    comp = methods(a.bps or bw, a.world)[a.method]  # after the calibration: Policy(auto=True) needs the link
 
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kw)
     state = register_hook(ddp, comp) if comp is not None else None
@@ -342,17 +350,42 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--method-timeout", type=float, default=900.0)
 
 
+def split_methods(text: str) -> list[str]:
+    """``"A(1, B(2)), C"`` as ``["A(1, B(2))", "C"]``: split at the commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [m for m in [*out, cur.strip()] if m]
+
+
+def _spelling(name: str) -> str:
+    """``name`` in Python's spacing (``TopK( 0.01 )`` -> ``TopK(0.01)``), or as given if it is no
+    expression."""
+    try:
+        return ast.unparse(ast.parse(name.strip(), mode="eval"))
+    except SyntaxError:
+        return name.strip()
+
+
 def parse_methods(p: argparse.ArgumentParser, text: str, ranks: int) -> list:
-    """Method names from ``--methods``, allreduce first (the first calibrates the unshaped link).
-    Commas inside parentheses belong to the name: ``Policy(auto,TopK)``."""
+    """Labels of :func:`methods` from ``--methods``, plain DDP first (the first calibrates the
+    unshaped link). Commas inside brackets belong to the name (``Policy(TopK(0.01), auto=True)``);
+    spacing is the grammar's (``Policy(TopK(0.01),auto=True)`` names the same row)."""
     known = list(methods(1e9, ranks))
-    names = [m for m in re.split(r",(?![^()]*\))", text) if m]
-    unknown = sorted(set(names) - set(known))
+    by_spelling = {_spelling(k): k for k in known}
+    given = split_methods(text)
+    unknown = [m for m in given if _spelling(m) not in by_spelling]
     if unknown:
         p.error(f"unknown methods {unknown}; known: {known}")
-    if "allreduce" in names:
-        names.remove("allreduce")
-        names.insert(0, "allreduce")
+    names = list(dict.fromkeys(by_spelling[_spelling(m)] for m in given))
+    if DDP in names:
+        names.remove(DDP)
+        names.insert(0, DDP)
     return names
 
 
@@ -362,7 +395,7 @@ def main() -> int:
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rates", default="100mbit,1gbit,none")
-    p.add_argument("--methods", default="", help="comma-separated subset")
+    p.add_argument("--methods", default="", help="comma-separated subset of the labels (plain DDP: DDP)")
     add_run_args(p, steps=5)
     p.add_argument("--out", default=str(RESULTS / "step_time.json"))
     p.add_argument(
@@ -450,7 +483,7 @@ def write(a, rows: list, rates: list) -> int:
         order = {m: i for i, m in enumerate(methods(1e9, a.ranks))}
         rows.sort(key=lambda r: (rates.index(r["rate"]), order.get(r["method"], 99)))
     for rate in rates:
-        base = next((r["step_s"] for r in rows if r["rate"] == rate and r["method"] == "allreduce"), None)
+        base = next((r["step_s"] for r in rows if r["rate"] == rate and r["method"] == DDP), None)
         for r in rows:
             if r["rate"] == rate and base:
                 r["speedup_vs_allreduce"] = base / r["step_s"]
@@ -480,7 +513,7 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rates = list(dict.fromkeys(r["rate"] for r in doc["rows"]))
-    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 5.5), squeeze=False)  # room for the labels
     for ax, rate in zip(axes[0], rates):
         rows = [r for r in doc["rows"] if r["rate"] == rate]
         xs = range(len(rows))

@@ -209,7 +209,7 @@ def _plan(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gradzip", description="gradient compression toolkit")
     p.add_argument("--version", action="version", version=f"gradzip {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="{bench,plan}")
     b = sub.add_parser("bench", help="compression ratio against accuracy on real data (MNIST by default)")
     add_bench_arguments(b)
     b.add_argument("--out", default="bench_out", help="folder for results.json/csv and pareto.png ('' to skip)")
@@ -220,6 +220,13 @@ def main(argv=None) -> int:
     options.add_plan_arguments(pl)
     pl.set_defaults(fn=_plan)
     args = p.parse_args(argv)
+    if args.cmd is None:  # `gradzip` alone: what it does and how to start
+        p.print_help()
+        print(
+            "\nstart here: gradzip plan --arch gpt2-small --bandwidth 1Gbit --workers 8 (which method for your "
+            "link), gradzip bench --dataset shakespeare --quick (its accuracy on a small language model)"
+        )
+        return 0
     return args.fn(args)
 
 

@@ -97,6 +97,7 @@ start (``check_parameters``: one small allreduce at the first step checks it).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -178,6 +179,31 @@ def _param_groups(params, defaults: dict) -> list[dict]:
             "collectives run on one device; move the model to one device"
         )
     return out
+
+
+def _plan_terms(cls, a: tuple, kw: dict, period) -> dict:
+    """``plan_terms`` of a front end below from its spec's arguments (no parameters): the
+    constructor's keywords checked as it checks them, ``period(arguments)`` steps a sync."""
+    sig = inspect.signature(cls.__init__)
+    try:
+        bound = sig.bind(None, [], *a, **kw)
+    except TypeError as e:
+        raise ValueError(f"{cls.__name__}: {e}") from None
+    bound.apply_defaults()
+    v = bound.arguments
+    for name in ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        if name in v:
+            args.integer(name, v[name], 1)
+    compression = v["compression"]
+    if compression is None:
+        compression = default_compression()
+    elif isinstance(compression, str):
+        from .registry import parse
+
+        compression = parse(compression)
+    if not isinstance(compression, (Codec, Protocol)):
+        raise ValueError(f"{cls.__name__}: compression must be a codec or protocol, got {compression!r}")
+    return {"compression": compression, "period": period(v), "fragments": 1, "delay": 0, "error_feedback": True}
 
 
 class _Bucket(NamedTuple):
@@ -541,6 +567,12 @@ class OneBitAdam(_OneBitOptimizer):
     def _config(self) -> dict:
         return {"freeze_step": self.freeze_step, "bias_correction": self.bias_correction}
 
+    @classmethod
+    def plan_terms(cls, *a, **kw) -> dict:
+        """What ``gradzip plan`` costs (the long run, after ``freeze_step``): every step one
+        exchange of ``compression`` (1-bit momenta), with its error feedback."""
+        return _plan_terms(cls, a, kw, period=lambda v: 1)
+
     @property
     def frozen(self) -> bool:
         """Whether the variance is frozen (the next step sends 1-bit momenta)."""
@@ -686,6 +718,13 @@ class ZeroOneAdam(_OneBitOptimizer):
             out.append(s.kind(t))
             s.advance(out[-1])
         return out
+
+    @classmethod
+    def plan_terms(cls, *a, **kw) -> dict:
+        """What ``gradzip plan`` costs (the long run): one exchange of ``compression`` every
+        ``local_step_clipper`` steps, the interval the local stage grows to (it doubles every
+        ``local_step_scaler`` steps after ``var_freeze_step``)."""
+        return _plan_terms(cls, a, kw, period=lambda v: v["local_step_clipper"])
 
     def _config(self) -> dict:
         s = self._sched

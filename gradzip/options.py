@@ -67,16 +67,24 @@ DEFAULT_STEPS = {"shakespeare": 1000}
 #: The language model's learning-rate warm-up in steps when neither --warmup-steps nor
 #: --warmup-epochs is given.
 DEFAULT_WARMUP_STEPS = {"shakespeare": 50}
-LM_SIZES = ("tiny", "small", "gpt2-small")
+LM_SIZES = ("micro", "tiny", "mini", "small", "gpt2-small")
 MOMENTUM_CORRECTION = ("auto", "on", "off")
 #: The quick run's epochs (``--quick``).
 QUICK_EPOCHS = {"mnist": 1, "digits": 5}
 #: The quick run's steps on the language model.
 QUICK_STEPS = {"shakespeare": 60}
-#: ``gradzip bench --preset NAME``: option defaults that reproduce a committed table in one
-#: command (an option given on the command line wins). lm: the language-model table of
+#: ``gradzip bench --preset NAME``: option defaults in one word (an option given on the command
+#: line wins). demo: ``make demo``, the language model in about two minutes on 2 cores, DDP
+#: against the methods the README recommends for a transformer; lm: the language-model table of
 #: docs/results.md (benchmarks/results/lm_shakespeare_4ranks_adamw_cpu.json).
 PRESETS = {
+    "demo": {
+        "dataset": "shakespeare",
+        "workers": 2,
+        "steps": 200,
+        "seeds": "0",
+        "methods": "Identity, Int8(), SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2'))",
+    },
     "lm": {
         "dataset": "shakespeare",
         "workers": 4,
@@ -180,12 +188,12 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         "--preset",
         choices=list(PRESETS),
         default=None,
-        help="defaults that reproduce a committed table (options given here still win): "
+        help="option defaults in one word (options given here still win): "
         + "; ".join(
             f"{k}: " + ", ".join(f"--{o.replace('_', '-')} {v}" for o, v in d.items() if o != "methods")
             for k, d in PRESETS.items()
         )
-        + " and the table's methods",
+        + "; each with its methods (lm: the committed table's)",
     )
     b.add_argument(
         "--workers",
@@ -209,8 +217,8 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
         "--lm-size",
         default="tiny",
         choices=list(LM_SIZES),
-        help="the language model's size: tiny (0.88M parameters, the CPU default), small, gpt2-small "
-        "(85M, for --device cuda)",
+        help="the language model's size: micro (0.19M parameters), tiny (0.88M, the CPU default), "
+        "mini (3.3M), small (4.9M), gpt2-small (85M, for --device cuda)",
     )
     b.add_argument(
         "--eval-every",
@@ -356,8 +364,17 @@ def missing_bench_extras(dataset: str, plot: bool) -> list[str]:
 
 # -- gradzip plan -----------------------------------------------------------------------------
 PLAN_METHODS = (
-    "DDP, FP16, TopK(ratio=0.01), SignSGD, QSGD, PowerSGD(rank=2), Policy(default=PowerSGD(rank=2), auto=True)"
+    "DDP, Int8(), Flat(Int8()), FP16, TopK(ratio=0.01), SignSGD, PowerSGD(rank=2), "
+    "LocalSGD(period=4, compression=Int4(block=256)), "
+    "SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2'))"
 )
+#: ``gradzip plan --task``: the bench's task classes, ``any`` (held on every class) and ``none``
+#: (rank by step time alone).
+PLAN_TASKS = ("lm", "image", "any", "none")
+#: ``gradzip plan``'s defaults where the user gives none: one rank's compute per step and the
+#: link's one-way latency (a TCP link inside a data centre).
+DEFAULT_COMPUTE_S = 0.1
+DEFAULT_LATENCY_S = 50e-6
 DEFAULT_WORLDS = tuple(2**k for k in range(1, 11))  # 2 .. 1024
 #: Gradient dtypes of ``gradzip plan --dtype``: name -> bytes per element.
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -517,8 +534,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compute",
         type=_dur("--compute"),
-        required=True,
-        help="forward+backward time of one step on one rank, e.g. 120ms or 0.3s",
+        default=None,
+        help="forward+backward time of one step on one rank, e.g. 120ms or 0.3s (default: "
+        f"{1e3 * DEFAULT_COMPUTE_S:g}ms, an assumption the plan names)",
     )
     p.add_argument(
         "--bandwidth",
@@ -529,10 +547,27 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--latency",
         type=_dur("--latency"),
-        required=True,
-        help="one-way latency per message with its unit, e.g. 5us, 1ms (or 0)",
+        default=None,
+        help="one-way latency per message with its unit, e.g. 5us, 1ms (or 0); default "
+        f"{1e6 * DEFAULT_LATENCY_S:g}us, an assumption the plan names",
     )
-    p.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS), help="world sizes (default 2,4,...,1024)")
+    p.add_argument(
+        "--worlds",
+        "--workers",
+        dest="worlds",
+        type=_worlds,
+        default=list(DEFAULT_WORLDS),
+        help="world sizes, ranks (default 2,4,...,1024; --workers 8 is the same as --worlds 8)",
+    )
+    p.add_argument(
+        "--task",
+        choices=PLAN_TASKS,
+        default=None,
+        help="rank only the methods that held on this bench task class (measured gap to DDP, read from the "
+        "committed results): lm (a transformer language model), image (a CNN), any (held on every class). "
+        "Default: lm for --arch gpt2-* or a state dict with embeddings and attention, image for resnet* or "
+        "convolutions, else any. none: rank by step time alone, ignoring accuracy",
+    )
     p.add_argument(
         "--local-size",
         type=_int_at_least(1, "--local-size"),

@@ -31,8 +31,13 @@ compression=Int8(), fragments=4, delay=2)``) are costed by
 ``plan_terms`` gives (the sync's collectives every period, divided by the period;
 per fragment when streaming; the wire hidden behind ``delay`` steps of compute).
 
-The prediction is for time per step only: methods also differ in how many steps
-they need to reach an accuracy (``gradzip bench`` measures that).
+Methods are ranked by accuracy first: ``--task`` (``lm``, ``image`` or ``any``; by default read
+from ``--arch`` or the state dict's tensor names) picks the bench task class, and only methods
+that held there (:mod:`gradzip.evidence`: the committed bench results, shipped as
+``gradzip/costmodel/profiles/_evidence.json``) are ranked and recommended; the others are shown
+with their measured gap. Where the bench measured a method's DDP-equivalent steps (the
+language model), it is ranked by predicted time to DDP's quality, its step time over that
+fraction of DDP's steps.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ import torch
 
 import gradzip.args as args
 
-from . import options
+from . import evidence, options
 from .costmodel import CodecProfile, FSDPMethod, Link, WireCache, fsdp_step_cost, step_cost
 from .costmodel.periodic import periodic_step_cost
+from .hook_row import Hook
 from .machine import machine
 from .registry import Spec, load_methods, parse_list, register_value
 
@@ -64,21 +70,30 @@ BN_BUFFERS = ("running_mean", "running_var")
 
 
 # -- methods -----------------------------------------------------------------------------
-register_value("DDP", None)  # plain DDP: no hook
 register_value("FSDP2", FSDPMethod)  # an FSDP2 step, plain (bare FSDP2) or through gradzip.fsdp
 
 
-def parse_methods(spec: str, *, link: Link | None = None, profile=None, local_size: int | None = None) -> dict:
+def parse_methods(
+    spec: str, *, link: Link | None = None, profile=None, local_size: int | None = None, keys: dict | None = None
+) -> dict:
     """``"DDP, TopK(ratio=0.01), PowerSGD(rank=2)"`` to ``{label: method}`` (``DDP``: ``None``).
+    ``keys``, a dict, receives each label's spelling in the accuracy evidence
+    (:func:`gradzip.evidence.key`: ``"DDP"`` for plain DDP and plain FSDP2).
 
     The method grammar of :mod:`gradzip.registry`: every registered codec and protocol,
-    with arguments. ``Policy(..., auto=True)`` gets the plan's link and profile unless
-    given, ``Hierarchical(...)`` the plan's ``local_size``.
+    with arguments; a bench row's ``Hook(method, ...)`` is costed as its ``method``.
+    ``Policy(..., auto=True)`` gets the plan's link and profile unless given,
+    ``Hierarchical(...)`` the plan's ``local_size``.
     """
     methods = parse_list(spec, {"link": link, "profile": profile, "local_size": local_size})
     for label, m in methods.items():
+        if keys is not None:
+            plain_fsdp = m is FSDPMethod or (isinstance(m, FSDPMethod) and m.plain)
+            keys[label] = "DDP" if plain_fsdp else evidence.canonical(m)
         if m is FSDPMethod:  # a bare FSDP2: plain FSDP2
             methods[label] = FSDPMethod()
+        elif isinstance(m, Hook):  # a bench row's hook: its options change no byte of a step
+            methods[label] = m.method
         frontend_terms(methods[label])  # a front end the plan cannot cost fails here, before any dry run
     return methods
 
@@ -336,16 +351,52 @@ def ranked(row: dict) -> bool:
     return not row.get("codec_not_measured")
 
 
+def held(row: dict) -> bool:
+    """A row whose method held on the plan's task (``accuracy["held"]`` True); a row without
+    an accuracy verdict (a plan made without one) counts as held."""
+    acc = row.get("accuracy")
+    return acc is None or acc["held"] is True
+
+
+def quality_s(row: dict) -> float:
+    """What a row is ranked by: its step time, over its DDP-equivalent steps where the bench
+    measured them (a method that reaches in 90 steps the loss DDP reaches in 81 needs
+    ``1 / 0.9`` of its steps per DDP step: predicted time to DDP's quality)."""
+    return row.get("quality_s", row["total_s"])
+
+
 def best_per_world(rows: list[dict]) -> dict[int, str]:
-    """The fastest ranked method per world size (a world where no row is ranked has none)."""
+    """Per world size, the ranked method (:func:`ranked`) that held (:func:`held`) with the
+    least :func:`quality_s` (a world where none qualifies has none)."""
     best: dict[int, dict] = {}
     for r in rows:
-        if not ranked(r):
+        if not ranked(r) or not held(r):
             continue
         b = best.get(r["world"])
-        if b is None or r["total_s"] < b["total_s"]:
+        if b is None or quality_s(r) < quality_s(b):
             best[r["world"]] = r
     return {n: r["label"] for n, r in sorted(best.items())}
+
+
+def attach_accuracy(rows: list[dict], keys: dict, task: str, evid: dict) -> list[str]:
+    """Each row's ``accuracy`` (the evidence's :func:`~gradzip.evidence.verdict` for its method on
+    ``task``, with ``note``, its one-line description) and ``quality_s`` (:func:`quality_s`:
+    the step time over the DDP-equivalent steps, where every method that held has them
+    measured; else the step time). Returns the methods that held without that figure."""
+    verdicts = {}
+    for label in dict.fromkeys(r["label"] for r in rows):
+        v = evidence.verdict(keys.get(label, label), task, evid)
+        v = {**v, "note": evidence.describe(v, task)}
+        verdicts[label] = v
+    # Time to DDP's quality only where every method that held has its DDP-equivalent steps
+    # measured: a method without them must not win for lack of a figure.
+    uncounted = [lab for lab, v in verdicts.items() if v["held"] and v["ddp_steps_pct"] is None]
+    for r in rows:
+        v = verdicts[r["label"]]
+        r["accuracy"] = {k: v[k] for k in ("held", "ddp_steps_pct", "note")}
+        eff = v["ddp_steps_pct"] if v["held"] and not uncounted else None
+        r["quality_s"] = r["total_s"] * 100 / min(100.0, eff) if eff else r["total_s"]
+    return uncounted
 
 
 def format_table(rows: list[dict], unmeasured: str = "") -> str:
@@ -356,7 +407,10 @@ def format_table(rows: list[dict], unmeasured: str = "") -> str:
     at = {(r["label"], r["world"]): r for r in rows}
     best = best_per_world(rows)
     marked = {r["label"] for r in rows if not ranked(r)}
-    short = {lab: f"[{i + 1}]{'*' if lab in marked else ''}" for i, lab in enumerate(labels)}
+    unheld = {r["label"] for r in rows if not held(r)}
+    short = {
+        lab: f"[{i + 1}]{'*' if lab in marked else ''}{'!' if lab in unheld else ''}" for i, lab in enumerate(labels)
+    }
     width, nw = 16, max([5, *(len(str(n)) for n in worlds)])
     lines = ["methods: " + "; ".join(f"{short[lab]} {lab}" for lab in labels), ""]
     head = f"{'N':>{nw}} | " + " | ".join(f"{short[lab]:>{width}}" for lab in labels) + " | best"
@@ -369,15 +423,21 @@ def format_table(rows: list[dict], unmeasured: str = "") -> str:
         cells = []
         for lab in labels:
             r = at[(lab, n)]
-            mark = " " if ranked(r) else "*"
+            mark = " " if ranked(r) and held(r) else ("*" if not ranked(r) else "!")
             cells.append(f"{1e3 * r['total_s']:>8.1f} ({100 * r['efficiency']:>3.0f}%){mark}".rjust(width))
-        pick = f"{short[best[n]]} {best[n]}" if n in best else "none ranked"
+        pick = f"{short[best[n]]} {best[n]}" if n in best else "none qualifies"
         lines.append(f"{n:>{nw}} | " + " | ".join(cells) + f" | {pick}")
     if marked:
         missing = sorted({c for r in rows for c in r.get("codec_not_measured", ())})
         lines.append(
             f"* not ranked ({unmeasured or 'codec seconds not from the profile'}): no figure for {', '.join(missing)}"
         )
+    if unheld:
+        lines.append("! not ranked: did not hold on the task, or not measured there (accuracy below)")
+    if any("accuracy" in r for r in rows):
+        first = {r["label"]: r for r in reversed(rows)}
+        lines += ["", "accuracy (the bench's measured gap to DDP; the best column ranks only methods that held):"]
+        lines += [f"  {short[lab]} {lab}: {first[lab]['accuracy']['note']}" for lab in labels]
     return "\n".join(lines)
 
 
@@ -451,10 +511,13 @@ def format_band(b: dict) -> str:
 
 
 def recommend(rows: list[dict], band: float, unmeasured: str = "", lower_bound: bool = False) -> str:
-    """One line: the fastest ranked method per range of world sizes and its predicted gain over
-    plain DDP; a gain smaller than ``band`` (the median error) is called within the band. The
-    methods that are not ranked (:func:`ranked`) are named, with ``unmeasured`` (why); with
-    ``lower_bound`` (their rows leave the codec out), those whose row is below the best say so."""
+    """One line: per range of world sizes the method :func:`best_per_world` picks (ranked and held
+    on the task, least :func:`quality_s`) and its predicted gain over plain DDP (in time to DDP's
+    quality where the bench measured its step efficiency); a gain smaller than ``band`` (the
+    median error) is called within the band. Methods predicted faster that did not hold are
+    named as not recommended; methods that are not ranked (:func:`ranked`) are named, with
+    ``unmeasured`` (why); with ``lower_bound`` (their rows leave the codec out), those whose row
+    is below the best say so."""
     at = {(r["label"], r["world"]): r for r in rows}
     best = best_per_world(rows)
     runs: list[list] = []
@@ -466,25 +529,41 @@ def recommend(rows: list[dict], band: float, unmeasured: str = "", lower_bound: 
     parts = []
     for lab, lo, hi in runs:
         where = f"{lo} ranks" if lo == hi else f"{lo}-{hi} ranks"
-        gains = [
-            at[("DDP", n)]["total_s"] / at[(lab, n)]["total_s"] for n in best if lo <= n <= hi and ("DDP", n) in at
-        ]
+        span_n = [n for n in best if lo <= n <= hi]
+        gains = [quality_s(at[("DDP", n)]) / quality_s(at[(lab, n)]) for n in span_n if ("DDP", n) in at]
+        steps = {at[(lab, n)].get("accuracy", {}).get("ddp_steps_pct") for n in span_n}
+        counted = " to DDP's quality" if any(p is not None and p < 100 for p in steps) else ""
         if lab == "DDP" or not gains:
             parts.append(f"{lab} at {where}")
         elif max(gains) < 1 + band:
-            parts.append(f"DDP at {where} ({lab} is predicted at most {max(gains):.2f}x faster, within the error band)")
+            parts.append(
+                f"DDP at {where} ({lab} is predicted at most {max(gains):.2f}x faster{counted}, within the error band)"
+            )
         else:
             span = (
                 f"{min(gains):.2g}x"
                 if f"{min(gains):.2g}" == f"{max(gains):.2g}"
                 else f"{min(gains):.2g}x-{max(gains):.2g}x"
             )
-            parts.append(f"{lab} at {where} ({span} DDP's predicted speed)")
+            parts.append(f"{lab} at {where} ({span} DDP's predicted speed{counted})")
+    faster_unheld = list(
+        dict.fromkeys(
+            r["label"]
+            for r in rows
+            if not held(r) and r["world"] in best and r["total_s"] < at[(best[r["world"]], r["world"])]["total_s"]
+        )
+    )
+    if faster_unheld:
+        parts.append(
+            f"not recommended although predicted faster: {', '.join(faster_unheld)} (did not hold on the task or "
+            "not measured there: see accuracy)"
+        )
     unranked = list(dict.fromkeys(r["label"] for r in rows if not ranked(r)))
     if unranked:
         parts.append(f"not ranked: {', '.join(unranked)} ({unmeasured or 'codec seconds not from the profile'})")
     if lower_bound:
-        for lab in unranked:
+        unheld = {r["label"] for r in rows if not held(r)}
+        for lab in (lab for lab in unranked if lab not in unheld):
             below = [n for n, b in best.items() if (lab, n) in at and at[(lab, n)]["total_s"] < at[(b, n)]["total_s"]]
             if below:
                 parts.append(
@@ -495,14 +574,11 @@ def recommend(rows: list[dict], band: float, unmeasured: str = "", lower_bound: 
 
 
 def advice(rows: list[dict], methods: dict) -> str:
-    """How to check what the recommended methods cost in accuracy, on a language model and on
-    the user's own model (the plan predicts time per step, not the steps a method needs)."""
+    """How to check what the recommended methods cost in accuracy on the user's own model (the
+    bench's evidence comes from small models: a user's model may differ)."""
     picks = [lab for lab in dict.fromkeys(best_per_world(rows).values()) if lab != "DDP"]
     if not picks:
-        return (
-            "accuracy: plain DDP is predicted fastest; it trains as before. The plan predicts time per step, "
-            "not the steps a method needs to reach an accuracy."
-        )
+        return "accuracy: plain DDP is the pick; it trains as before."
     lab = picks[0]
     spec = lab.replace('"', "'")
     m = methods.get(lab)
@@ -513,7 +589,7 @@ def advice(rows: list[dict], methods: dict) -> str:
         given = (("reduce_scatter", m.reduce_scatter), ("all_gather", m.all_gather))
         kw = ", ".join(f"{k}=gz.parse({repr(v)!r})" for k, v in given if v is not None)
         return (
-            f"accuracy: the plan predicts time per step, not the steps a method needs. Before switching to {lab}, "
+            f"accuracy: the bench measured it on small models only. Before switching to {lab}, "
             f"compare it with plain FSDP2 on your own model: shard with `fully_shard(..., "
             f"reshard_after_forward={m.reshard_after_forward!r})`, train with `gz.fsdp.compress(model, {kw})` for "
             "the same steps and seeds as a plain FSDP2 run and compare the validation loss (benchmarks/"
@@ -530,18 +606,28 @@ def advice(rows: list[dict], methods: dict) -> str:
             "and seeds as a plain DDP run"
         )
     return (
-        f"accuracy: the plan predicts time per step, not the steps a method needs. Before switching to {lab}, "
-        f'compare it with plain DDP on a language model, `gradzip bench --dataset shakespeare --methods "{spec}"` '
-        f"(a byte-level GPT, validation loss and its gap to Identity), and on your own model: {own}, "
-        "then compare the validation loss" + likewise + "."
+        f"accuracy: the bench measured it on small models (the accuracy lines above). Before switching to {lab}, "
+        f"compare it with plain DDP on your own model: {own}, then compare the validation loss"
+        + likewise
+        + f'; `gradzip bench --dataset shakespeare --methods "{spec}"` repeats the language-model measurement.'
     )
 
 
 def run(args) -> int:
+    notes_compute = []
+    if args.latency is None:
+        args.latency = options.DEFAULT_LATENCY_S
+        notes_compute.append(f"no --latency given: {1e6 * args.latency:g} us assumed (a TCP link inside a data centre)")
     link = Link(args.bandwidth, args.latency)
+    if args.compute is None:
+        args.compute = options.DEFAULT_COMPUTE_S
+        notes_compute.append(
+            f"no --compute given: {1e3 * args.compute:g} ms of forward+backward per step assumed (time one step of "
+            "your model on one device and give it: the gain of every method depends on it)"
+        )
     dtype_name = TORCH_DTYPES[args.dtype]
     dtype = getattr(torch, dtype_name)
-    notes = []
+    notes = notes_compute
     try:
         if args.plot:
             missing = options.missing_bench_extras("digits", True)
@@ -596,7 +682,8 @@ def run(args) -> int:
                 args.intra_bandwidth or args.bandwidth,
                 args.latency if args.intra_latency is None else args.intra_latency,
             )
-        methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size)
+        keys: dict = {}
+        methods = parse_methods(args.methods, link=link, profile=profile, local_size=args.local_size, keys=keys)
         if args.overlap and any(isinstance(m, Spec) for m in methods.values()):
             notes.append(
                 "--overlap applies to DDP-style methods only; LocalSGD/DiLoCo rows hide their wire by their own delay="
@@ -617,6 +704,17 @@ def run(args) -> int:
                 f"--arch ({', '.join(options.ARCHS)}) or --state-dict FILE costs the real ones"
             )
         band = error_band()
+        evid = evidence.load()
+        task, task_why = args.task, "--task"
+        if task is None:
+            if getattr(args, "arch", None):
+                task, task_why = ("lm" if args.arch.startswith("gpt") else "image"), f"--arch {args.arch}"
+            elif args.state_dict:
+                task = evidence.task_of_layers([n for n, _ in layers])
+                task_why = "the state dict's tensor names"
+            task = task or "any"
+            if task == "any":
+                task_why = "the model's kind is unknown (give --task lm or --task image)"
     except (OSError, ValueError, TypeError, ImportError, json.JSONDecodeError) as exc:
         print(f"gradzip plan: {exc}", file=sys.stderr)
         return 2
@@ -630,8 +728,14 @@ def run(args) -> int:
     )
     print(f"codec profile: {source}", flush=True)
 
+    if task == "none":
+        print("ranking: by predicted step time alone (--task none: accuracy not considered)", flush=True)
+    else:
+        what_task = {"lm": "a transformer language model", "image": "a CNN", "any": "every bench task"}[task]
+        print(f"ranking: only the methods that held on {what_task} ({task_why})", flush=True)
+
     def progress(label, secs):
-        print(f"  {label}: {secs:.1f} s", flush=True)
+        print(f"  (costed {label} in {secs:.1f} s)", flush=True)
 
     rows = project(
         layers,
@@ -648,6 +752,13 @@ def run(args) -> int:
         overlap=args.overlap,
         mark=mark,
     )
+    if task != "none":
+        uncounted = attach_accuracy(rows, keys, task, evid)
+        if uncounted:
+            notes.append(
+                f"ranked by step time, not time to DDP's quality: the bench has no DDP-equivalent steps for "
+                f"{', '.join(uncounted)}"
+            )
     if profile.measured_here and args.profile:
         notes.append(
             f"no fit in the profile for {', '.join(dict.fromkeys(profile.measured_here))}: "
@@ -695,6 +806,7 @@ def run(args) -> int:
                 "device": args.device,
                 "arch": getattr(args, "arch", None),
                 "methods": list(methods),
+                "task": task,
             },
             "profile": {"source": source, "measured_here": profile.measured_here, **profile.to_dict()},
             "best": {str(k): v for k, v in best_per_world(rows).items()},

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-import gradzip.args as args
-
 from ..codecs.base import Codec
-from ..momentum import UPDATES, Momentum
+from ..hook_row import HOOK_OPTIONS as _HOOK_OPTIONS
+from ..hook_row import Hook
+from ..momentum import Momentum
 from ..options import (
     CLIP_MODES,
     DEFAULT_EPOCHS,
@@ -28,66 +28,11 @@ from ..options import (
     OPTIMIZERS,
 )
 from ..protocols.base import Protocol
-from ..registry import Spec, load_methods, parse_list, register_value
+from ..registry import Spec, load_methods, parse_list
 from . import lm
 
 # Registering is defining: every module that defines a method of the grammar is imported.
 load_methods()
-register_value("DDP", None)  # plain DDP: no hook
-
-
-@dataclass
-class Hook:
-    """A row's DDP hook with options of its own, in the method grammar:
-    ``Hook(TopK(0.01), momentum_correction='on', precondition=True)``. An option left at None
-    takes the bench's (``--momentum-correction``, ``--precondition``); ``error_feedback`` as
-    :func:`~gradzip.hooks.register_hook` takes it."""
-
-    method: Codec | Protocol
-    momentum_correction: str | None = None
-    precondition: bool | None = None
-    error_feedback: bool | None = None
-    update: str | None = None  # "sign": register_hook(update="sign") (the optimizer's momentum taken over)
-    error_decay: float | None = None  # register_hook(error_decay=...)
-    momentum: float | None = None  # the row's optimizer momentum (SGD) or beta1 (AdamW), else the bench's
-    lr_scale: float | None = None  # the row's learning rate, a multiple of the bench's (DeMo's sign steps)
-    start_iter: int | None = None  # register_hook(start_iter=...): plain allreduce before this step
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.method, (Codec, Protocol)):
-            raise TypeError(f"Hook() takes a codec or a protocol, got {self.method!r}")
-        if self.momentum_correction is not None and self.momentum_correction not in MOMENTUM_CORRECTION:
-            raise ValueError(
-                f"momentum_correction must be one of {list(MOMENTUM_CORRECTION)}, got {self.momentum_correction!r}"
-            )
-        if self.precondition is not None and not isinstance(self.precondition, bool):
-            raise TypeError(f"precondition must be True or False, got {self.precondition!r}")
-        if self.update is not None and self.update not in UPDATES:
-            raise ValueError(f"update must be one of {list(UPDATES)}, got {self.update!r}")
-        if self.error_decay is not None:
-            self.error_decay = args.number("error_decay", self.error_decay, 0.0, 1.0, lo_open=True)
-        if self.momentum is not None:
-            self.momentum = args.number("momentum", self.momentum, 0.0, 1.0, hi_open=True)
-        if self.lr_scale is not None:
-            self.lr_scale = args.number("lr_scale", self.lr_scale, 0.0, lo_open=True)
-        if self.start_iter is not None:
-            self.start_iter = args.integer("start_iter", self.start_iter, 0)
-
-
-#: A row's own hook and optimizer options (:class:`Hook`), carried onto its :class:`Method`.
-_HOOK_OPTIONS = (
-    "error_feedback",
-    "momentum_correction",
-    "precondition",
-    "update",
-    "error_decay",
-    "momentum",
-    "lr_scale",
-    "start_iter",
-)
-
-
-register_value("Hook", Hook)
 
 
 @dataclass

@@ -54,7 +54,8 @@ def place_labels(ax, xs, ys, labels, fontsize=8, obstacles=(), renderer=None, pa
     """Annotate point i with ``labels[i]`` where its box overlaps no other label, marker, error
     bar or ``obstacles`` (display-space ``Bbox``es) and stays inside the axes, searching offsets
     around the point nearest first (the least overlap if no place is free). The axes' limits and
-    position must be final. Labels that end far from their point get a thin leader line.
+    position must be final. A label whose nearest edge ends away from its point gets a thin
+    leader line to that edge.
     Returns the annotations, in the order of ``labels``."""
     from matplotlib.transforms import Bbox
 
@@ -99,8 +100,10 @@ def place_labels(ax, xs, ys, labels, fontsize=8, obstacles=(), renderer=None, pa
         ann.set_va(va)
         ann.xyann = (dx, dy)
         placed.append(box)
-        if math.hypot(dx, dy) > 20:  # a leader line from the marker to the label's middle
-            cx, cy = (box.x0 + box.x1) / 2 - disp[i][0], (box.y0 + box.y1) / 2 - disp[i][1]
+        # a leader line from the marker to the nearest point of a label that ends away from it
+        px, py = disp[i]
+        cx, cy = min(max(px, box.x0), box.x1) - px, min(max(py, box.y0), box.y1) - py
+        if math.hypot(cx, cy) > 3 * r_px:
             ax.annotate(
                 "",
                 (xs[i], ys[i]),

@@ -1,9 +1,12 @@
-"""benchmarks/step_time.py: its model on hand-computed rows, and --merge."""
+"""benchmarks/step_time.py: its model on hand-computed rows, --merge, and its methods' labels."""
 
+import argparse
 import json
 import sys
 
 import pytest
+
+import gradzip as gz
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +49,43 @@ def test_merge_combines_runs_and_recomputes_speedups(st, tmp_path, monkeypatch):
         return {"ranks": 4, "rows": [{"rate": rate, "method": m, "step_s": t, "steps": 5} for m, t in rows]}
 
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
-    a.write_text(json.dumps(doc("1gbit", [("allreduce", 2.0), ("PowerSGD-1", 0.5)])))
-    b.write_text(json.dumps(doc("none", [("allreduce", 0.4), ("PowerSGD-1", 0.5)])))
+    a.write_text(json.dumps(doc("1gbit", [("DDP", 2.0), ("PowerSGD(rank=1)", 0.5)])))
+    b.write_text(json.dumps(doc("none", [("DDP", 0.4), ("PowerSGD(rank=1)", 0.5)])))
     monkeypatch.setattr(st, "plot", lambda d, path: None)
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--ranks", "4", "--merge", str(a), str(b), "--out", str(out)])
     assert st.main() == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rate"], r["method"]) for r in rows] == [
-        ("1gbit", "allreduce"),
-        ("1gbit", "PowerSGD-1"),
-        ("none", "allreduce"),
-        ("none", "PowerSGD-1"),
+        ("1gbit", "DDP"),
+        ("1gbit", "PowerSGD(rank=1)"),
+        ("none", "DDP"),
+        ("none", "PowerSGD(rank=1)"),
     ]
     assert [r["speedup_vs_allreduce"] for r in rows] == pytest.approx([1.0, 4.0, 1.0, 0.8])
     monkeypatch.setattr(sys, "argv", ["step_time.py", "--ranks", "2", "--merge", str(a), "--out", str(out)])
     with pytest.raises(SystemExit):  # a file of another rank count is refused
         st.main()
+
+
+def test_each_label_is_the_grammars_spelling_of_the_method_timed(st):
+    link = gz.Link(1e9, st.LATENCY_S)
+    table = st.methods(1e9, 4)
+    assert list(table)[0] == st.DDP and table[st.DDP] is None
+    for label, method in table.items():
+        got = gz.parse(label, {"link": link})  # Policy(auto=True) takes the row's link
+        if isinstance(got, gz.Policy):
+            got.world_size = 4  # the world size is the process group's
+        assert got == method, label
+
+
+def test_methods_arguments_split_outside_brackets_and_put_ddp_first(st):
+    p = argparse.ArgumentParser()
+    text = "Threshold(tau=0.001, policy='adaptive'), Policy(TopK(0.01),auto=True),DDP"
+    assert st.parse_methods(p, text, 4) == [
+        "DDP",
+        "Threshold(tau=0.001, policy='adaptive')",
+        "Policy(TopK(0.01), auto=True)",
+    ]
+    assert st.split_methods("A(1, B(2, 3)), C") == ["A(1, B(2, 3))", "C"]
+    with pytest.raises(SystemExit):
+        st.parse_methods(p, "TopK-1%", 4)  # the old short labels are gone

@@ -202,10 +202,12 @@ def test_gradzip_command_lines_parse():
 
             bench.parse_methods(args.methods)
         if words[1] == "plan":
+            from gradzip import options
             from gradzip.costmodel import Link
             from gradzip.plan import parse_methods
 
-            parse_methods(args.methods, link=Link(args.bandwidth, args.latency), local_size=args.local_size)
+            latency = options.DEFAULT_LATENCY_S if args.latency is None else args.latency  # plan's default
+            parse_methods(args.methods, link=Link(args.bandwidth, latency), local_size=args.local_size)
 
 
 def test_make_targets_exist():
