@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # what static tools see: the table's names, re-exported (test
     from .codecs.transform import DCT as DCT
     from .costmodel.link import Link as Link
     from .engine import Engine as Engine
+    from .frontend import skip_nonfinite as skip_nonfinite
     from .local_sgd import DiLoCo as DiLoCo
     from .local_sgd import LocalSGD as LocalSGD
     from .local_sgd import SparseLoCo as SparseLoCo

@@ -111,6 +111,7 @@ PUBLIC: tuple[Name, ...] = (
     Name("broadcast_parameters", "sync"),
     Name("check_parameters_agree", "sync"),
     Name("log_every", "stats"),
+    Name("skip_nonfinite", "frontend"),
 )
 
 #: Names of the method grammar that have no ``gz.<name>``.
@@ -118,11 +119,14 @@ UNEXPORTED_METHODS: tuple[Name, ...] = (
     Name("ReduceScatter", "protocols.reduce_scatter", "protocol"),  # gradzip.fsdp's protocol
     Name("Exponential", "warmup", "schedule"),  # gz.warmup.Exponential
     Name("Linear", "warmup", "schedule"),
+    Name("DDP", "hook_row", "value"),  # plain DDP: None
+    Name("Hook", "hook_row", "value"),  # a bench row's hook: its method and options
 )
 
 #: Modules that ``gz.<name>`` imports on their own first use, not with the rest, and that
-#: ``__all__`` leaves out: importing ``torch.distributed.fsdp`` takes seconds.
-ON_FIRST_USE: tuple[str, ...] = ("fsdp",)
+#: ``__all__`` leaves out: importing ``torch.distributed.fsdp`` takes seconds; ``gz.ft`` is for
+#: torchft's users only (``gradzip[ft]``).
+ON_FIRST_USE: tuple[str, ...] = ("fsdp", "ft")
 
 
 def _unique(items: Iterable[str]) -> list[str]:

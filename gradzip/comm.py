@@ -37,11 +37,30 @@ A :class:`Communicator` also counts the bytes of every collective (:mod:`gradzip
 ``split(L)`` gives the node and cross communicators of ``Hierarchical``, and where ``trace``
 is a list each collective's kind, bytes, issue and completion times are appended to it
 (``benchmarks/overlap.py``).
+
+Leaving the process. gloo completes a collective on its worker thread and runs the future's
+callbacks there: the last round's decode (``finish``) and the byte accounting are Python, so
+that thread takes the GIL. Setting the protocol's future releases the GIL and wakes the front
+end (DDP's backward), whose script can then end and the interpreter start finalizing while the
+worker has still to take the GIL back to return from the callback. The worker takes it once
+more when it frees the work, if it holds the last reference to a tensor whose Python object
+Python had let go first. CPython before 3.14 answers a thread that takes the GIL during
+finalization with ``pthread_exit``, whose unwinding through torch's C++ frames ends in
+``std::terminate``: "terminate called without an active exception", SIGABRT, with the job's
+work done. So every collective gradzip issues (a communicator's, and through :func:`track`
+gradzip.sync's and gradzip.horovod's) is tracked, with the CPU tensors handed to it, until
+it is completed (torch marks a gloo work completed only after its future's callbacks have
+returned) and let go by the thread that ran it; and, once the first is issued, an ``atexit``
+handler waits for the rest while the interpreter is whole (:func:`wait_for_collectives`).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
 import time
+import weakref
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +102,168 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> Any:
 
 
 _SPLITS: dict = {}  # (group, world, local size) -> (node groups, cross groups)
+
+
+# -- leaving the process (the module docstring) ---------------------------------------------
+#: Seconds the exit handler waits for collectives whose callbacks are running (their results
+#: arrived; decoding takes milliseconds, longer on a loaded machine).
+EXIT_CALLBACKS_S = 60.0
+#: Seconds it waits for collectives still in flight at exit (not a clean exit: a step left
+#: midway by an exception, a peer gone). Their callbacks, if they ever run, may still abort.
+EXIT_IN_FLIGHT_S = 5.0
+#: Seconds it waits for the worker threads to let go of completed collectives (microseconds
+#: normally; a descheduled thread on a loaded machine takes longer).
+EXIT_RELEASE_S = 10.0
+
+
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work that cannot say is not waited for
+        return True
+
+
+def _arrived(work) -> bool:
+    """The collective's result is there (its future's callbacks may still be running)."""
+    try:
+        return bool(work.get_future().done())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _holds(tensors: tuple) -> int:
+    """References to ``tensors`` and to their storages: fewer once a work that held them is freed."""
+    return sum(t._use_count() + torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors)
+
+
+def _held(tensors) -> tuple:
+    """The tensors of a collective that the exit handler keeps with it: the CPU ones (a CUDA
+    collective's buffers are not held past its completion)."""
+    try:
+        return tuple(t for t in tensors if t.device.type == "cpu" and _holds((t,)) >= 0)
+    except Exception:  # noqa: BLE001 - a tensor whose references cannot be counted is not held
+        return ()
+
+
+class _Live:
+    """The collectives of this process that a backend's thread may still be finishing, oldest
+    first, each ``[work, tensors, references, weak reference to the work]``. A collective is
+    settled when its work is completed (its future's callbacks returned) and freed: the tensors
+    handed to it are held here until then, so that the worker thread's last reference to them
+    never frees a Python object (that takes the GIL too). Once the work is completed its
+    ``references`` are counted (:func:`_holds`) with the work held here, and the work is let
+    go; the count drops once whoever held it last frees it. Settled collectives are dropped as
+    later ones are issued and as their first callbacks run: between steps the last of a step
+    (their CPU buffers with them) stay until the next step's first collective."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, list] = {}  # key -> [work or None, tensors, references, weakref]
+        self.count = 0
+        self.exit_handler = False
+        self.pid = os.getpid()
+
+    @staticmethod
+    def _settled(e: list) -> bool:
+        if e[0] is not None:
+            if not _completed(e[0]):
+                return False
+            if not e[1]:
+                return True
+            e[2] = _holds(e[1])
+            try:
+                e[3] = weakref.ref(e[0])
+            except TypeError:
+                pass
+            e[0] = None  # freed here unless another thread (or a caller) still holds the work
+        if e[3] is not None and e[3]() is not None:
+            return False  # Python still holds the work (a round, a handle): not freed yet
+        return _holds(e[1]) < e[2]
+
+    def _prune_locked(self, full: bool = False) -> None:
+        """Drop the settled collectives, oldest first; unless ``full``, up to the first one in
+        flight (they complete about in the order issued)."""
+        for key, e in list(self.entries.items()):
+            if self._settled(e):
+                del self.entries[key]
+            elif e[0] is not None and not full:
+                break
+
+    def add(self, work, tensors=()) -> int:
+        """Track ``work`` and the ``tensors`` handed to it; its key for :meth:`arrive`."""
+        with self.lock:
+            if not self.exit_handler:
+                # Registered after torch's own handlers (and after init_process_group), so it
+                # runs before them, and before an hvd.shutdown()/destroy_process_group handler.
+                atexit.register(_wait_at_exit)
+                self.exit_handler = True
+            if self.pid != os.getpid():  # a forked child: its parent's works are not its own
+                self.entries, self.pid = {}, os.getpid()
+            self._prune_locked()
+            self.count += 1
+            self.entries[self.count] = [work, _held(tensors), None, None]
+            return self.count
+
+    def arrive(self) -> None:
+        """A collective's first callback runs (on the thread that completes it): prune."""
+        with self.lock:
+            self._prune_locked()
+
+    def left(self) -> tuple[list, int]:
+        """Prune them all. The works not completed, and how many completed works only a backend
+        thread may still hold (a work that Python still holds elsewhere, a caller's or an
+        unsynchronized handle's, is freed by Python, with the GIL: it is not waited for)."""
+        with self.lock:
+            if self.pid != os.getpid():
+                return [], 0
+            self._prune_locked(full=True)
+            flying = [e[0] for e in self.entries.values() if e[0] is not None]
+            held = sum(1 for e in self.entries.values() if e[0] is None and (e[3] is None or e[3]() is None))
+            return flying, held
+
+
+_LIVE = _Live()
+
+
+def track(work, *tensors: torch.Tensor):
+    """Track a collective issued outside a :class:`Communicator` (``async_op=True``), with the
+    tensors handed to it, for the exit handler (the module docstring); returns ``work``.
+    A blocking call becomes ``track(dist.all_reduce(t, async_op=True), t).wait()``."""
+    if work is not None:  # None: this rank is not in the collective's group
+        _LIVE.add(work, tensors)
+    return work
+
+
+def wait_for_collectives(
+    callbacks_s: float = EXIT_CALLBACKS_S, in_flight_s: float = EXIT_IN_FLIGHT_S, release_s: float = EXIT_RELEASE_S
+) -> bool:
+    """Wait until every collective gradzip issued in this process is settled: completed, its
+    future's callbacks returned, and let go by the thread that ran it. Gives up after
+    ``callbacks_s`` seconds while callbacks are running, ``in_flight_s`` while a result has not
+    even arrived, ``release_s`` while a completed work is still held. True when none is left.
+
+    Registered with ``atexit`` at the first collective (the module docstring); a script that
+    ends its process another way (``os._exit``) can call it first."""
+    start = time.monotonic()
+    while True:
+        flying, held = _LIVE.left()
+        if not flying and not held:
+            return True
+        if any(_arrived(w) for w in flying):
+            limit = callbacks_s
+        else:
+            limit = in_flight_s if flying else release_s
+        if time.monotonic() - start > limit:
+            return False
+        del flying
+        time.sleep(0.001)  # releases the GIL: the worker needs it to return from the callback
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait_for_collectives()
+    except Exception:  # noqa: BLE001 - never fail an exit over the wait
+        pass
 
 
 def ring_allreduce_link(nbytes: float, world: int) -> float:
@@ -142,7 +323,11 @@ class Communicator:
         )
 
     # -- single collectives (async; each returns a Work) ------------------------------
-    def _timed(self, work, nbytes: int, control: bool, link: float, gather: bool = False, kind: str = ""):
+    def _timed(
+        self, work, nbytes: int, control: bool, link: float, gather: bool = False, kind: str = "", tensors: tuple = ()
+    ):
+        """Book the collective ``work`` (its bytes; its time once done) and track it, with the
+        ``tensors`` handed to it, for the exit handler (the module docstring)."""
         t0 = time.perf_counter()
         self.stats.add(
             bytes_sent=nbytes,
@@ -162,8 +347,10 @@ class Communicator:
             stats.add(comm_seconds=t1 - t0)
             if rec is not None:
                 rec[3] = t1
+            _LIVE.arrive()
             return None
 
+        _LIVE.add(work, tensors)
         work.get_future().then(done)
         return work
 
@@ -171,13 +358,15 @@ class Communicator:
         """Allreduce in place. ``control=True`` books the bytes as protocol overhead too."""
         w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         nbytes = t.numel() * t.element_size()
-        return self._timed(w, nbytes, control, ring_allreduce_link(nbytes, self.world_size), kind="allreduce")
+        link = ring_allreduce_link(nbytes, self.world_size)
+        return self._timed(w, nbytes, control, link, kind="allreduce", tensors=(t,))
 
     def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, control: bool = False):
         """All-gather equal-sized ``inp`` from every rank into ``out`` (world * inp.numel())."""
         w = _all_gather_single(out, inp, self.group)
         nbytes = inp.numel() * inp.element_size()
-        return self._timed(w, nbytes, control, (self.world_size - 1) * nbytes, gather=True, kind="allgather")
+        link = (self.world_size - 1) * nbytes
+        return self._timed(w, nbytes, control, link, gather=True, kind="allgather", tensors=(out, inp))
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, *, control: bool = False):
         """Send ``inp``'s ``in_splits[j]`` elements (in order) to rank ``j`` and receive rank
@@ -188,7 +377,7 @@ class Communicator:
         el = inp.element_size()
         nbytes = inp.numel() * el
         mine = (in_splits[self.rank] if in_splits is not None else inp.numel() // self.world_size) * el
-        return self._timed(w, nbytes, control, nbytes - mine, kind="alltoall")
+        return self._timed(w, nbytes, control, nbytes - mine, kind="alltoall", tensors=(out, inp))
 
     # -- protocols ---------------------------------------------------------------------
     def submit(self, protocol: Protocol, device: torch.device | None = None) -> torch.futures.Future:

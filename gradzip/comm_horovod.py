@@ -41,12 +41,15 @@ _IDS = itertools.count()  # communicators made in this process, in order (the sa
 
 
 class _Work:
-    """What a protocol's round holds: ``wait()`` and ``get_future()``, as a torch ``Work``."""
+    """What a protocol's round holds: ``wait()``, ``get_future()`` and ``is_completed()``, as a
+    torch ``Work``. Completed once the waiter thread has set the future and its callbacks have
+    returned (as gloo's works: what gradzip's exit handler waits for, gradzip.comm)."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "completed")
 
     def __init__(self) -> None:
         self.future = torch.futures.Future()
+        self.completed = False
 
     def wait(self) -> bool:
         self.future.wait()
@@ -54,6 +57,9 @@ class _Work:
 
     def get_future(self) -> torch.futures.Future:
         return self.future
+
+    def is_completed(self) -> bool:
+        return self.completed
 
 
 class HorovodCommunicator(Communicator):
@@ -111,13 +117,13 @@ class HorovodCommunicator(Communicator):
         if self._thread is None:
             self._thread = threading.Thread(target=self._wait_loop, name=f"{self._name}.waiter", daemon=True)
             self._thread.start()
-        self._queue.put((handle, finish, work.future))
+        self._queue.put((handle, finish, work))
         return work
 
     def _wait_loop(self) -> None:
         hvd = self.hvd
         while True:
-            handle, finish, fut = self._queue.get()
+            handle, finish, work = self._queue.get()
             try:
                 while not hvd.poll(handle):  # sleeping releases the GIL for the issuing thread
                     time.sleep(self._poll_s)
@@ -125,9 +131,10 @@ class HorovodCommunicator(Communicator):
                 if finish is not None:
                     finish(out)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter of the future
-                fut.set_exception(exc)
-                continue
-            fut.set_result(None)
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(None)
+            work.completed = True
 
     # -- the collectives (async; each returns a work) ---------------------------------
     def allreduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, *, control: bool = False):

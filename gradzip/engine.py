@@ -29,6 +29,17 @@ owns the safety nets, all decided identically on every rank:
   Either way, when the step ends, the residuals and codec state of every tensor
   touched in that step are put back as they were before it
   (``ErrorFeedback.restore``): a skipped step never poisons the residual.
+* **Skipping the optimizer's step.** When a step ends, ``last_step_nonfinite`` holds its
+  verdict, alike on every rank, and ``nonfinite_steps`` counts the steps so judged (an
+  uncommitted one, ``end_step(commit=False)``, included). :func:`gradzip.frontend.skip_nonfinite`
+  (``gz.skip_nonfinite``, and the DDP hook given ``optimizer=``) makes ``optimizer.step()``
+  compare that count with its own at the optimizer's last ``step()`` or ``zero_grad()``, so
+  every step ended in between counts (FSDP sums each micro-batch's reduce-scatter into the
+  gradients), and leave the parameters and the optimizer's state alone after such a step; it
+  refuses to judge while calls are still running (``calls_running``). It sets ``skip_guard``,
+  which also makes a stateless engine read its averages. A front end that owns its optimizer
+  (``DistributedOptimizer``) reads the verdict itself. Without a guard, an engine whose front
+  end set ``nonfinite_hint`` warns once, on its first non-finite step, with that hint.
 
 Before the protocol runs, the engine applies local clipping (``clip``: each tensor's norm to
 ``clip / sqrt(N)``) and momentum correction (:mod:`gradzip.momentum`) to the call's tensors, and
@@ -51,6 +62,7 @@ import json
 import logging
 import math
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -305,6 +317,13 @@ class Engine:
         self._step_ended = False
         self._nonfinite = False
         self._undo_store: dict = {}
+        # Skipping the optimizer's step (gradzip.frontend.skip_nonfinite, and the front ends that
+        # own their optimizer): the verdict of the last step that ended, the same on every rank.
+        self.last_step_nonfinite = False
+        self.nonfinite_steps = 0  # steps whose verdict was non-finite: a guard compares counts
+        self.skip_guard = False  # an optimizer step reads last_step_nonfinite: every call is read
+        self.nonfinite_hint: str | None = None  # the front end's warning, shown once, without a guard
+        self._warned = False
         # Call layout (which names share a call): this step's, the last finished step's (saved
         # in the state), and, for the first step after a load, the saved one to regroup by.
         self._layout_now: list[tuple] = []
@@ -421,8 +440,12 @@ class Engine:
             else:
                 fut.add_done_callback(lambda f, m=to: _scatter(f, m, held))
 
-    def end_step(self) -> None:
-        """Close the step. Its rollback (if any rank saw a NaN/Inf) happens once its calls are done."""
+    def end_step(self, *, commit: bool = True) -> None:
+        """Close the step. Its rollback (if any rank saw a NaN/Inf) happens once its calls are done.
+
+        ``commit=False``: the step is dropped as a non-finite one is (a fault-tolerant front end
+        whose step was not committed, :mod:`gradzip.ft`): its residuals and codec state are put
+        back as they were before it, once its calls are done."""
         if self._held:
             self.flush()
         self._layout_last, self._layout_now = self._layout_now, []
@@ -430,6 +453,8 @@ class Engine:
         self.step += 1
         self.stats_.add(steps=1)
         with self._lock:
+            if not commit:
+                self._nonfinite = True
             self._step_ended = True
             self._finish_step_locked()
         if self._log is not None and self.step % self._log[0] == 0:
@@ -474,12 +499,18 @@ class Engine:
             # Finite inputs can still average to more than the output dtype holds (an
             # overflowing float16 gradient). Every rank holds the same ``out``, so every
             # rank decides alike without talking.
-            if not (plain and self._stateless and self.on_nonfinite == "skip"):
+            if not (plain and self._stateless and self.on_nonfinite == "skip" and not self.skip_guard):
                 with codec_time(self.stats_):
                     bad = bad or not all_finite([out])
             if bad:
                 with self._lock:
                     self._nonfinite = True
+                    # once per engine, where the front end set a hint and no guard skips the step
+                    warn = self.on_nonfinite == "skip" and self.nonfinite_hint is not None
+                    warn = warn and not self.skip_guard and not self._warned
+                    self._warned = self._warned or warn
+                if warn:
+                    warnings.warn(self.nonfinite_hint.format(step=step), RuntimeWarning, stacklevel=2)
                 if self.on_nonfinite == "raise":
                     where = f"in {local} on rank {self.comm.rank}" if local else "on another rank"
                     raise FloatingPointError(f"non-finite gradient {where} at step {step}")
@@ -631,10 +662,22 @@ class Engine:
                 raise ValueError(f"gradzip configuration differs across ranks in {key!r} ({shown})")
 
     # -- non-finite rollback -----------------------------------------------------------
+    @property
+    def calls_running(self) -> int:
+        """Calls not finished yet: submitted and running, or held until ``flush()``. While any
+        is, the verdicts (``last_step_nonfinite``, ``nonfinite_steps``) are those of the steps
+        that ended before it only; a step ended with its calls running is judged as they end."""
+        with self._lock:
+            return self._inflight + len(self._held)
+
     def _finish_step_locked(self) -> None:
         if not self._step_ended or self._inflight:
             return
+        self.last_step_nonfinite = self._nonfinite
         if self._nonfinite:
+            self.nonfinite_steps += 1
+            if self.momentum is not None and self.momentum.takeover is not None:
+                self.momentum.takeover.forget()  # this step's averages: not the next step's
             for n, store in self._undo_store.items():
                 self.tensor_state[n] = store
             for mem in (self.memory, self.moments):

@@ -96,9 +96,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from torch.distributed.tensor import DTensor
 
 from .codecs.base import Codec
-from .comm import Communicator
+from .comm import Communicator, track
 from .engine import Engine, check_real, layout_of
-from .frontend import FrontEnd
+from .frontend import NONFINITE_HINT, FrontEnd
 from .protocols import Hierarchical, Protocol, ReduceScatter
 from .protocols.hierarchical import shard_key
 from .protocols.hierarchical_rs import HierarchicalReduceScatter
@@ -524,7 +524,8 @@ class FSDPState(FrontEnd):
                     send[:, off : off + s.padded] = r.reshape(rows, s.padded).to(torch.float32)
         if rows > 1:
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+            recv_flat, send_flat = recv.view(-1), send.view(-1)
+            track(dist.all_to_all_single(recv_flat, send_flat, group=group, async_op=True), recv_flat, send_flat).wait()
         else:
             recv = send
         pending = torch.zeros(total, dtype=torch.float32, device=dev)
@@ -566,7 +567,7 @@ class FSDPState(FrontEnd):
         if self.engine is not None:
             pending = self._pending_rs(slots)
             if rep is not None:  # the replicas' residuals owe their average
-                dist.all_reduce(pending, group=rep)
+                track(dist.all_reduce(pending, group=rep, async_op=True), pending).wait()  # gradzip.comm
                 pending.div_(dist.get_world_size(rep))
         else:
             pending = torch.zeros(
@@ -577,7 +578,7 @@ class FSDPState(FrontEnd):
         parts = self._pending_replicate(slots)
         if self.replicate_engine is not None:
             flat = torch.cat(parts) if parts else torch.zeros(0)
-            dist.all_reduce(flat, group=self.replicate_group)
+            track(dist.all_reduce(flat, group=self.replicate_group, async_op=True), flat).wait()
             flat.div_(dist.get_world_size(self.replicate_group))
             pos = 0
             for i, s in enumerate(slots):
@@ -787,8 +788,10 @@ def compress(
         error_feedback, replicate_error_feedback: keep what each gradient compression drops in
             residuals (None: on for biased methods such as Int8, TopK, PowerSGD).
         on_nonfinite: ``"skip"`` (a step where a rank's gradient holds a NaN/Inf gives all-NaN
-            gradients, so a GradScaler skips it, and its residuals are rolled back; a non-finite
-            weight shard makes its group's gathered weights NaN on every rank) or ``"raise"``
+            gradients and its residuals are rolled back; ``gz.skip_nonfinite(optimizer, state)``
+            or a GradScaler then skips the optimizer's step, and without either the first such
+            step warns; a non-finite weight shard makes its group's gathered weights NaN on
+            every rank) or ``"raise"``
             (``FloatingPointError`` from ``backward()``, or from the forward for weights).
 
     Raises ``ValueError`` where FSDP2 cannot take a custom comm or hook: a module with
@@ -1005,6 +1008,9 @@ def _install(
             on_nonfinite=on_nonfinite,
             layout=layout,
         )
+    for e in (engine, rep_engine):  # the gradients' engines: their first non-finite step warns
+        if e is not None:
+            e.nonfinite_hint = NONFINITE_HINT.format(fix="call gz.skip_nonfinite(optimizer, state)")
     state = FSDPState(model, engine, rep_engine, [], rs_group, rep_group, ag_engine, shard_group)
     for name, m, pg in pgs:
         g = _Group(state, m, name, pg, module_names)

@@ -378,6 +378,12 @@ class _StepTakeover:
         with self._lock:
             self._expected = l1 if self._expected is None else self._expected + l1.to(self._expected.device)
 
+    def forget(self) -> None:
+        """Drop what :meth:`record` kept: a non-finite step's averages, whose ``step()`` is
+        skipped (``gz.skip_nonfinite``) or finds NaN, are not the next step's."""
+        with self._lock:
+            self._expected = None
+
     def _pre(self, optimizer, args_, kwargs) -> None:
         # torch passes step's own arguments, ``self`` first
         if any(a is not None for a in args_[1:]) or kwargs.get("closure") is not None:

@@ -145,8 +145,10 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
         process_group: the process group (default: the global one).
         error_feedback: ``None`` turns it on for biased methods.
         start_iter: steps before this one use a plain allreduce.
-        on_nonfinite: ``"skip"`` (a NaN/Inf anywhere makes the whole step's average NaN
-            and leaves residuals untouched) or ``"raise"``; see :class:`gradzip.engine.Engine`.
+        on_nonfinite: ``"skip"`` (a NaN/Inf in any rank's gradient makes the step's average
+            NaN, leaves residuals untouched, and ``step()`` then returns ``None`` without
+            stepping the wrapped optimizer, on every rank: parameters and optimizer state stay
+            as they were) or ``"raise"``; see :class:`gradzip.engine.Engine`.
         momentum_correction: take over the wrapped ``torch.optim.SGD``'s momentum and weight
             decay (``Adam``/``AdamW``: its beta1) and apply them before compression
             (:mod:`gradzip.momentum`); other optimizers raise ``ValueError``.
@@ -270,6 +272,7 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
             clip=clip,
         )
         self.engine.adopt_momentum(buffers)
+        self.engine.skip_guard = self.engine.on_nonfinite == "skip"  # step() skips a non-finite step
         world = self.engine.comm.world_size
         self._pre = 1.0 / f if f != 1.0 else None
         post = f * (world if op == "sum" else 1)
@@ -422,7 +425,14 @@ class DistributedOptimizer(FrontEnd, torch.optim.Optimizer):
                 "step() inside skip_synchronize() with gradients not yet synchronized; call synchronize() first"
             )
         self._synchronized = False
+        if self._skips():
+            return None
         return self.optimizer.step(closure)
+
+    def _skips(self) -> bool:
+        """Whether ``step()`` leaves the wrapped optimizer alone: the step just synchronized held
+        a NaN/Inf on some rank (every rank sees the same verdict) and ``on_nonfinite="skip"``."""
+        return self.engine.skip_guard and self.engine.last_step_nonfinite
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:

@@ -20,7 +20,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator
+from .comm import Communicator, track
 
 __all__ = ["broadcast_parameters", "check_parameters_agree", "differ_across_ranks", "tensor_hash", "value_hash"]
 
@@ -84,7 +84,7 @@ def broadcast_parameters(module_or_params, root: int = 0, group=None) -> None:
     with torch.no_grad():
         for tensors, _ in order:
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=src, group=group)
+            track(dist.broadcast(flat, src=src, group=group, async_op=True), flat).wait()  # gradzip.comm
             pos = 0
             for t in tensors:
                 t.copy_(flat[pos : pos + t.numel()].view(t.shape))
@@ -115,7 +115,7 @@ def differ_across_ranks(hashes: list[int], group=None, *, comm=None, device=None
     h = torch.tensor(hashes, dtype=torch.int64)
     both = torch.cat([h, -h]).to(device or "cpu")
     if comm is None:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        track(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), both).wait()
     else:
         comm.allreduce(both, dist.ReduceOp.MAX, control=True).wait()
     both = both.cpu()

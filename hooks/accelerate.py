@@ -37,6 +37,7 @@ from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.codecs.base import Codec
+from gradzip.frontend import NONFINITE_HINT
 from gradzip.momentum import taken
 from gradzip.protocols.base import Protocol
 from gradzip.stats import scalars
@@ -44,6 +45,12 @@ from gradzip.stats import scalars
 from .ddp import HookState, as_method, register_hook
 
 __all__ = ["compress"]
+
+#: The remedy the first non-finite step's warning names.
+ACCELERATE_FIX = (
+    "call gz.skip_nonfinite(optimizer, state) with the optimizer accelerator.prepare returned and the state "
+    "compress returned (compress(..., optimizer=...) also installs it, with momentum correction)"
+)
 
 
 def compress(
@@ -86,6 +93,7 @@ def compress(
             "accelerator.load_state(dir)"
         )
     state = register_hook(model, method, optimizer=inner, **options)
+    state.engine.nonfinite_hint = NONFINITE_HINT.format(fix=ACCELERATE_FIX)
     accelerator.register_save_state_pre_hook(
         lambda models, weights, output_dir: state.save(_folder(models, model, output_dir))
     )

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.codecs.base import Codec
 from gradzip.engine import Engine, check_real, layout_of
-from gradzip.frontend import FrontEnd
+from gradzip.frontend import NONFINITE_HINT, FrontEnd, skip_nonfinite
 from gradzip.momentum import Momentum
 from gradzip.protocols.base import Protocol
 from gradzip.protocols.flat import check_unused
@@ -38,12 +38,23 @@ from gradzip.registry import parse
 #: The hook's signature, as DDP calls it.
 Hook = Callable[["HookState", dist.GradBucket], torch.futures.Future]
 
+#: The remedy the first non-finite step's warning names (``NONFINITE_HINT``). ``optimizer=`` is
+#: no remedy to offer: it turns momentum correction on too (the Lightning and Accelerate front
+#: ends name theirs).
+DDP_FIX = (
+    "call gz.skip_nonfinite(optimizer, state) with the state register_hook (or comm_hook) returned "
+    "(register_hook(..., optimizer=opt) also installs it, with momentum correction)"
+)
+
 
 class HookState(FrontEnd):
     """What :func:`register_hook` returns, and the ``state`` of :func:`comm_hook`'s pair: the
     front-end surface of :class:`gradzip.frontend.FrontEnd` (``stats``, ``routes``, ``log_every``,
     ``state_dict``/``load_state_dict``, ``save``/``load``, ``check_owner``); its state is the
     engine's own."""
+
+    #: DDP reduces ``.grad`` as accumulated: a step's verdict covers every micro-batch before it.
+    _verdict_covers_grad = True
 
     def __init__(self, engine: Engine, names: dict[int, str], find_unused: bool = False) -> None:
         self.engine = engine
@@ -202,8 +213,11 @@ def comm_hook(
         clip=clip,
     )
     engine.adopt_momentum(buffers)
+    engine.nonfinite_hint = NONFINITE_HINT.format(fix=DDP_FIX)
     names = {id(p): n for n, p in trained}
     state = HookState(engine, names, find_unused=find_unused)
+    if optimizer is not None and engine.on_nonfinite == "skip":
+        skip_nonfinite(optimizer, state)
     ddp_model.__dict__["_gradzip_state"] = weakref.ref(state)
     return state, gradzip_hook
 
@@ -235,15 +249,21 @@ def register_hook(
         error_feedback: keep unsent mass in per-parameter residuals. ``None``
             turns it on for biased methods (``method.biased``).
         on_nonfinite: ``"skip"`` (a step where any rank's gradient holds a NaN/Inf
-            yields an all-NaN average, so GradScaler skips it, and leaves residuals
-            untouched) or ``"raise"`` (``FloatingPointError`` on every rank).
+            yields an all-NaN average on every rank and leaves residuals and codec state
+            untouched; call :func:`gradzip.skip_nonfinite` ``(optimizer, state)`` and
+            ``optimizer.step()`` then skips that step, on every rank, or use a ``GradScaler``,
+            which skips it too; with neither, the first such step warns) or ``"raise"``
+            (``FloatingPointError`` on every rank).
 
         optimizer: a ``torch.optim.SGD`` whose momentum and weight decay the hook takes
             over (momentum correction, :mod:`gradzip.momentum`): momentum is applied on
             every rank before compression, sparse codecs zero it where they send, and the
             optimizer is left a plain SGD. A ``torch.optim.Adam`` or ``AdamW``: its first
             moment (beta1) is taken over alike and the optimizer keeps the rest. Other
-            optimizers raise ``ValueError``.
+            optimizers raise ``ValueError``. With ``on_nonfinite="skip"`` it also installs
+            :func:`gradzip.skip_nonfinite` on the optimizer (finite steps are stepped as
+            without it); to skip non-finite steps without momentum correction, call that
+            instead of passing ``optimizer``.
         precondition: with an ``Adam``/``AdamW`` ``optimizer``, take its second moment over
             too, per rank, and compress Adam's step instead of its first moment; the
             optimizer then applies the averaged step as it is (:mod:`gradzip.momentum`). For

@@ -37,12 +37,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.checkpoint import reshard
 from gradzip.codecs.base import Codec
+from gradzip.frontend import NONFINITE_HINT
 from gradzip.protocols.base import Protocol
 from gradzip.stats import Stats, scalars
 
 from .ddp import HookState, as_method, register_hook
 
 __all__ = ["GradzipCallback"]
+
+#: The remedy the first non-finite step's warning names: the guard on Lightning's optimizers
+#: (the module's ``on_fit_start`` runs after the callbacks', so the state exists by then).
+LIGHTNING_FIX = (
+    "call gz.skip_nonfinite(optimizer, callback.state) for each optimizer in trainer.optimizers, "
+    "e.g. in the LightningModule's on_fit_start (it runs after the GradzipCallback's)"
+)
 
 
 def _cpu(value):
@@ -62,7 +70,10 @@ class GradzipCallback(Callback):
     Args:
         method: a gradzip codec or protocol (``gz.TopK(0.01)``), or its spec (``"TopK(0.01)"``).
         momentum_correction: hand the hook the (single) optimizer's momentum
-            (``register_hook(optimizer=...)``): an ``SGD``'s momentum, an ``Adam``'s beta1.
+            (``register_hook(optimizer=...)``): an ``SGD``'s momentum, an ``Adam``'s beta1
+            (with ``on_nonfinite="skip"`` that also installs :func:`gradzip.skip_nonfinite`
+            on it; without it, call that from the module's ``on_fit_start`` to skip
+            non-finite steps without a ``GradScaler``).
         log: log :func:`gradzip.stats.scalars` through ``LightningModule.log_dict`` every
             training batch that stepped the hook.
         **options: the rest of :func:`gradzip.hooks.register_hook`'s options (``start_iter``,
@@ -106,6 +117,7 @@ class GradzipCallback(Callback):
             optimizer = trainer.optimizers[0]
         previous = self.state.state_dict() if self.state is not None and self._pending is None else None
         self.state = register_hook(ddp, self.method, optimizer=optimizer, **self.options)
+        self.state.engine.nonfinite_hint = NONFINITE_HINT.format(fix=LIGHTNING_FIX)
         if self._pending is not None:
             self.state.load_state_dict(self._own(self._pending))
             self._pending = None

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip.args as args
+from gradzip.comm import track
 from gradzip.sync import differ_across_ranks, value_hash
 
 from .compression import Compression
@@ -669,11 +670,33 @@ def _handle(works: list, finish: Callable[[], object], keep: object = None) -> i
     return h
 
 
+#: The torch.distributed collectives :func:`_internal` issues asynchronously and tracks.
+_COLLECTIVES = frozenset({dist.all_reduce, dist.all_gather, dist.broadcast, dist.all_to_all_single, dist.barrier})
+
+
+def _tensors_in(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
+    return out
+
+
 def _internal(fn: Callable, *a, **kw):
     """Run a torch.distributed call; its RuntimeError (a peer gone, a broken connection) becomes
-    HorovodInternalError, as Horovod reports a failed collective."""
+    HorovodInternalError, as Horovod reports a failed collective. A collective is issued
+    asynchronously and tracked with its tensors for gradzip's exit handler
+    (:func:`gradzip.comm.track`); a blocking one is then waited for."""
     try:
-        return fn(*a, **kw)
+        if fn not in _COLLECTIVES:
+            return fn(*a, **kw)
+        work = track(fn(*a, **{**kw, "async_op": True}), *_tensors_in(a))
+        if kw.get("async_op", False) or work is None:
+            return work
+        work.wait()
+        return None
     except HorovodInternalError:
         raise
     except RuntimeError as exc:

@@ -32,6 +32,8 @@ the engine, error feedback, byte stats):
   ``save()``/``load()``.
 * Keyword-only extras: ``transport``, ``error_feedback``, ``on_nonfinite``, ``start_iter``,
   ``momentum_correction``, ``clip``, ``bucket_mb`` (see :class:`gradzip.optim.DistributedOptimizer`).
+  With ``on_nonfinite="skip"`` (the default) a step whose gradient held a NaN/Inf on any rank
+  is skipped on every rank (``step()`` returns ``None``), where Horovod would step on NaN.
 
 With the method chosen by ``GRADZIP_COMPRESSION``, rank 0 reports the choice once on stderr
 when the first such optimizer is made, and at exit one line per such optimizer: its steps and
@@ -184,6 +186,8 @@ class _HorovodOptimizer(FrontEnd):
                 "step() inside skip_synchronize() with gradients not yet synchronized; call synchronize() first"
             )
         gz._synchronized = False
+        if gz._skips():  # a NaN/Inf on some rank, on_nonfinite="skip": every rank leaves its step
+            return None
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

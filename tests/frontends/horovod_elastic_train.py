@@ -23,7 +23,6 @@ how many resets it saw, and the optimizer's stats.
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import sys
@@ -108,11 +107,4 @@ def main(out_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    # After an elastic restart a worker can abort in the interpreter's finalization, its work
-    # done ("terminate called without an active exception"; docs/horovod.md, "Known issues"):
-    # run the exit handlers (the ratio report, hvd.shutdown), then leave without finalizing.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    main(sys.argv[1])  # and exits as a user's script does (tests/frontends/test_clean_exit.py)

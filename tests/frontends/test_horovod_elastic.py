@@ -106,15 +106,16 @@ def test_a_job_stopped_mid_run_resumes_from_its_commit_with_its_codec_state(tmp_
     _check_resumed([o["got"] for o in outs], [o["reference"] for o in outs])
 
 
-@pytest.mark.slow
-@pytest.mark.long
-def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
+def run_killed_job(root: Path) -> subprocess.CompletedProcess:
+    """The script under torchrun's elastic agent, rank 1 killed after batch 3 of epoch 1 and
+    both workers restarted; each writes ``root/killed/rank<r>.pt`` (commits in ``root/commits``).
+    tests/frontends/test_clean_exit.py runs it again and again."""
     run_id = f"gz-{uuid.uuid4().hex[:8]}"
     env = dict(
         os.environ,
         GRADZIP_COMPRESSION=METHOD,
         GRADZIP_TEST_KILL="1:1:3",  # rank 1, epoch 1, after batch 3 (the last commit: batch 2)
-        GRADZIP_ELASTIC_DIR=str(tmp_path / "commits"),
+        GRADZIP_ELASTIC_DIR=str(root / "commits"),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     )
@@ -131,9 +132,15 @@ def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
         "--rdzv-conf=last_call_timeout=1",
         "--monitor-interval=0.5",
         str(SCRIPT),
-        str(tmp_path / "killed"),
+        str(root / "killed"),
     ]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_worker_killed_mid_run_resumes_with_its_codec_state(tmp_path):
+    p = run_killed_job(tmp_path)
     log = p.stdout[-3000:] + p.stderr[-6000:]
     assert p.returncode == 0, log
     got = [torch.load(tmp_path / "killed" / f"rank{r}.pt", weights_only=False) for r in range(2)]
