@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gradzip bench
+	$(VENV)/bin/gradzip bench --preset demo
 
 # CI's run: two workers (a test file stays on one, so its module fixtures run once), the tests
 # marked `long` left out, and the 15 slowest printed so that the budget (4 minutes) stays visible.

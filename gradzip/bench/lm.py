@@ -52,10 +52,13 @@ class GPTSize:
 
 
 #: ``--lm-size``: ``tiny`` (the CPU default: 0.88M parameters, 1,000 steps on 4 CPU ranks in a
-#: few minutes), ``small`` and ``gpt2-small`` (GPT-2 small's shape, 85M parameters with a byte
-#: vocabulary, for ``--device cuda``).
+#: few minutes), ``micro`` (0.19M) and ``mini`` (3.3M) beside it for the size table, ``small``
+#: and ``gpt2-small`` (GPT-2 small's shape, 85M parameters with a byte vocabulary, for
+#: ``--device cuda``).
 SIZES = {
+    "micro": GPTSize(layers=3, width=64, heads=4, context=128),
     "tiny": GPTSize(layers=4, width=128, heads=4, context=128),
+    "mini": GPTSize(layers=4, width=256, heads=8, context=128),
     "small": GPTSize(layers=6, width=256, heads=8, context=256),
     "gpt2-small": GPTSize(layers=12, width=768, heads=12, context=1024),
 }

@@ -495,6 +495,10 @@ def test_preset_lm_sets_the_tables_options_and_the_command_line_wins():
     assert (cfg.dataset, cfg.workers, cfg.seeds, cfg.optimizer) == ("shakespeare", 4, (0, 1, 2), "adamw")
     assert cfg.lr == bench.DEFAULT_LR[("shakespeare", "adamw")] and cfg.resolved_warmup() == 50
     assert cfg.total_steps() == bench.DEFAULT_STEPS["shakespeare"]
+    demo, demo_methods = parsed("--preset", "demo")  # make demo: the LM, DDP and the README's transformer rows
+    assert (demo.dataset, demo.workers, demo.seeds, demo.total_steps()) == ("shakespeare", 2, (0,), 200)
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{m}`" in readme for m in list(parse_list(demo_methods))[1:])
     other, _ = parsed("--workers", "2", "--preset", "lm", "--seeds", "1")
     assert (other.workers, other.seeds, other.dataset) == (2, (1,), "shakespeare")
     with pytest.raises(SystemExit):
