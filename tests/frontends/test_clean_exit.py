@@ -109,6 +109,7 @@ def _wait_on_a_rank(rank, world):
     return out
 
 
+@pytest.mark.long
 def test_wait_for_collectives_returns_after_the_callbacks_and_the_release():
     for out in run_ranks(_wait_on_a_rank, 2, fresh=True):  # no works of earlier tests in the process
         assert out == {

@@ -187,10 +187,13 @@ def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(x, y) for x, y in pairs)
 
 
-CASES = [(2, mode) for mode in GUARDED + MORE + ["optim"]] + [(4, mode) for mode in GUARDED]
+# 4 ranks: a pool of its own (seconds of start-up), so in `make test-long`
+CASES = [pytest.param(2, mode, id=f"2ranks-{mode}") for mode in GUARDED + MORE + ["optim"]] + [
+    pytest.param(4, mode, id=f"4ranks-{mode}", marks=pytest.mark.long) for mode in GUARDED
+]
 
 
-@pytest.mark.parametrize(("world", "mode"), CASES, ids=[f"{w}ranks-{m}" for w, m in CASES])
+@pytest.mark.parametrize(("world", "mode"), CASES)
 def test_a_nan_on_one_rank_ends_where_a_run_without_that_batch_ends(runs, world, mode):
     results = runs(world)
     for r in results:
