@@ -74,8 +74,8 @@ QUICK_EPOCHS = {"mnist": 1, "digits": 5}
 #: The quick run's steps on the language model.
 QUICK_STEPS = {"shakespeare": 60}
 #: ``gradzip bench --preset NAME``: option defaults in one word (an option given on the command
-#: line wins). demo: ``make demo``, the language model in about two minutes on 2 cores, DDP
-#: against the methods the README recommends for a transformer; lm: the language-model table of
+#: line wins). demo: ``make demo``, the language model (92-108 s on the 2-core AMD EPYC, three
+#: runs), DDP against the methods the README recommends for a transformer; lm: the language-model table of
 #: docs/results.md (benchmarks/results/lm_shakespeare_4ranks_adamw_cpu.json).
 PRESETS = {
     "demo": {
