@@ -420,9 +420,13 @@ class Communicator:
         if job.round.last:
             self._finish_when_done(job)
 
-    @staticmethod
-    def _finish_when_done(job: _Pending) -> None:
+    def _fail(self, job: _Pending, exc: BaseException) -> None:
+        """End ``job`` with ``exc`` (a subclass may report it first: gradzip.ft)."""
+        job.future.set_exception(exc)
+
+    def _finish_when_done(self, job: _Pending) -> None:
         futs = [w.get_future() for w in job.round.works]
+        fail = self._fail
 
         def finish(all_done):
             try:
@@ -433,9 +437,9 @@ class Communicator:
                 job.future.set_result(stop.value)
                 return
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                job.future.set_exception(exc)
+                fail(job, exc)
                 return
-            job.future.set_exception(RuntimeError("protocol yielded after its last round"))
+            fail(job, RuntimeError("protocol yielded after its last round"))
 
         if futs:
             torch.futures.collect_all(futs).then(finish)

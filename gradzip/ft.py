@@ -198,25 +198,6 @@ class FTCommunicator(Communicator):
             except Exception as exc:  # noqa: BLE001
                 self._fail(job, exc)
 
-    def _finish_when_done(self, job: _Pending) -> None:
-        futs = [w.get_future() for w in job.round.works]
-        fail = self._fail
-
-        def finish(all_done):
-            try:
-                for f in all_done.value():
-                    f.value()  # re-raise a failed collective
-                next(job.gen)
-            except StopIteration as stop:
-                job.future.set_result(stop.value)
-                return
-            except Exception as exc:  # noqa: BLE001 - handed to the waiter
-                fail(job, exc)
-                return
-            fail(job, RuntimeError("protocol yielded after its last round"))
-
-        torch.futures.collect_all(futs).then(finish)
-
 
 def _lost_counts(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in before}

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -27,6 +28,11 @@ import gradzip as gz  # noqa: E402
 from gradzip.ft import DiLoCo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+#: The replicas run as threads of one process: the global RNG they seed is shared, so each
+#: builds its model under this lock (else their draws interleave and the models differ).
+_INIT = threading.Lock()
 
 
 def _manager(i: int, lighthouse: str):
@@ -87,8 +93,9 @@ class _FailAt(DiLoCo):
 def _replica(i: int, lighthouse: str, fail_at: int, steps: int = 10, period: int = 3):
     manager, _store = _manager(i, lighthouse)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        with _INIT:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         opt = _FailAt(
             manager,
             torch.optim.SGD(model.parameters(), lr=0.05),
@@ -189,8 +196,9 @@ def _heal_replica(i: int, lighthouse: str, compression, steps: int = 13, period:
     at the next sync; each replica records its engine's step, commits and heals after every step."""
     manager, _store = _manager(i, lighthouse)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        with _INIT:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         opt = _FailAt(
             manager, torch.optim.SGD(model.parameters(), lr=0.05), model, period=period, compression=compression
         )
@@ -299,10 +307,15 @@ def _ddp_replica(i: int, lighthouse: str, fail_at: int, steps: int = 6):
 
     manager, _store = _manager(i, lighthouse)
     try:
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
-        )
+        with _INIT:
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(
+                torch.nn.Linear(16, 32),
+                torch.nn.Tanh(),
+                torch.nn.Linear(32, 32),
+                torch.nn.Tanh(),
+                torch.nn.Linear(32, 4),
+            )
         model = DDP(manager, module, "Int8()", replicas=2, bucket_cap_mb=0.002)  # ~2 KB: several buckets
         opt = OptimizerWrapper(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         comm = model.engine.comm
@@ -403,8 +416,9 @@ def _ddp_heal_replica(i: int, lighthouse: str, method: str, steps: int = 6, alon
 
     manager, _store = _manager(i, lighthouse)
     try:
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        with _INIT:
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         model = DDP(manager, module, method, replicas=2)
         opt = OptimizerWrapper(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         gen = torch.Generator().manual_seed(100 + i)
