@@ -28,15 +28,16 @@ def test_blocks_are_the_largest_divisors_up_to_the_chunk():
     assert block_shape((0, 5), 64)[:2] == (0, 0)
 
 
-shapes = st.one_of(st.just(()), st.lists(st.integers(0, 70), min_size=1, max_size=4).map(tuple))
+# Shapes of at most 5,000 elements, filtered before a tensor is drawn (70**4 would be 24M).
+shapes = st.one_of(st.just(()), st.lists(st.integers(0, 70), min_size=1, max_size=4).map(tuple)).filter(
+    lambda s: math.prod(s) <= 5000
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(shape=shapes, chunk=st.sampled_from([1, 4, 64]), seed=st.integers(0, 2**31 - 1))
 def test_transform_round_trips_and_keeps_the_norm(shape, chunk, seed):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    if x.numel() > 5000:
-        return
     c = DCT(gz.TopK(0.1), chunk=chunk)
     y = c.forward(x)
     assert y.shape == x.shape and y.dtype == torch.float64
@@ -52,7 +53,7 @@ def test_transform_round_trips_and_keeps_the_norm(shape, chunk, seed):
 )
 def test_error_feedback_keeps_what_was_not_sent(shape, dtype, seed):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    if x.numel() > 5000 or x.numel() == 0:
+    if x.numel() == 0:
         return
     c = DCT(gz.TopK(0.1))
     r0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)) * 0.1

@@ -1,8 +1,6 @@
 import csv
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,13 +73,6 @@ def test_bench_quick_digits_two_seeds_writes_table_json_csv_and_plot(tmp_path, c
 
 
 @pytest.mark.slow
-def test_bench_cli_rejects_unknown_methods():
-    out = subprocess.run(
-        [sys.executable, "-m", "gradzip.cli", "bench", "--methods", "Nope"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
-
-
 @pytest.mark.slow
 def test_mnist_loader_reads_the_bundled_digits():
     xtr, ytr, xte, yte = bench.load_dataset("mnist", seed=0)
