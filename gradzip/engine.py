@@ -78,7 +78,7 @@ from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time, finite_flags
 from .stats import Stats, log_line
-from .wire import accum_dtype
+from .wire import accum_dtype, run_view
 
 __all__ = ["Engine", "layout_of", "all_finite", "check_owner", "STATE_VERSION"]
 
@@ -125,6 +125,18 @@ def all_finite(tensors) -> bool:
     """True when no tensor holds a NaN or Inf (:func:`gradzip.protocols.finite_flags`: one host
     sync in the common case)."""
     return all(finite_flags(tensors))
+
+
+def device_nonfinite(tensors, device) -> torch.Tensor:
+    """A one-element bool tensor on ``device``: whether any of ``tensors`` holds a NaN/Inf.
+    Exact, and read by nobody here: no host sync (one pass when they lie back to back)."""
+    flat = run_view(tensors)
+    parts = [flat] if flat is not None else [t.reshape(-1) for t in tensors if t.numel()]
+    if not parts:
+        return torch.zeros(1, dtype=torch.bool, device=device)
+    if len(parts) == 1:
+        return torch.isfinite(parts[0]).all().logical_not().reshape(1)
+    return torch.stack([torch.isfinite(p).all() for p in parts]).all().logical_not().reshape(1)
 
 
 def route_summary(rows: list[dict]) -> list[str]:
@@ -316,6 +328,8 @@ class Engine:
         self._inflight = 0
         self._step_ended = False
         self._nonfinite = False
+        # The GPU side's verdicts of this step's calls: device flags, read once when it ends.
+        self._device_verdicts: list[torch.Tensor] = []
         self._undo_store: dict = {}
         # Skipping the optimizer's step (gradzip.frontend.skip_nonfinite, and the front ends that
         # own their optimizer): the verdict of the last step that ended, the same on every rank.
@@ -483,9 +497,12 @@ class Engine:
             raw = sum(t.numel() * t.element_size() for t in tensors)
             self.stats_.add(bytes_raw=raw, bytes_link_raw=protocol.link_raw(raw, self.comm.world_size))
             plain = protocol.plain(call)
+            unused = zero_is_unused and call.memory is not None
+            if self.on_nonfinite == "skip" and not unused and tensors and K.gpu_side(tensors[0].device):
+                return (yield from self._run_on_device(protocol, call, plain, params))
             local: list = []
             with codec_time(self.stats_):
-                if zero_is_unused and call.memory is not None:
+                if unused:
                     lo_hi = _extremes(tensors)  # one pass: finiteness and all-zero tensors
                     local = [n for n, (lo, hi) in zip(names, lo_hi) if not (math.isfinite(lo) and math.isfinite(hi))]
                     call.frozen = frozenset(n for n, (lo, hi) in zip(names, lo_hi) if lo == hi == 0.0)
@@ -523,13 +540,53 @@ class Engine:
                 self._inflight -= 1
                 self._finish_step_locked()
 
-    def _flagged(self, inner, call: Call, local: list, flag: bool):
+    def _run_on_device(self, protocol: Protocol, call: Call, plain: bool, params):
+        """:meth:`_run`'s exchange on the GPU's side with ``on_nonfinite="skip"``: every check
+        stays on the device. This rank's flag is a device tensor carried in the first round;
+        a NaN/Inf on any rank, or an average the output dtype cannot hold, turns the result
+        into NaN on the device (no branch on the host), and the call's verdict joins
+        the step's, read once when the step ends (:meth:`_finish_step_locked`)."""
+        tensors, device = call.tensors, call.device
+        bad_in = None
+        with codec_time(self.stats_):
+            if not plain:
+                bad_in = device_nonfinite(tensors, device)
+            if self.clip is not None or self.momentum is not None:
+                self._precondition(call, params)
+        out, bad, _ = yield from self._flagged(
+            protocol.exchange(call), call, [], not plain, on_device=True, bad_in=bad_in
+        )
+        with codec_time(self.stats_):
+            if not (plain and self._stateless and not self.skip_guard):
+                over = device_nonfinite([out], device)
+                bad = over if bad is None else bad | over
+            if bad is not None:
+                # in place into the front end's destination; elsewhere the protocol may keep `out`
+                if call.dest is not None and (out.data_ptr(), out.numel()) == (call.dest.data_ptr(), call.dest.numel()):
+                    out.masked_fill_(bad, float("nan"))
+                else:
+                    out = torch.where(bad, float("nan"), out)
+                with self._lock:
+                    self._device_verdicts.append(bad)
+        if self.momentum is not None and self.momentum.takeover is not None:
+            self.momentum.takeover.record(out)
+        return out
+
+    def _flagged(self, inner, call: Call, local: list, flag: bool, *, on_device: bool = False, bad_in=None):
         """Run ``inner``, adding the non-finite flag allreduce to its first round (when
-        ``flag``). Returns ``(out, any rank saw a non-finite value, this rank's names)``."""
+        ``flag``). Returns ``(out, any rank saw a non-finite value, this rank's names)``.
+        ``on_device``: the flag is a device tensor (``bad_in``: the inputs' check, or None)
+        and so is the verdict (None where no flag was sent); no names are kept."""
         seen = list(local)
 
-        def source() -> int:  # this rank's flag; the protocol may take it (Call.take_flag)
+        def source() -> int | torch.Tensor:  # this rank's flag; the protocol may take it (Call.take_flag)
             with codec_time(self.stats_):
+                if on_device:
+                    fb = self._feedback_nonfinite_on_device(call)
+                    bad = fb if bad_in is None else (bad_in if fb is None else bad_in | fb)
+                    if bad is None:
+                        return torch.zeros((), dtype=FLAG_DTYPE, device=call.device)
+                    return bad.to(FLAG_DTYPE).reshape(())
                 seen.extend(n for n in self._feedback_nonfinite(call) if n not in seen)
             return 1 if seen else 0
 
@@ -544,7 +601,10 @@ class Engine:
         call.flag_source = None  # past the first round: too late to carry it
         work, flagged = None, None
         if flag and carried is None:
-            flagged = K.host_to_device(torch.tensor([source()], dtype=FLAG_DTYPE), call.device)
+            if on_device:
+                flagged = source().reshape(1).clone()
+            else:
+                flagged = K.host_to_device(torch.tensor([source()], dtype=FLAG_DTYPE), call.device)
             work = self.comm.allreduce(flagged, op=dist.ReduceOp.MAX, control=True)
         if rnd is None:  # the protocol sent nothing: the flag goes alone
             if work is not None:
@@ -560,6 +620,10 @@ class Engine:
                     out = stop.value
                     break
         # Without a flag (a plain call) a NaN/Inf anywhere shows in the average itself.
+        if on_device:
+            if carried is not None:
+                return out, (carried > 0).any().reshape(1), seen
+            return out, None if flagged is None else flagged > 0, seen
         if carried is not None:
             return out, bool((carried > 0).any()), seen
         return out, flagged is not None and bool(flagged.item()), seen
@@ -618,6 +682,21 @@ class Engine:
             return []
         return [n for n, ok in zip(names, finite_flags(tensors)) if not ok]
 
+    @staticmethod
+    def _feedback_nonfinite_on_device(call: Call) -> torch.Tensor | None:
+        """:meth:`_feedback_nonfinite` as a device flag (None where there is nothing to check)."""
+        if call.memory is None:
+            return None
+        tensors = []
+        for i, name in enumerate(call.names):
+            if not call.feeds(i):
+                continue
+            if name in call.updated:
+                tensors.append(call.updated[name])
+            elif call.has_x(i) or call.memory.residual(name) is not None:
+                tensors.append(call.x(i))
+        return device_nonfinite(tensors, call.device) if tensors else None
+
     def _context(self, name: str, dtype: torch.dtype) -> TensorContext:
         """The context of a tensor (or of a protocol's piece of one, by its key) this step; its
         state is remembered on first touch, for the rollback of a non-finite step."""
@@ -673,6 +752,14 @@ class Engine:
     def _finish_step_locked(self) -> None:
         if not self._step_ended or self._inflight:
             return
+        if self._device_verdicts:  # the GPU side's calls: the step's one host read
+            verdicts, self._device_verdicts = self._device_verdicts, []
+            if bool(torch.cat([v.to(verdicts[0].device) for v in verdicts]).any()):
+                self._nonfinite = True
+                warn = self.nonfinite_hint is not None and not self.skip_guard and not self._warned
+                if warn:
+                    self._warned = True
+                    warnings.warn(self.nonfinite_hint.format(step=self.step - 1), RuntimeWarning, stacklevel=2)
         self.last_step_nonfinite = self._nonfinite
         if self._nonfinite:
             self.nonfinite_steps += 1

@@ -158,9 +158,10 @@ class Call:
     #: loopback's fabricated peers need not decode), and its result is zeros.
     bytes_only: bool = False
     #: The engine's non-finite flag, when it needs one for this call (the protocol is not
-    #: ``plain``): a function giving this rank's flag (0 or 1) from what the call has built
-    #: so far. A protocol may carry it in its first round (:meth:`take_flag`), which saves
-    #: the engine's own allreduce; else the engine sends it beside that round.
+    #: ``plain``): a function giving this rank's flag (0 or 1, or a 0-dim device tensor of it
+    #: on the GPU's side) from what the call has built so far. A protocol may carry it
+    #: in its first round (:meth:`take_flag`), which saves the engine's own allreduce; else
+    #: the engine sends it beside that round.
     flag_source: object = field(default=None, repr=False)
     #: Where every rank's flag will have arrived once the protocol's first round is done
     #: (:meth:`take_flag`), or None.
@@ -223,12 +224,15 @@ class Call:
         own = self.flag_owner if self.flag_owner is not None else self
         return own.flag_source is not None and own.flag_seen is None
 
-    def take_flag(self, seen: torch.Tensor) -> int:
+    def take_flag(self, seen: torch.Tensor) -> int | torch.Tensor:
         """Carry the engine's non-finite flag in the protocol's **first** round: returns this
         rank's flag (1: it saw a NaN/Inf, else 0), which the protocol writes into what it
-        sends in that round, to every peer that round reaches. Call it once every tensor has
-        been encoded for the round (the flag reads the error-feedback state built so far), and
-        outside a :meth:`codec` block: the engine books the time of its check itself.
+        sends in that round, to every peer that round reaches: a Python int, or on the GPU's
+        side (:func:`gradzip.kernels.gpu_side`) a 0-dim tensor of ``seen``'s dtype on the
+        call's device, so that no host read waits for the check; either assigns into a tensor
+        of that dtype alike. Call it once every tensor has been encoded for the round (the
+        flag reads the error-feedback state built so far), and outside a :meth:`codec` block:
+        the engine books the time of its check itself.
 
         ``seen``: the elements that hold, once the round is done, what the ranks wrote
         there: the one element of an allreduce (SUM or MAX; a sum of 0s and 1s is above
@@ -244,7 +248,8 @@ class Call:
             raise ValueError(f"the flag cannot arrive in a {seen.dtype} tensor")
         own = self.flag_owner if self.flag_owner is not None else self
         own.flag_seen = seen
-        return int(own.flag_source())
+        flag = own.flag_source()
+        return flag.to(seen.dtype) if isinstance(flag, torch.Tensor) else int(flag)
 
     # -- error feedback ------------------------------------------------------------------
     def x(self, i: int) -> torch.Tensor:

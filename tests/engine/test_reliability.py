@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
+import gradzip.kernels as K
 from gradzip.bench import free_port, init_worker
 from gradzip.checkpoint import reshard
 from gradzip.codecs.base import TensorContext
@@ -219,6 +220,56 @@ def test_every_carried_flag_reaches_every_rank(spec):
         assert r["collectives"] == CARRIERS[spec]  # no allreduce of the engine's own
         assert torch.isfinite(r["good"]).all() and torch.equal(r["good"], res[0]["good"])
         assert torch.isnan(r["bad"]).all()  # every rank skipped the step, not only rank 2
+
+
+def _flag_on_device(rank, world):
+    """On the GPU's side (``gpu_side_on_cpu``) with "skip" the engine keeps its checks on the
+    device: every carrier's result is bit for bit the host path's ("raise", same branches), the
+    engine reads nothing from the device inside a call, and a flag raised on rank 2 alone makes
+    every rank's result NaN and its step non-finite, with the residuals put back."""
+    from benchmarks.host_syncs import SyncSentinel
+
+    out = {}
+    with K.gpu_side_on_cpu():
+        for spec in CARRIERS:
+            ef = None if not spec.startswith("Allreduce") else False
+            engines = [Engine(gz.parse(spec), error_feedback=ef, on_nonfinite=p) for p in ("skip", "raise")]
+            g = torch.Generator().manual_seed(rank)
+            log = {"good": [], "syncs": []}
+            for s in range(3):
+                w, b = torch.randn(12, 12, generator=g), torch.randn(12, generator=g)
+                if s == 2 and rank == 2:
+                    engines[0]._feedback_nonfinite_on_device = lambda call: torch.ones(1, dtype=torch.bool)
+                    before = {k: v.clone() for k, v in engines[0].memory.residuals.items()} if ef is None else {}
+                for e in engines[: 1 if s == 2 else 2]:
+                    with SyncSentinel() as sentinel:
+                        fut = e.reduce(["w", "b"], [w.clone(), b.clone()])
+                        e.flush()
+                        got = fut.wait()
+                    if e is engines[0] and s == 1:
+                        own = ("gradzip/engine.py", "gradzip/protocols/base.py")
+                        log["syncs"] = [site for _, site in sentinel.events if site.startswith(own)]
+                    e.end_step()
+                    (log["good"] if s < 2 else log.setdefault("bad", [])).append(got)
+            log["nonfinite_steps"] = engines[0].nonfinite_steps
+            if ef is None and rank == 2:
+                res = engines[0].memory.residuals
+                log["restored"] = all(torch.equal(res[k], v) for k, v in before.items())
+            out[spec] = log
+    return out
+
+
+def test_on_the_gpu_side_the_engine_checks_on_the_device_and_every_carrier_still_skips():
+    res = run_ranks(_flag_on_device, 3)
+    for spec in CARRIERS:
+        for r in res:
+            log = r[spec]
+            skip_a, raise_a, skip_b, raise_b = log["good"]
+            assert torch.equal(skip_a, raise_a) and torch.equal(skip_b, raise_b), spec
+            assert torch.isfinite(skip_b).all() and torch.equal(skip_b, res[0][spec]["good"][2])
+            assert log["syncs"] == [], (spec, log["syncs"])  # the engine's checks read nothing
+            assert torch.isnan(log["bad"][0]).all() and log["nonfinite_steps"] == 1, spec
+        assert res[2][spec].get("restored", True), spec
 
 
 class _LateFlag(gz.protocols.Protocol):

@@ -1,0 +1,68 @@
+"""benchmarks/host_syncs.py: the sync sentinel, and counts through ``Engine.reduce``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gradzip.kernels as K
+from benchmarks.host_syncs import EngineLoopback, HostSync, SyncSentinel, count, synthetic
+
+
+def test_the_sentinel_flags_what_stops_a_gpus_host_and_nothing_read_on_the_host():
+    x = torch.randn(10)
+    with SyncSentinel() as s:
+        x.sum().item()
+        t = torch.tensor([1, 2, 3])  # built on the host: reading it is free
+        t.tolist()
+        t.cumsum(0).tolist()
+        K.host_to_device(t, "cpu").tolist()  # uploaded: now a device tensor
+        x.cpu().numpy()
+        x.cpu().tolist()  # the copy is the sync, not the read of the host copy
+        x[x > 0]
+        torch.nonzero(x)
+        bool(x.sum() > 0)
+        x.masked_select(x > 0)
+    kinds = [k for k, _ in s.events]
+    assert kinds == ["item", "tolist", "cpu", "cpu", "boolean index", "nonzero", "item/bool", "masked_select"]
+    assert torch.Tensor.cpu is not s._reader  # patches undone
+    with pytest.raises(HostSync, match=r"host sync \(tolist\) at gradzip/protocols/base.py:\d+ \(finite_flags\)"):
+        with SyncSentinel(error=True):
+            from gradzip.engine import all_finite
+
+            all_finite([x])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_through_the_engine_the_gpu_path_of_flat_int8_reads_only_its_frames(monkeypatch):
+    """Flat(Int8()) on the GPU's side, Triton forced, 8 loopback ranks, a 15-tensor bucket: the
+    engine's own checks read nothing (they are device flags); the syncs left are the frames'
+    (the round's tables and the codec's check), the same for 2 and 15 tensors and 4 and 8 ranks."""
+    monkeypatch.setenv("GRADZIP_KERNELS", "triton")
+    got = {}
+    with K.gpu_side_on_cpu():
+        for t, w in ((2, 4), (15, 8)):
+            grads, names = synthetic(t)
+            grads = [g[:128] for g in grads]  # 128 x 16 each: the interpreter is slow
+            (row,) = count("Flat(Int8())", grads, names, w, one=True)
+            got[(t, w)] = row
+    for row in got.values():
+        assert not [s for s in row["sites"] if "engine.py" in s or "protocols/base.py" in s], row["sites"]
+        assert row["host_syncs"] == 4 and row["launches"] == 7, row
+    assert got[(2, 4)]["sites"].keys() == got[(15, 8)]["sites"].keys()
+
+
+def test_the_loopback_communicator_gives_an_engine_the_average_of_identical_ranks():
+    import gradzip as gz
+    from gradzip.engine import Engine
+
+    e = Engine(gz.parse("Int8()"), process_group=EngineLoopback(2))  # AllGather: every peer sends x
+    x = torch.randn(4, 8)
+    fut = e.reduce(["w"], [x.clone()])
+    e.flush()
+    out = fut.wait()
+    e.end_step()
+    assert out.shape == (32,) and float((out - x.reshape(-1)).abs().max()) < 0.05 * float(x.abs().max())
+    assert e.stats()["collectives"] >= 1 and e.stats()["bytes_sent"] > 0
