@@ -221,8 +221,16 @@ class _Live:
             held = sum(1 for e in self.entries.values() if e[0] is None and (e[3] is None or e[3]() is None))
             return flying, held
 
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (the parent's may have been held by another of its
+        threads, which the child does not have) and none of the parent's collectives."""
+        self.lock = threading.Lock()
+        self.entries, self.pid = {}, os.getpid()
+
 
 _LIVE = _Live()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LIVE.after_fork)
 
 
 def track(work, *tensors: torch.Tensor):

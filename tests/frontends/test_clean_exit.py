@@ -150,3 +150,32 @@ def test_the_elastic_job_with_a_restart_exits_cleanly_every_time(tmp_path):
         if p.returncode != 0 or ABORT in p.stderr or not restarted:
             failed.append(f"run {i}: exit {p.returncode}\n{p.stderr[-4000:]}")
     assert not failed, f"{len(failed)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(failed[:3])
+
+
+def test_a_forked_child_gets_a_lock_of_its_own_and_none_of_the_parents_collectives():
+    """A fork while another thread holds the tracker's lock (a gloo callback pruning) must not
+    leave the child a lock that nobody will release."""
+    import threading
+    import time
+
+    from gradzip import comm
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with comm._LIVE.lock:
+            held.set()
+            done.wait(10)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit at once with the verdict
+            ok = comm._LIVE.lock.acquire(timeout=2) and not comm._LIVE.entries
+            os._exit(0 if ok else 1)
+        t0 = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+    assert os.waitstatus_to_exitcode(status) == 0 and time.monotonic() - t0 < 2
