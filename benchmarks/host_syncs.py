@@ -236,9 +236,7 @@ class EngineLoopback(Communicator):
     def __init__(self, world_size: int) -> None:  # no process group: nothing to initialise
         self.loop = LoopbackComm(world_size)
         self.group, self.world_size, self.rank = None, world_size, 0
-        self.defer, self.intra, self.trace = False, False, None
-        self.stats = self.loop.stats
-        self._pending = []
+        self._start(self.loop.stats, defer=False)
 
     def split(self, local_size: int):
         raise NotImplementedError("EngineLoopback counts flat protocols; Hierarchical needs two")

@@ -303,6 +303,11 @@ class Communicator:
         self.rank = dist.get_rank(process_group)
         if defer is None:
             defer = dist.get_backend(process_group) == "gloo"
+        self._start(stats, defer=defer, intra=intra)
+
+    def _start(self, stats: Stats | None, *, defer: bool, intra: bool = False) -> None:
+        """The bookkeeping every communicator keeps, whatever carries its collectives (a
+        subclass without a torch.distributed group calls this in place of ``__init__``)."""
         self.defer = bool(defer)
         self.intra = intra
         self.stats = stats if stats is not None else Stats()

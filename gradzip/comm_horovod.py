@@ -78,11 +78,7 @@ class HorovodCommunicator(Communicator):
         self.group = None
         self.world_size = hvd.size()
         self.rank = hvd.rank()
-        self.defer = True
-        self.intra = False
-        self.stats = stats if stats is not None else Stats()
-        self._pending = []
-        self.trace = None
+        self._start(stats, defer=True)
         self._ops = {dist.ReduceOp.SUM: hvd.Sum, dist.ReduceOp.MAX: hvd.Max}
         self._name = f"gradzip.{next(_IDS)}"
         self._count = itertools.count()

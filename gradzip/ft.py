@@ -99,11 +99,7 @@ class FTCommunicator(Communicator):
         self.pg = manager._pg
         self.group = None
         self.replicas = int(replicas)
-        self.defer = True
-        self.intra = False
-        self.stats = stats if stats is not None else Stats()
-        self._pending: list[_Pending] = []
-        self.trace = None
+        self._start(stats, defer=True)
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
