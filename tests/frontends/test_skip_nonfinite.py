@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip as gz
+import gradzip.kernels as K
 from gradzip.hooks import register_hook
 from tests.support import batch, make_model, run_ranks
 
@@ -155,7 +156,10 @@ GUARDED = ["hook", "call"]
 MORE = ["closure", "precondition", *FIRST]
 
 
-def _all(rank, world):
+def _all(rank, world, gpu=False):
+    if gpu:  # the engine's GPU side: its checks on the device, the step's verdict read at its end
+        with K.gpu_side_on_cpu():
+            return _all(rank, world)
     modes = GUARDED + (MORE if world == 2 else [])
     out = {mode: {"bad": _ddp_run(rank, mode, True), "ref": _ddp_run(rank, mode, False)} for mode in modes}
     if world == 2:
@@ -167,13 +171,13 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    """``runs(world)``: every rank's results of :func:`_all` on ``world`` ranks, run once."""
+    """``runs(world, gpu=False)``: every rank's results of :func:`_all` on ``world`` ranks, run once."""
     cache: dict = {}
 
-    def get(world: int) -> list:
-        if world not in cache:
-            cache[world] = run_ranks(_all, world)
-        return cache[world]
+    def get(world: int, gpu: bool = False) -> list:
+        if (world, gpu) not in cache:
+            cache[(world, gpu)] = run_ranks(_all, world, gpu)
+        return cache[(world, gpu)]
 
     return get
 
@@ -220,6 +224,20 @@ def test_without_the_optimizer_the_parameters_turn_nan_and_the_first_nan_step_wa
         assert f"at step {BAD}" in text and "GradScaler" in text
         # the remedy is the guard; optimizer= (momentum correction) only as what also installs it
         assert "call gz.skip_nonfinite(optimizer, state)" in text and "pass optimizer=" not in text
+
+
+def test_on_the_gpu_side_the_verdict_read_when_the_step_ends_skips_alike(runs):
+    """The same scenarios with the engine's checks on the device (``gpu_side_on_cpu``): each
+    guarded run ends where its run without the batch ends, and an unguarded one warns once."""
+    results = runs(2, gpu=True)
+    for mode in GUARDED + MORE + ["optim", "scaler"]:
+        for r in results:
+            a, b = (r[mode]["bad"], r[mode]["ref"]) if mode != "scaler" else (r[mode]["guard"], r[mode]["plain"])
+            assert all(bool(torch.isfinite(p).all()) for p in a["params"]) and _same(a, b), mode
+    for r in results:
+        got = r["none"]["bad"]
+        assert any(bool(torch.isnan(p).any()) for p in got["params"])
+        assert len(got["warnings"]) == 1 and f"at step {BAD}" in got["warnings"][0], got["warnings"]
 
 
 def test_a_grad_scaler_skips_first_and_the_guard_changes_nothing(runs):
