@@ -328,8 +328,9 @@ class Engine:
         self._inflight = 0
         self._step_ended = False
         self._nonfinite = False
-        # The GPU side's verdicts of this step's calls: device flags, read once when it ends.
-        self._device_verdicts: list[torch.Tensor] = []
+        # The GPU side's verdicts of this step's calls (a device flag, and on CUDA the event
+        # after it): read once when the step ends.
+        self._device_verdicts: list[tuple] = []
         self._undo_store: dict = {}
         # Skipping the optimizer's step (gradzip.frontend.skip_nonfinite, and the front ends that
         # own their optimizer): the verdict of the last step that ended, the same on every rank.
@@ -566,8 +567,14 @@ class Engine:
                     out.masked_fill_(bad, float("nan"))
                 else:
                     out = torch.where(bad, float("nan"), out)
+                # On CUDA the call may have run on a side stream (the last round's decode): an
+                # event orders the step's read after it, on whatever stream reads.
+                done = None
+                if bad.is_cuda:
+                    done = torch.cuda.Event()
+                    done.record()
                 with self._lock:
-                    self._device_verdicts.append(bad)
+                    self._device_verdicts.append((bad, done))
         if self.momentum is not None and self.momentum.takeover is not None:
             self.momentum.takeover.record(out)
         return out
@@ -754,7 +761,11 @@ class Engine:
             return
         if self._device_verdicts:  # the GPU side's calls: the step's one host read
             verdicts, self._device_verdicts = self._device_verdicts, []
-            if bool(torch.cat([v.to(verdicts[0].device) for v in verdicts]).any()):
+            dev = verdicts[0][0].device
+            for _, done in verdicts:
+                if done is not None:
+                    torch.cuda.current_stream(dev).wait_event(done)
+            if bool(torch.cat([v.to(dev) for v, _ in verdicts]).any()):
                 self._nonfinite = True
                 warn = self.nonfinite_hint is not None and not self.skip_guard and not self._warned
                 if warn:

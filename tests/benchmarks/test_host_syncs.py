@@ -66,3 +66,27 @@ def test_the_loopback_communicator_gives_an_engine_the_average_of_identical_rank
     e.end_step()
     assert out.shape == (32,) and float((out - x.reshape(-1)).abs().max()) < 0.05 * float(x.abs().max())
     assert e.stats()["collectives"] >= 1 and e.stats()["bytes_sent"] > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engines_checks_read_nothing_and_a_nan_step_is_still_seen():
+    """On a device: Flat(Int8()) through the engine (8 loopback ranks) reads nothing for its own
+    checks inside a call, and a NaN in step 2 is the step's verdict, read when it ends."""
+    import gradzip as gz
+    from gradzip.engine import Engine
+
+    e = Engine(gz.parse("Flat(Int8())"), process_group=EngineLoopback(8))
+    grads = [torch.randn(4096, 16, device="cuda") for _ in range(3)]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    views = [v.view(4096, 16) for v in flat.split(4096 * 16)]
+    for step in range(3):
+        flat.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        if step == 2:
+            flat[5] = float("nan")
+        with SyncSentinel() as s:
+            fut = e.reduce(["a", "b", "c"], views, dest=flat)
+            e.flush()
+            out = fut.wait()
+        assert not [site for _, site in s.events if "engine.py" in site or "protocols/base.py" in site]
+        e.end_step()
+        assert e.last_step_nonfinite == (step == 2) and bool(out.isnan().all()) == (step == 2)
