@@ -403,13 +403,17 @@ class DiLoCo(_DiLoCo):
         """:meth:`gradzip.local_sgd.LocalSGD.stats` over committed syncs, plus ``steps_lost``
         (syncs not committed), ``bytes_lost`` and ``bytes_link_lost`` (what they sent),
         ``commits`` and ``heals``."""
-        d = super().stats(reset=reset)
-        d["steps_lost"] = self._lost["steps"]
-        d["bytes_lost"] = self._lost["bytes_sent"]
-        d["bytes_link_lost"] = self._lost["bytes_link"]
-        d["commits"] = self.commits
-        d["heals"] = self.heals
-        return d
+        return _with_losses(super().stats(reset=reset), self)
+
+
+def _with_losses(d: dict, fe) -> dict:
+    """``d`` (a front end's stats) with what the uncommitted steps cost and the quorum's counts."""
+    d["steps_lost"] = fe._lost["steps"]
+    d["bytes_lost"] = fe._lost["bytes_sent"]
+    d["bytes_link_lost"] = fe._lost["bytes_link"]
+    d["commits"] = fe.commits
+    d["heals"] = fe.heals
+    return d
 
 
 # -- the DDP hook on torchft ------------------------------------------------------------------
@@ -546,13 +550,7 @@ class DDP(DistributedDataParallel):
     def stats(self, reset: bool = False) -> dict:
         """The hook's ``stats()`` over committed steps, plus ``steps_lost`` (steps not committed),
         ``bytes_lost`` and ``bytes_link_lost`` (what they sent), ``commits`` and ``heals``."""
-        d = self.hook_state.stats(reset=reset)
-        d["steps_lost"] = self._lost["steps"]
-        d["bytes_lost"] = self._lost["bytes_sent"]
-        d["bytes_link_lost"] = self._lost["bytes_link"]
-        d["commits"] = self.commits
-        d["heals"] = self.heals
-        return d
+        return _with_losses(self.hook_state.stats(reset=reset), self)
 
     def _heal(self, engine_state: dict) -> None:
         """A healed replica: the peer's engine step and codec state, residuals from zero (a
