@@ -4,7 +4,10 @@ Four tests (tests/engine/test_registry.py, tests/project/test_names.py,
 tests/project/test_packaging.py, tests/kernels/test_sparse_ops.py) each asked a new Python
 what an import loads; each start costs about 2 s of CPU (torch's import). :func:`facts` runs
 :data:`PROBE` once per test worker, in the order the questions need: the registry alone
-first, then the method table, then the package's front doors, then the CPU codecs.
+first, then the method table, then the package's front doors, then the CPU codecs; last, a
+fork while another thread holds :mod:`gradzip.comm`'s tracker lock (tests/frontends/
+test_clean_exit.py; a fork from a test worker, with numba's and scipy's threads about, is not
+the question asked).
 """
 
 from __future__ import annotations
@@ -36,6 +39,25 @@ x = torch.randn(5000)
 for c in (gradzip.Threshold(tau=0.5), gradzip.Threshold(tau=3.0), gradzip.TopK(0.01, mode="sampled", sample=100)):
     c.decompress(c.compress(x, TensorContext(name="w")))
 out["heavy_after_cpu_codecs"] = heavy()
+# 5. a fork while another thread holds comm's tracker lock: the child gets a lock of its own
+import os, threading, time
+from gradzip import comm
+held, done = threading.Event(), threading.Event()
+def hold():
+    with comm._LIVE.lock:
+        held.set()
+        done.wait(10)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+comm._LIVE.entries[0] = "the parent's"
+pid = os.fork()
+if pid == 0:  # the child: exit at once with the verdict
+    os._exit(0 if comm._LIVE.lock.acquire(timeout=2) and not comm._LIVE.entries else 1)
+t0 = time.monotonic()
+_, status = os.waitpid(pid, 0)
+out["fork_child"] = [os.waitstatus_to_exitcode(status), time.monotonic() - t0 < 2]
+done.set()
+del comm._LIVE.entries[0]
 print(json.dumps(out))
 """
 
