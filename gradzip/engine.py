@@ -26,6 +26,10 @@ owns the safety nets, all decided identically on every rank:
   (``Identity`` without error feedback or momentum: every call a plain allreduce)
   reads nothing with ``"skip"``: its average keeps the NaN/Inf where they arose,
   as plain DDP's does, and GradScaler skips the step alike.
+  On the GPU's side with ``"skip"``, a quantizer's frames are checked on the device too
+  (``Call.frame_checks``, :func:`gradzip.wire.unpack_many`'s ``defer``): a malformed one
+  makes the call's result NaN and the step non-finite, and the host path's ``FrameError``
+  is raised at the next call (``"raise"`` and the host path raise it in the call).
   Either way, when the step ends, the residuals and codec state of every tensor
   touched in that step are put back as they were before it
   (``ErrorFeedback.restore``): a skipped step never poisons the residual.
@@ -331,6 +335,9 @@ class Engine:
         # The GPU side's verdicts of this step's calls (a device flag, and on CUDA the event
         # after it): read once when the step ends.
         self._device_verdicts: list[tuple] = []
+        # A malformed frame found by a deferred check (``Call.frame_checks``) in a step that
+        # ended: raised at the next call.
+        self._frame_error: Exception | None = None
         self._undo_store: dict = {}
         # Skipping the optimizer's step (gradzip.frontend.skip_nonfinite, and the front ends that
         # own their optimizer): the verdict of the last step that ended, the same on every rank.
@@ -479,6 +486,10 @@ class Engine:
     def _run(self, names, tensors, out_dtype, dest, zero_is_unused=False, params=None):
         step = self.step  # end_step() may run before this call's last round completes
         try:
+            with self._lock:
+                err, self._frame_error = self._frame_error, None
+            if err is not None:
+                raise err
             if not self._verified:
                 device = tensors[0].device if tensors else torch.device("cpu")
                 yield from self._verify(device)
@@ -549,6 +560,7 @@ class Engine:
         the step's, read once when the step ends (:meth:`_finish_step_locked`)."""
         tensors, device = call.tensors, call.device
         bad_in = None
+        call.frame_checks = checks = []
         with codec_time(self.stats_):
             if not plain:
                 bad_in = device_nonfinite(tensors, device)
@@ -561,6 +573,9 @@ class Engine:
             if not (plain and self._stateless and not self.skip_guard):
                 over = device_nonfinite([out], device)
                 bad = over if bad is None else bad | over
+            if checks:  # a malformed frame: NaN as for a non-finite value, its error raised later
+                fb = torch.stack([f.reshape(()).bool() for f, _ in checks]).any().reshape(1)
+                bad = fb if bad is None else bad | fb
             if bad is not None:
                 # in place into the front end's destination; elsewhere the protocol may keep `out`
                 if call.dest is not None and (out.data_ptr(), out.numel()) == (call.dest.data_ptr(), call.dest.numel()):
@@ -574,7 +589,7 @@ class Engine:
                     done = torch.cuda.Event()
                     done.record()
                 with self._lock:
-                    self._device_verdicts.append((bad, done))
+                    self._device_verdicts.append((bad, done, checks))
         if self.momentum is not None and self.momentum.takeover is not None:
             self.momentum.takeover.record(out)
         return out
@@ -762,12 +777,20 @@ class Engine:
         if self._device_verdicts:  # the GPU side's calls: the step's one host read
             verdicts, self._device_verdicts = self._device_verdicts, []
             dev = verdicts[0][0].device
-            for _, done in verdicts:
+            for _, done, _ in verdicts:
                 if done is not None:
                     torch.cuda.current_stream(dev).wait_event(done)
-            if bool(torch.cat([v.to(dev) for v, _ in verdicts]).any()):
+            parts = [v.to(dev).reshape(1) for v, _, _ in verdicts]
+            parts += [f.to(dev).reshape(-1) for _, _, checks in verdicts for f, _ in checks]
+            read = torch.cat(parts).tolist()
+            refusals = [r for (_, _, checks) in verdicts for _, r in checks]
+            framed = next((r for r, v in zip(refusals, read[len(verdicts) :]) if v), None)
+            if framed is not None and self._frame_error is None:
+                self._frame_error = framed()  # the host's parse of the kept messages: its text
+            if any(read[: len(verdicts)]):
                 self._nonfinite = True
-                warn = self.nonfinite_hint is not None and not self.skip_guard and not self._warned
+                warn = framed is None and self.nonfinite_hint is not None and not self.skip_guard
+                warn = warn and not self._warned
                 if warn:
                     self._warned = True
                     warnings.warn(self.nonfinite_hint.format(step=self.step - 1), RuntimeWarning, stacklevel=2)

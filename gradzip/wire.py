@@ -42,6 +42,18 @@ parses every sender's message of a round with one host copy of their tables, whi
 one padding test (its flag read with the codec's own check, :func:`host_values`) and one
 ``check_frames`` over all their frames; where one fails it re-checks message by message, so a
 refusal names the same frame, tensor and rank.
+
+**Planned rounds.** A codec whose entry is a function of the tensor's size alone
+(:meth:`~gradzip.codecs.base.Codec.planned_entry`: the block quantizers) lets a receiver know
+every byte of a round's headers, tables and padding before the round arrives. On the engine's
+GPU side with ``on_nonfinite="skip"`` (``unpack_many(defer=...)``) the round is parsed from that
+plan, built once per layout: one comparison of the rows with the expected bytes and one pass of
+the codec's body check (:meth:`~gradzip.codecs.base.Codec.planned_status`) give a device flag,
+and nothing is read on the host. Where the flag is set, the engine makes the call's result NaN,
+rolls the step back and, when the step ends, parses the kept messages on the host: the
+:class:`FrameError` of the host path (its text), raised at the next call. A message that parses
+but is not the plan's (a peer with the checksum on) is refused as field ``layout``. With the
+checksum on, rounds are parsed on the host.
 """
 
 from __future__ import annotations
@@ -294,11 +306,14 @@ def frame_nbytes(body_nbytes: int, scale: bool = False) -> int:
 
 
 def _entry(p: Payload) -> bytes:
-    nb = p.body.numel() * p.body.element_size()
-    vcode = dtype_code(p.vdtype) if p.vdtype is not None else 0
-    if p.scale:
-        return ENTRY.pack(p.fmt, vcode | _HAS_SCALE, nb) + SCALE.pack(float(p.scale))
-    return ENTRY.pack(p.fmt, vcode, nb)
+    return _entry_bytes(p.fmt, p.vdtype, p.body.numel() * p.body.element_size(), p.scale)
+
+
+def _entry_bytes(fmt: int, vdtype: torch.dtype | None, nb: int, scale: float) -> bytes:
+    vcode = dtype_code(vdtype) if vdtype is not None else 0
+    if scale:
+        return ENTRY.pack(fmt, vcode | _HAS_SCALE, nb) + SCALE.pack(float(scale))
+    return ENTRY.pack(fmt, vcode, nb)
 
 
 def message_nbytes(payloads: list[Payload]) -> int:
@@ -549,11 +564,16 @@ def _padding_error(msg: torch.Tensor, end: int) -> FrameError:
     return FrameError("padding", f"nonzero bytes after the last body (bytes {end} to {msg.numel()})")
 
 
-def _payloads(msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"", step=None) -> list[Payload]:
+def _payloads(
+    msg, pos, entries, shapes, dtypes, grad_dtypes, host: bytes = b"", step=None, bodies=None
+) -> list[Payload]:
     """The frames of a parsed message; ``host``: the message's first bytes on the host, which
-    give each body that starts within them its :attr:`Payload.head`."""
+    give each body that starts within them its :attr:`Payload.head`; ``bodies``: the bodies,
+    cut already."""
     nbs = [e[2] for e in entries]
-    if len(nbs) > 1:
+    if bodies is not None:
+        pass
+    elif len(nbs) > 1:
         bodies = msg[pos : pos + sum(nbs)].split_with_sizes(nbs)  # back to back: one operation
     else:
         bodies = [msg[pos : pos + nb] for nb in nbs]
@@ -646,6 +666,91 @@ def row_view(msgs: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.as_strided(m0, (len(msgs), n), (stride, 1), o0)
 
 
+class _Plan:
+    """What every message of a planned round must hold where no body lies, as the rows of one
+    view hold it (:func:`_planned`): ``want`` the expected bytes and ``mask`` where they are
+    tested (the header, the entries and the padding after the last body), both ``(k, width)``
+    on the device; each message's entries and body start; every body's ``(offset in the
+    rows' span, elements)`` for the codec's body check."""
+
+    __slots__ = ("want", "mask", "entries", "pos", "bodies")
+
+    def __init__(self, entries, width: int, stride: int, counts, device) -> None:
+        k = len(entries)
+        want = bytearray(k * width)
+        mask = bytearray(k * width)
+        self.entries, self.bodies = entries, []
+        pos = None
+        for j, es in enumerate(entries):
+            table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(es)))
+            for e in es:
+                table += _entry_bytes(*e)
+            end = len(table) + sum(e[2] for e in es)
+            if end > width:
+                raise FrameError("length", f"the plan's message of {end} bytes exceeds the round's {width}")
+            base = j * width
+            want[base : base + len(table)] = table
+            mask[base : base + len(table)] = b"\x01" * len(table)
+            mask[base + end : base + width] = b"\x01" * (width - end)
+            off = len(table)
+            for (_, _, nb, _), n in zip(es, counts[j]):
+                self.bodies.append((j * stride + off, n))
+                off += nb
+            pos = len(table) if pos is None else pos
+        self.pos = pos
+        self.want = K.host_to_device(torch.frombuffer(want, dtype=torch.uint8).view(k, width), device)
+        self.mask = K.host_to_device(torch.frombuffer(mask, dtype=torch.bool).view(k, width), device)
+
+
+#: Planned rounds by (entries, width, stride, device): a call's layout recurs every step.
+_PLANS: dict = {}
+_PLANS_MAX = 256
+
+
+def _planned(msgs, shapes, check):
+    """The frames of a round whose layout the receiver knows (:meth:`Codec.planned_entry`)
+    and their check left on the device: ``(payloads per message, a 0-d bool: some table,
+    padding byte or body is not what the plan and the codec allow)``; None where the round
+    cannot be planned (the messages not the rows of one view, a codec without a plan)."""
+    rows = row_view(msgs) if len(msgs) > 1 else (msgs[0].view(1, -1) if msgs and msgs[0].is_contiguous() else None)
+    if rows is None or rows.dtype != torch.uint8:
+        return None
+    counts = tuple(tuple(s.numel() for s in sh) for sh in shapes)
+    entries = []
+    for ns in counts:
+        es = tuple(check.planned_entry(n) for n in ns)
+        if any(e is None for e in es):
+            return None
+        entries.append(es)
+    stride = rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
+    key = (tuple(entries), rows.shape[1], stride, str(rows.device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _Plan(entries, rows.shape[1], stride, counts, rows.device)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    bad = ((rows != plan.want) & plan.mask).any()
+    span = (rows.shape[0] - 1) * stride + rows.shape[1]
+    whole = torch.as_strided(rows, (span,), (1,), rows.storage_offset())
+    bad = bad | check.planned_status(whole, plan.bodies)
+    return plan, bad, rows
+
+
+def _cut_rows(rows: torch.Tensor, plan: _Plan):
+    """Every message's bodies as views of the rows, a few operations for the round (not one a
+    message), where every message holds the same entries; else None."""
+    first = plan.entries[0]
+    if any(es != first for es in plan.entries) or not first:
+        return None
+    nbs = [e[2] for e in first]
+    block = rows[:, plan.pos : plan.pos + sum(nbs)]
+    if len(nbs) == 1:
+        return [[b] for b in block.unbind(0)]
+    frames = [f.unbind(0) for f in block.split_with_sizes(nbs, dim=1)]
+    return [[f[j] for f in frames] for j in range(rows.shape[0])]
+
+
 def unpack_many(
     msgs: list[torch.Tensor],
     shapes: list[list[torch.Size]],
@@ -656,6 +761,7 @@ def unpack_many(
     names: list[list[str]] | None = None,
     ranks: list[int] | None = None,
     step: int | None = None,
+    defer: list | None = None,
 ) -> list[list[Payload]]:
     """:func:`unpack_frames` of several messages (the senders of one round; ``shapes``,
     ``dtypes``, ``grad_dtypes`` and ``names`` per message, ``ranks`` their senders, ``step``
@@ -665,7 +771,45 @@ def unpack_many(
     test of every message's padding (read in the codec's own host read where it has one:
     :func:`host_values`), and one :meth:`~gradzip.codecs.base.Codec.check_frames` over all
     the frames. Where a test finds a fault, the messages are checked one by one, so
-    a refusal names the same frame, tensor and rank as :func:`unpack_frames` would."""
+    a refusal names the same frame, tensor and rank as :func:`unpack_frames` would.
+
+    ``defer`` (a list; the engine's GPU side with ``on_nonfinite="skip"``): where ``check``
+    plans its frames (:meth:`~gradzip.codecs.base.Codec.planned_entry`) and the checksum is
+    off, the round is parsed from the plan with no host read; the tables, the padding and the
+    bodies are tested on the device, and ``(flag, refuse)`` is appended to ``defer``: a 0-d
+    bool, set where a message is not what the plan and the codec allow, and a function that
+    parses the kept messages on the host and returns the :class:`FrameError` the host path
+    would have raised (one of field ``layout`` where they parse: a table the plan did not
+    expect, from a peer with the checksum on, say). The caller makes the result NaN where the
+    flag is set and raises the error later (the engine: at the next step's first call)."""
+    if defer is not None and check is not None and not _checksum:
+        got = _planned(msgs, shapes, check)
+        if got is not None:
+            plan, flag, rows = got
+            cut = _cut_rows(rows, plan)
+            outs = []
+            for j, m in enumerate(msgs):
+                grads = None if grad_dtypes is None else grad_dtypes[j]
+                body = None if cut is None else cut[j]
+                out = _payloads(m, plan.pos, plan.entries[j], shapes[j], dtypes[j], grads, b"", step, body)
+                for p in out:
+                    p.checked = True
+                outs.append(out)
+            kept = dict(grad_dtypes=grad_dtypes, check=check, names=names, ranks=ranks, step=step)
+
+            def refuse() -> FrameError:
+                try:
+                    unpack_many(msgs, shapes, dtypes, **kept)
+                except FrameError as e:
+                    return e
+                return FrameError(
+                    "layout",
+                    "a message parses but differs from the round's plan (its table or padding): every rank "
+                    "must run the same gradzip with the same set_checksum",
+                )
+
+            defer.append((flag, refuse))
+            return outs
     k = len(msgs)
 
     def named(e: FrameError, j: int) -> FrameError:

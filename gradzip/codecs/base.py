@@ -147,6 +147,20 @@ class Codec(Registered, register=False):
             except FrameError as e:
                 raise e.at(frame=i) from None
 
+    def planned_entry(self, n: int) -> tuple[int, torch.dtype, int, float] | None:
+        """The entry every encoder of this configuration writes for a tensor of ``n`` elements,
+        ``(format, value dtype, body bytes, scale)``, whatever its values; None where it
+        depends on them. A codec that gives it also gives :meth:`planned_status`: a receiver
+        on the GPU's side then checks a round's frames on the device against a plan
+        (:func:`gradzip.wire.unpack_many`'s ``defer``), with no host read."""
+        return None
+
+    def planned_status(self, whole: torch.Tensor, frames) -> torch.Tensor:
+        """A 0-d bool on ``whole``'s device: whether a body in ``whole`` (uint8) holds what no
+        encoder writes (the body checks of :meth:`check_frames`); ``frames`` gives each body's
+        ``(offset, elements)``. Only codecs whose :meth:`planned_entry` is not None implement it."""
+        raise NotImplementedError(f"{type(self).__name__} plans no frames")
+
     def validated(self, payload: Payload) -> Payload:
         """``payload``, checked by :meth:`check_frame` unless a protocol has checked it."""
         if not payload.checked:

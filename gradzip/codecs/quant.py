@@ -176,6 +176,24 @@ class _Quantizer(MessageChecks, Codec):
         """Why the largest code of a frame (Int8: whether -128 occurs) is one no encoder writes."""
         return None
 
+    def _top_limit(self) -> int:
+        """The largest ``top`` of ``quant_body_stats`` an encoder writes (what ``_bad_code`` lets by)."""
+        return 0
+
+    def _planned_scale(self) -> float:
+        return 0.0
+
+    def planned_entry(self, n: int) -> tuple[int, torch.dtype, int, float]:
+        nb, _ = K.quant_layout(n, self.block)
+        return self._fmt, torch.float32, 4 * nb + self._code_bytes(n), self._planned_scale()
+
+    def planned_status(self, whole: torch.Tensor, frames) -> torch.Tensor:
+        frames = tuple((o, K.quant_layout(n, self.block)[0], n) for o, n in frames)
+        if whole.numel() == 0 or not frames:
+            return torch.zeros((), dtype=torch.bool, device=whole.device)
+        neg, top = K.quant_body_stats(whole, frames, self._kind, bits=self._bits).unbind(0)
+        return (neg > 0) | (top > self._top_limit())
+
     def _check_header(self, payload: Payload) -> None:
         """The frame's scale: none, except QSGD's level count."""
         check_no_scale(self, payload)
@@ -406,6 +424,12 @@ class QSGD(_Quantizer):
     def _bad_code(self, top: int) -> str | None:
         return f"code {top} > 2 * levels" if top > 2 * self.levels else None
 
+    def _top_limit(self) -> int:
+        return 2 * self.levels
+
+    def _planned_scale(self) -> float:
+        return float(self.levels)
+
 
 class TernGrad(_Quantizer):
     """TernGrad (Wen et al. 2017): ``{-1, 0, +1} * S_b`` with stochastic rounding.
@@ -447,6 +471,9 @@ class TernGrad(_Quantizer):
 
     def _bad_code(self, top: int) -> str | None:
         return "code 3" if top == 3 else None
+
+    def _top_limit(self) -> int:
+        return 2
 
 
 class Int8(_Quantizer):

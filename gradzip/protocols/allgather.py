@@ -83,6 +83,7 @@ class AllGather(Protocol):
                 names=[call.names] * world,
                 ranks=list(range(world)),
                 step=call.step,
+                defer=call.frame_checks,
             )
             for i in range(len(payloads)):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.

@@ -168,6 +168,10 @@ class Call:
     flag_seen: torch.Tensor | None = field(default=None, init=False, repr=False)
     #: The call whose flag this sub-call may take (:meth:`subset` with ``flag=True``), or None.
     flag_owner: Call | None = field(default=None, init=False, repr=False)
+    #: The engine's GPU side with ``on_nonfinite="skip"``: a list that takes the round's
+    #: deferred frame checks (:func:`gradzip.wire.unpack_many`'s ``defer``), which the
+    #: protocol hands to ``unpack_many``; None: frames are checked on the host as they arrive.
+    frame_checks: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -472,6 +476,7 @@ class Call:
         sub.frozen = self.frozen
         sub.make_context = self.make_context
         sub.momentum = self.momentum
+        sub.frame_checks = self.frame_checks
         if flag:
             sub.flag_owner = self.flag_owner if self.flag_owner is not None else self
         return sub

@@ -247,6 +247,7 @@ class Flat(Protocol):
             sub.make_context = call.make_context
             sub.bytes_only = call.bytes_only
             sub.flag_owner = call.flag_owner if call.flag_owner is not None else call
+            sub.frame_checks = call.frame_checks
             if memory is not None:
                 sub._x[key] = self._compensate(call, g, memory)
             moments = None

@@ -82,9 +82,13 @@ run several times faster than ``M Q`` and ``M^T P`` for ``k >= 2`` (about 60x fo
 Initial Q: ``randn(m, k)`` from a CPU generator seeded with
 ``tensor_seed(seed, step, name)``: the same on every rank and independent of how
 tensors are grouped into buckets. A Q column that comes back all zero (a
-gradient that was exactly zero) or non-finite is redrawn the same way next step;
-otherwise warm start would keep that layer's ``M_hat`` at zero for good. (After
-a non-finite step the engine also restores every stored Q and residual.)
+gradient that was exactly zero) or non-finite is replaced next step by that column of
+a step-independent draw, ``randn(m, k)`` seeded with ``tensor_seed(seed, -1, name)``;
+otherwise warm start would keep that layer's ``M_hat`` at zero for good. On the CPU the
+columns are tested on the host and the draw made where one is bad; on the GPU's side every
+column is chosen on the device by ``torch.where`` from the draw, made once per tensor and
+kept: the same floats, no host read. (After a non-finite step the engine also restores
+every stored Q and residual.)
 
 Accordion (Agarwal et al., 2021), when ``accordion_rank`` is set: every tensor
 that is compressible at ``rank`` adds ``||g_w||^2 / W`` (its raw local gradient)
@@ -352,9 +356,23 @@ class PowerSGD(Protocol):
         return int(ctx.store.get("rank", self.accordion_rank))
 
     # -- Q ---------------------------------------------------------------------------------
-    def _draw(self, ctx: TensorContext, m: int, k: int) -> torch.Tensor:
-        g = torch.Generator(device="cpu").manual_seed(tensor_seed(self.seed, ctx.step, ctx.name))
-        return torch.randn(m, k, generator=g, dtype=torch.float32)
+    def _draw(self, ctx: TensorContext, m: int, k: int, step: int | None = None) -> torch.Tensor:
+        seed = tensor_seed(self.seed, ctx.step if step is None else step, ctx.name)
+        return torch.randn(m, k, generator=torch.Generator(device="cpu").manual_seed(seed), dtype=torch.float32)
+
+    def _redraws(self, call, idx, m: int, k: int, wd, dev) -> torch.Tensor:
+        """``(B, k, m)``: the step-independent draws (``step=-1``) that replace bad columns of
+        the matrices ``idx``' ``Q^T``, made once per (names, shape, device) and kept."""
+        cache = self.__dict__.setdefault("_fresh", {})
+        key = (tuple(call.names[i] for i in idx), m, k, str(dev), wd)
+        got = cache.get(key)
+        if got is None:
+            host = torch.stack([self._draw(call.contexts[i], m, k, step=-1).t() for i in idx]).to(wd)
+            got = K.host_to_device(host.contiguous(), dev)
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[key] = got
+        return got
 
     def _start_qs(self, call, groups: list, wd, dev) -> list:
         """Per group, the orthonormal ``Q^T`` of each matrix (``(B, k, m)`` views of one
@@ -362,8 +380,9 @@ class PowerSGD(Protocol):
 
         Warm start: last step's averaged Q (truncated, or extended with fresh seeded
         columns, when Accordion changed the rank). Columns that are all zero or not
-        finite are redrawn: one host sync per call, not per group. Then every matrix of
-        the call is orthonormalized by one kernel call.
+        finite are replaced from the step-independent draw (module docstring): on the CPU
+        after one host read per call, on the GPU's side by ``torch.where`` with none. Then
+        every matrix of the call is orthonormalized by one kernel call.
         """
         buf, qts, table = _slab([(len(idx), k, m) for (_n, m, k), idx in groups], wd, dev)
         starts, dsts = [], []
@@ -381,7 +400,11 @@ class PowerSGD(Protocol):
             dsts.extend(qt.unbind(0))
         if dsts:
             torch._foreach_copy_(dsts, starts)  # a copy: the stored Q is never changed in place
-        if qts:
+        if qts and K.gpu_side(dev):  # every column chosen on the device
+            for ((_n, m, k), idx), qt in zip(groups, qts):
+                cn = torch.linalg.vector_norm(qt, dim=2, keepdim=True)
+                torch.where((cn > 0) & cn.isfinite(), qt, self._redraws(call, idx, m, k, wd, dev), out=qt)
+        elif qts:
             norms = torch.cat([torch.linalg.vector_norm(qt, dim=2).reshape(-1) for qt in qts])  # column norms
             if not bool(((norms > 0) & norms.isfinite()).all()):
                 for ((_n, m, k), idx), qt in zip(groups, qts):
@@ -389,7 +412,7 @@ class PowerSGD(Protocol):
                     bad = ~((cn > 0) & cn.isfinite())
                     for j, i in enumerate(idx):
                         if bool(bad[j].any()):
-                            fresh = self._draw(call.contexts[i], m, k).t().to(device=dev, dtype=wd)
+                            fresh = self._draw(call.contexts[i], m, k, step=-1).t().to(device=dev, dtype=wd)
                             qt[j].copy_(torch.where(bad[j].unsqueeze(1), fresh, qt[j]))
         K.orthonormalize_rows_(buf, table, self.eps)
         return qts

@@ -20,6 +20,14 @@ every tensor, as FSDP shards parameters. A piece is named after its tensor and p
    are all-gathered (an allreduce MAX of the length, then the messages padded to it)
    and every rank decodes every owner's pieces: every rank holds the same floats.
 
+Planned frames (the engine's GPU side, a codec with
+:meth:`~gradzip.codecs.base.Codec.planned_entry`): the owners check the first round's messages on
+the device (``wire.unpack_many``'s ``defer``), and each owner's verdict rides as one byte after
+its phase-2 message, so a malformed first-round message turns the call's result NaN on every
+rank; the owner that found it raises its :class:`~gradzip.wire.FrameError` at its next call,
+the other ranks one naming that owner. A fault in the second round is seen by its receiver
+alone: that rank's result is NaN and it raises at its next call.
+
 Link bytes per rank are about ``2(N-1)/N`` of the compressed size of the call, like a
 ring allreduce of it, against ``(N-1)`` for :class:`~gradzip.protocols.AllGather`.
 
@@ -36,7 +44,16 @@ import gradzip.kernels as K
 
 from ..codecs.base import Codec
 from ..comm import Round, allgather_bytes, allgather_fixed
-from ..wire import accum_dtype, message_capacity, message_nbytes, narrow, pack_frames, pack_round, unpack_many
+from ..wire import (
+    FrameError,
+    accum_dtype,
+    message_capacity,
+    message_nbytes,
+    narrow,
+    pack_frames,
+    pack_round,
+    unpack_many,
+)
 from .base import Call, Exchange, Protocol
 
 __all__ = ["TwoPhase", "reduce_scatter_pieces", "piece_bounds", "piece_key", "owner_key"]
@@ -89,7 +106,12 @@ class TwoPhase(Protocol):
         count = len(call.tensors)
         bounds = [piece_bounds(t.numel(), world) for t in call.tensors]
         caps: list = []
-        owned = yield from reduce_scatter_pieces(call, codec, bounds, caps)
+        # Planned frames (the engine's GPU side): the first round's checks stay on the device,
+        # and each owner's verdict rides as one byte after its message to every rank.
+        checks = call.frame_checks
+        relay = checks is not None and codec.fixed_frames and codec.planned_entry(1) is not None
+        mark = len(checks) if checks is not None else 0
+        owned = yield from reduce_scatter_pieces(call, codec, bounds, caps, defer=checks if relay else None)
         with call.codec():
             acc_dtype = accum_dtype(call.out_dtype)
             # Phase 2: the owner's pieces, re-encoded with the owner's own error feedback.
@@ -106,10 +128,19 @@ class TwoPhase(Protocol):
                 for i in range(count)
             ]
             # Fixed frames: packed at the agreed length, so allgather_fixed sends it without a copy.
-            msg = pack_frames(again, device=call.device, size=max(caps) if caps else None)
+            extra = 1 if relay else 0
+            msg = pack_frames(again, device=call.device, size=max(caps) + extra if caps else None)
             call.comm.stats.add(bytes_payload=message_nbytes(again))
+            if relay:
+                mine = [f for f, _ in checks[mark:]]
+                seen = torch.stack(mine).any() if mine else torch.zeros((), dtype=torch.bool, device=call.device)
+                msg[-1:].copy_(seen.reshape(1))
+                call.comm.stats.add(bytes_control=1)
         if caps:  # fixed frames: every owner's message fits the largest phase-1 message to an owner
-            gathered = yield from allgather_fixed(call.comm, msg, max(caps))
+            gathered = yield from allgather_fixed(call.comm, msg, max(caps) + extra)
+            if relay:
+                verdicts, gathered = gathered[:, -1], gathered[:, :-1]
+                checks.append(((verdicts != 0).any(), _peer_refusal(verdicts, call.step)))
         else:
             gathered = yield from allgather_bytes(call.comm, msg)
         with call.codec():
@@ -126,6 +157,7 @@ class TwoPhase(Protocol):
                 names=[[owner_key(call.names[i], j, world) for i in range(count)] for j in range(world)],
                 ranks=list(range(world)),
                 step=call.step,
+                defer=checks,
             )
             frames = [p for got in owners for p in got]
             starts = [call.offsets[i] + bounds[i][j] for j in range(world) for i in range(count)]
@@ -136,7 +168,24 @@ class TwoPhase(Protocol):
         return out
 
 
-def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | None = None) -> Exchange:
+def _peer_refusal(verdicts: torch.Tensor, step: int):
+    """The refusal of a rank that saw no fault itself: which owners refused a message of the
+    first round (each raises the error naming the frame)."""
+
+    def refuse() -> FrameError:
+        who = [j for j, v in enumerate(verdicts.tolist()) if v]
+        return FrameError(
+            "peer",
+            f"rank(s) {who} refused a corrupt message of this call's reduce-scatter at step {step} "
+            "(their own error names the frame and its sender)",
+        )
+
+    return refuse
+
+
+def reduce_scatter_pieces(
+    call: Call, codec: Codec, bounds: list, caps: list | None = None, defer: list | None = None
+) -> Exchange:
     """Phase 1 of :class:`TwoPhase`, a compressed reduce-scatter (also the whole of
     :class:`~gradzip.protocols.reduce_scatter.ReduceScatter`): every rank encodes piece
     ``j`` (elements ``[bounds[i][j], bounds[i][j+1])`` of tensor ``i``) of ``gradient +
@@ -150,6 +199,10 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
     owner ``j`` are as long as this rank's own for ``j``, so every message to ``j`` is padded
     to :func:`~gradzip.wire.message_capacity` of them, and the pairwise all-to-all is the only
     round. ``caps`` (a list) then receives those capacities, one per owner.
+
+    ``defer``: the senders' messages are checked on the device where the codec plans them
+    (:func:`~gradzip.wire.unpack_many`'s ``defer``); only this rank sees the verdict, so the
+    caller must hand it on (TwoPhase sends it after its all-gather's message).
     """
     world, me = call.world_size, call.rank
     count = len(call.tensors)
@@ -212,6 +265,7 @@ def reduce_scatter_pieces(call: Call, codec: Codec, bounds: list, caps: list | N
             names=[names] * world,
             ranks=list(range(world)),
             step=call.step,
+            defer=defer,
         )
         owned = []
         for i in range(count):

@@ -36,10 +36,11 @@ def test_the_sentinel_flags_what_stops_a_gpus_host_and_nothing_read_on_the_host(
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_through_the_engine_the_gpu_path_of_flat_int8_reads_only_its_frames(monkeypatch):
-    """Flat(Int8()) on the GPU's side, Triton forced, 8 loopback ranks, a 15-tensor bucket: the
-    engine's own checks read nothing (they are device flags); the syncs left are the frames'
-    (the round's tables and the codec's check), the same for 2 and 15 tensors and 4 and 8 ranks."""
+def test_through_the_engine_the_gpu_path_of_flat_int8_reads_nothing(monkeypatch):
+    """Flat(Int8()) on the GPU's side, Triton forced, loopback ranks: the engine's own checks
+    are device flags and the frames are parsed from the round's plan and checked on the device
+    (``wire.unpack_many``'s ``defer``): no host sync and 7 launches, for 2 and 15 tensors and 4
+    and 8 ranks."""
     monkeypatch.setenv("GRADZIP_KERNELS", "triton")
     got = {}
     with K.gpu_side_on_cpu():
@@ -49,9 +50,7 @@ def test_through_the_engine_the_gpu_path_of_flat_int8_reads_only_its_frames(monk
             (row,) = count("Flat(Int8())", grads, names, w, one=True)
             got[(t, w)] = row
     for row in got.values():
-        assert not [s for s in row["sites"] if "engine.py" in s or "protocols/base.py" in s], row["sites"]
-        assert row["host_syncs"] == 4 and row["launches"] == 7, row
-    assert got[(2, 4)]["sites"].keys() == got[(15, 8)]["sites"].keys()
+        assert row["host_syncs"] == 0 and row["launches"] == 7, row
 
 
 def test_the_loopback_communicator_gives_an_engine_the_average_of_identical_ranks():

@@ -272,6 +272,95 @@ def test_on_the_gpu_side_the_engine_checks_on_the_device_and_every_carrier_still
         assert res[2][spec].get("restored", True), spec
 
 
+PLANNED = ["Flat(Int8())", "TwoPhase(SignSGD())", "Flat(QSGD())"]
+
+
+def _residuals(e) -> dict:
+    return {k: v.clone() for k, v in e.memory.residuals.items()} if e.memory is not None else {}
+
+
+def _planned_frames(rank, world):
+    """4 ranks, the GPU's side (``gpu_side_on_cpu``), "skip": the quantizers' rounds are parsed
+    from a plan and checked on the device (``wire.unpack_many``'s ``defer``). Clean steps match
+    the host path ("raise") bit for bit, outputs and residuals, with no host read in a call. In
+    step 2 rank 1 receives rank 3's first-round message with a code no encoder writes: every
+    rank's result is NaN and its step rolled back, and at step 3's first call rank 1 raises the
+    host path's FrameError, the others one naming rank 1."""
+    from benchmarks.host_syncs import SyncSentinel
+    from gradzip.protocols import twophase
+
+    out = {}
+    real = twophase.unpack_many
+    with K.gpu_side_on_cpu():
+        for spec in PLANNED:
+            engines = [Engine(gz.parse(spec), on_nonfinite=p) for p in ("skip", "raise")]
+            g = torch.Generator().manual_seed(rank)
+            log = {"good": [], "syncs": []}
+            corrupt = [False]
+
+            def unpack(msgs, *args, **kw):
+                if corrupt[0] and rank == 1 and kw.get("ranks") == list(range(world)) and "#" in kw["names"][0][0]:
+                    if not kw["names"][0][0].endswith(":owner"):  # the first round's messages
+                        body = msgs[3][8 + 6 * len(kw["names"][3]) :]
+                        if "Int8" in spec:
+                            body[4] = 0x80  # the first code (after one block scale): -128
+                        else:  # the first block scale's sign bit (QSGD: its first entry's scale)
+                            body[3] |= 0x80
+                        corrupt[0] = False
+                return real(msgs, *args, **kw)
+
+            twophase.unpack_many = unpack
+            try:
+                for s in range(4):
+                    w, b = torch.randn(40, 12, generator=g), torch.randn(12, generator=g)
+                    corrupt[0] = s == 2
+                    for e in engines[: 1 if s >= 2 else 2]:
+                        if s == 2 and e is engines[0]:
+                            before = _residuals(e)
+                        try:
+                            with SyncSentinel() as sentinel:
+                                fut = e.reduce(["w", "b"], [w.clone(), b.clone()])
+                                e.flush()
+                                got = fut.wait()
+                        except gz.wire.FrameError as err:
+                            log["error"] = str(err)
+                            break
+                        if e is engines[0] and s == 1:  # step 0 checks the configuration
+                            # gradzip's own reads (kernels/: the CPU's kernels stand in for a GPU's)
+                            log["syncs"] = [site for _, site in sentinel.events if site.startswith("gradzip/")]
+                        e.end_step()
+                        if s < 2:
+                            log["good"].append((got, _residuals(e)))
+                        else:
+                            log["bad"] = got
+                            now = _residuals(e)
+                            same = all(torch.equal(now[k], before[k]) for k in now)
+                            log["restored"] = now.keys() == before.keys() and same
+                            log["nonfinite_steps"] = e.nonfinite_steps
+            finally:
+                twophase.unpack_many = real
+            out[spec] = log
+    return out
+
+
+def test_planned_frames_on_four_ranks_match_the_host_and_a_corrupt_one_is_nan_then_raised():
+    res = run_ranks(_planned_frames, 4)
+    for spec in PLANNED:
+        for r, log in enumerate(res):
+            log = log[spec]
+            for (sk, sk_res), (ra, ra_res) in zip(log["good"][0::2], log["good"][1::2]):
+                assert torch.equal(sk, ra), spec
+                assert sk_res.keys() == ra_res.keys() and all(torch.equal(sk_res[k], ra_res[k]) for k in sk_res)
+            assert log["syncs"] == [], (spec, log["syncs"])
+            assert torch.isnan(log["bad"]).all() and log["nonfinite_steps"] == 1 and log["restored"], (spec, r)
+            if r == 1:
+                why = {"Flat(Int8())": "code -128", "TwoPhase(SignSGD())": "a negative block scale"}.get(spec)
+                why = why or r"field scale: QSGD frame has levels=-7"  # its entries carry a scale: hit
+                assert re.search(rf"corrupt message from rank 3: frame \d .*{why}", log["error"]), log["error"]
+            else:
+                assert "field peer: rank(s) [1] refused a corrupt message" in log["error"], log["error"]
+
+
 class _LateFlag(gz.protocols.Protocol):
     """Tries to carry the flag in its second round: too late, the engine has sent it."""
 

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+import gradzip.kernels as K
 from gradzip import wire
 from gradzip.kernels import decode_signed_indices, encode_signed_indices, pack_2bit, unpack_2bit
 
@@ -94,3 +95,100 @@ def test_itemsize_is_the_element_size_without_a_tensor():
     for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int64, torch.bool):
         assert wire.itemsize(dt) == torch.empty(0, dtype=dt).element_size()
     assert wire.itemsize(None) == torch.empty(0, dtype=None).element_size()  # torch's default dtype
+
+
+# -- planned rounds (unpack_many's defer) ----------------------------------------------------
+PLANNED_CODECS = ["Int8()", "Int8(block=None)", "SignSGD()", "SignSGD(block=32)", "QSGD(levels=3)", "TernGrad()"]
+
+
+def test_a_planned_entry_is_what_every_encoder_writes():
+    """Hypothesis: for every planned quantizer, size and dtype, planned_entry(n) is the entry
+    compress writes, whatever the values."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    import gradzip as gz
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        spec=st.sampled_from(PLANNED_CODECS),
+        n=st.integers(0, 300),
+        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+        scale=st.sampled_from([0.0, 1e-30, 1.0, 3e4]),
+    )
+    def check(spec, n, dtype, scale):
+        codec = gz.parse(spec)
+        p = codec.compress((torch.randn(n) * scale).to(dtype))
+        fmt, vdtype, nb, sc = codec.planned_entry(n)
+        assert (p.fmt, p.vdtype, p.body.numel() * p.body.element_size(), float(p.scale)) == (fmt, vdtype, nb, sc)
+
+    check()
+
+
+def _planned_round(codec, sizes, world=3, seed=0):
+    """``world`` messages of ``codec``'s frames of tensors of ``sizes``, packed as a round's rows."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [[codec.compress(torch.randn(n, generator=g)) for n in sizes] for _ in range(world)]
+    cap = wire.message_capacity(groups[0])
+    buf = torch.empty(world * cap, dtype=torch.uint8)
+    msgs = wire.pack_round(groups, buf, [cap] * world)
+    shapes = [[torch.Size([n]) for n in sizes]] * world
+    return msgs, shapes, [[torch.float32] * len(sizes)] * world
+
+
+def _deferred(msgs, shapes, dtypes, codec):
+    defer = []
+    out = wire.unpack_many(msgs, shapes, dtypes, check=codec, ranks=list(range(len(msgs))), defer=defer)
+    ((flag, refuse),) = defer
+    return out, bool(flag), refuse
+
+
+@pytest.mark.parametrize("spec", ["Int8()", "QSGD(levels=3)"])
+def test_a_planned_round_parses_as_the_host_does_and_defers_every_refusal(spec):
+    import gradzip as gz
+
+    codec = gz.parse(spec)
+    sizes = [70, 1, 129]
+    msgs, shapes, dtypes = _planned_round(codec, sizes)
+    host = wire.unpack_many(msgs, shapes, dtypes, check=codec)
+    out, bad, _ = _deferred(msgs, shapes, dtypes, codec)
+    assert not bad
+    for a, b in zip(host, out):
+        for p, q in zip(a, b):
+            assert (p.fmt, p.vdtype, p.scale, p.shape) == (q.fmt, q.vdtype, q.scale, q.shape) and q.checked
+            assert torch.equal(p.body, q.body)
+    entries = [codec.planned_entry(n) for n in sizes]
+    table = 8 + sum(10 if e[3] else 6 for e in entries)
+    end = table + sum(e[2] for e in entries)
+    cases = {  # byte of message 1 -> the host path's refusal
+        0: "from rank 1, field version",
+        8: "from rank 1: frame 0, field format",
+        end: "from rank 1, field padding",
+        table + 3: "from rank 1: frame 0, field body.scales: corrupt",  # the first scale's sign
+    }
+    if entries[0][3]:  # QSGD: the entry's scale (its levels)
+        cases[17] = "from rank 1: frame 0, field scale"
+    for at, text in cases.items():
+        msgs, shapes, dtypes = _planned_round(codec, sizes)
+        msgs[1][at] ^= 0x80
+        _, bad, refuse = _deferred(msgs, shapes, dtypes, codec)
+        err = refuse()
+        assert bad and isinstance(err, wire.FrameError) and text in str(err), (at, str(err))
+    if spec == "Int8()":  # a code no encoder writes
+        msgs, shapes, dtypes = _planned_round(codec, sizes)
+        msgs[2][table + 4 * K.quant_layout(70, codec.block)[0]] = 0x80
+        _, bad, refuse = _deferred(msgs, shapes, dtypes, codec)
+        assert bad and "from rank 2: frame 0, field body.codes: corrupt Int8 frame: code -128" in str(refuse())
+
+
+def test_a_peer_with_the_checksum_on_is_refused_as_off_plan():
+    import gradzip as gz
+
+    codec = gz.parse("Int8()")
+    old = wire.set_checksum(True)
+    try:
+        msgs, shapes, dtypes = _planned_round(codec, [50, 3])
+    finally:
+        wire.set_checksum(old)
+    _, bad, refuse = _deferred(msgs, shapes, dtypes, codec)
+    assert bad and "field layout" in str(refuse())

@@ -1,5 +1,6 @@
 """PowerSGD: the algorithm in one process (W ranks simulated), then 2 gloo ranks against torch's hook."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -401,6 +402,29 @@ def test_zero_gradient_gives_no_nan_and_its_q_is_redrawn():
     sim.stores[0]["w"]["q"][0, 1] = float("nan")  # a poisoned warm start (same on every rank)
     sim.stores[1]["w"]["q"][0, 1] = float("nan")
     assert torch.isfinite(sim.reduce(["w"], g)[0]).all()
+
+
+def test_on_the_gpu_side_bad_q_columns_are_replaced_on_the_device_with_the_same_floats():
+    """A zero gradient, then a poisoned warm start: the GPU side's torch.where over every column
+    gives the host path's floats bit for bit, with no host read in _start_qs."""
+    import gradzip.kernels as K
+    from benchmarks.host_syncs import SyncSentinel
+
+    def run(device_side: bool):
+        sim, outs, reads = Sim(PowerSGD(rank=2), 2), [], []
+        g = [[_randn(30, 40, seed=r), torch.zeros(20, 10)] for r in range(2)]
+        for step in range(3):
+            if step == 2:
+                for st in sim.stores:
+                    st["w"]["q"][0, 1] = float("nan")
+            with K.gpu_side_on_cpu() if device_side else contextlib.nullcontext(), SyncSentinel() as sentinel:
+                outs.append(sim.reduce(["w", "z"], [[t.clone() for t in r] for r in g])[0])
+            reads += [site for _, site in sentinel.events if "_start_qs" in site]
+        return outs, reads
+
+    (host, host_reads), (dev, dev_reads) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(host, dev)) and torch.isfinite(dev[-1]).all()
+    assert host_reads and not dev_reads
 
 
 def test_accordion_switches_rank_on_the_relative_change_of_the_gradient_norm():
