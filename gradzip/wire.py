@@ -712,7 +712,9 @@ def _planned(msgs, shapes, check):
     and their check left on the device: ``(payloads per message, a 0-d bool: some table,
     padding byte or body is not what the plan and the codec allow)``; None where the round
     cannot be planned (the messages not the rows of one view, a codec without a plan)."""
-    rows = row_view(msgs) if len(msgs) > 1 else (msgs[0].view(1, -1) if msgs and msgs[0].is_contiguous() else None)
+    if not msgs:
+        return None
+    rows = row_view(msgs) if len(msgs) > 1 else (msgs[0].view(1, -1) if msgs[0].is_contiguous() else None)
     if rows is None or rows.dtype != torch.uint8:
         return None
     counts = tuple(tuple(s.numel() for s in sh) for sh in shapes)

@@ -89,3 +89,26 @@ def test_on_cuda_the_engines_checks_read_nothing_and_a_nan_step_is_still_seen():
         assert not [site for _, site in s.events if "engine.py" in site or "protocols/base.py" in site]
         e.end_step()
         assert e.last_step_nonfinite == (step == 2) and bool(out.isnan().all()) == (step == 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["Flat(Int8())", "Flat(SignSGD())", "PowerSGD(rank=4)"])
+def test_on_cuda_ten_steady_steps_read_nothing(spec):
+    """On a device, 8 loopback ranks: after two steps (the configuration check, the first
+    draws), ten steps of a planned method read nothing on the host inside a call."""
+    import gradzip as gz
+    from gradzip.engine import Engine
+
+    e = Engine(gz.parse(spec), process_group=EngineLoopback(8))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(n, 16, device="cuda", generator=g) for n in (4096, 300, 1025)]
+    flat = torch.cat([t.reshape(-1) for t in grads])
+    views = [v.view(-1, 16) for v in flat.split([t.numel() for t in grads])]
+    for step in range(12):
+        flat.copy_(torch.cat([t.reshape(-1) for t in grads]))
+        with SyncSentinel(error=step >= 2):
+            fut = e.reduce(["a", "b", "c"], views, dest=flat)
+            e.flush()
+            out = fut.wait()
+        e.end_step()
+        assert not e.last_step_nonfinite and bool(out.isfinite().all())
