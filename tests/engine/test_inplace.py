@@ -176,3 +176,32 @@ def test_cat_target_uses_dest_only_when_it_fits_and_holds_no_body():
     assert _cat_target([a.half(), b.half()], SimpleNamespace(dest=dest)) is None  # another dtype
     assert _cat_target([dest[4:], dest[:3]], SimpleNamespace(dest=dest)) is None  # bodies lie in it
     assert _cat_target([a, b], SimpleNamespace(dest=torch.empty(14)[::2])) is None  # not contiguous
+
+
+def test_the_device_nonfinite_flag_is_exact():
+    """Hypothesis: engine.device_nonfinite (``(x * 0).sum()`` is NaN) says what ``isfinite``
+    says, for values at the edge of every dtype's range, one or several tensors."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gradzip.engine import device_nonfinite
+
+    special = [0.0, -0.0, 1e-45, 1.0, -3.0e38, 3.0e38, 6.5e4, float("inf"), float("-inf"), float("nan")]
+
+    @settings(max_examples=80, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+                st.lists(st.sampled_from(special), max_size=40),
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    def check(parts):
+        ts = [torch.tensor(v, dtype=torch.float64).to(d) for d, v in parts]  # out of range: inf
+        want = any(not bool(torch.isfinite(t).all()) for t in ts)
+        assert bool(device_nonfinite(ts, "cpu")) == want
+
+    check()
