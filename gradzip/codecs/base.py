@@ -8,7 +8,8 @@ one, which protocol carries it (``protocol``, a registered protocol name).
 What a codec declares (``summable``, ``biased``, ``exact``, ``rounds_sum``, ``framable``,
 ``keeps_zeros``, ``fixed_frames``, ``sparse``, ``scope``, ``protocol``, ``formats``) and
 does (``compress``/``decompress``, ``accumulate`` and its batched forms, ``encode`` with error
-feedback inside the call) is on :class:`Codec`. Per-tensor state lives in ``ctx.store``, owned
+feedback inside the call, and for frames checked on the device ``planned_entry`` and
+``planned_status``) is on :class:`Codec`. Per-tensor state lives in ``ctx.store``, owned
 and checkpointed by the engine, so one codec object can serve several front ends. An argument
 documented as accepting a schedule (``TopK``/``RandomK`` ``ratio``, ``Threshold`` ``density``)
 is checked with :func:`gradzip.warmup.check` and read with ``warmup.at(value, ctx.step)``.
