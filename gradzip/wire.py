@@ -47,9 +47,10 @@ refusal names the same frame, tensor and rank.
 (:meth:`~gradzip.codecs.base.Codec.planned_entry`: the block quantizers) lets a receiver know
 every byte of a round's headers, tables and padding before the round arrives. On the engine's
 GPU side with ``on_nonfinite="skip"`` (``unpack_many(defer=...)``) the round is parsed from that
-plan, built once per layout: one comparison of the rows with the expected bytes and one pass of
-the codec's body check (:meth:`~gradzip.codecs.base.Codec.planned_status`) give a device flag,
-and nothing is read on the host. Where the flag is set, the engine makes the call's result NaN,
+plan, built once per layout: one gather of every row's table and padding bytes compared with
+the expected ones, and one pass of the codec's body check
+(:meth:`~gradzip.codecs.base.Codec.planned_status`) give a device flag, and nothing is read on
+the host. Where the flag is set, the engine makes the call's result NaN,
 rolls the step back and, when the step ends, parses the kept messages on the host: the
 :class:`FrameError` of the host path (its text), raised at the next call. A message that parses
 but is not the plan's (a peer with the checksum on) is refused as field ``layout``. With the
@@ -667,20 +668,17 @@ def row_view(msgs: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class _Plan:
-    """What every message of a planned round must hold where no body lies, as the rows of one
-    view hold it (:func:`_planned`): ``want`` the expected bytes and ``mask`` where they are
-    tested (the header, the entries and the padding after the last body), both ``(k, width)``
-    on the device; each message's entries and body start; every body's ``(offset in the
-    rows' span, elements)`` for the codec's body check."""
+    """What every message of a planned round must hold where no body lies (:func:`_planned`):
+    ``at``, the positions in the rows' span of every row's header, entries and padding, and
+    ``want``, the bytes they must hold (the tables, then zeros), both on the device and the size
+    of the tables, not of the messages; each message's entries and body start; every body's
+    ``(offset in the rows' span, elements)`` for the codec's body check."""
 
-    __slots__ = ("want", "mask", "entries", "pos", "bodies")
+    __slots__ = ("at", "want", "entries", "pos", "bodies")
 
     def __init__(self, entries, width: int, stride: int, counts, device) -> None:
-        k = len(entries)
-        want = bytearray(k * width)
-        mask = bytearray(k * width)
         self.entries, self.bodies = entries, []
-        pos = None
+        at, want, pos = [], bytearray(), set()
         for j, es in enumerate(entries):
             table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(es)))
             for e in es:
@@ -688,18 +686,18 @@ class _Plan:
             end = len(table) + sum(e[2] for e in es)
             if end > width:
                 raise FrameError("length", f"the plan's message of {end} bytes exceeds the round's {width}")
-            base = j * width
-            want[base : base + len(table)] = table
-            mask[base : base + len(table)] = b"\x01" * len(table)
-            mask[base + end : base + width] = b"\x01" * (width - end)
             off = len(table)
             for (_, _, nb, _), n in zip(es, counts[j]):
                 self.bodies.append((j * stride + off, n))
                 off += nb
-            pos = len(table) if pos is None else pos
-        self.pos = pos
-        self.want = K.host_to_device(torch.frombuffer(want, dtype=torch.uint8).view(k, width), device)
-        self.mask = K.host_to_device(torch.frombuffer(mask, dtype=torch.bool).view(k, width), device)
+            at += [j * stride + i for i in range(len(table))] + [j * stride + i for i in range(end, width)]
+            want += table + bytes(width - end)
+            pos.add(len(table))
+        if len(pos) != 1:
+            raise ValueError("a planned round's messages carry tables of one length")
+        (self.pos,) = pos
+        self.at = K.host_to_device(torch.tensor(at, dtype=torch.int64), device)
+        self.want = K.host_to_device(torch.frombuffer(want, dtype=torch.uint8), device)
 
 
 #: Planned rounds by (entries, width, stride, device): a call's layout recurs every step.
@@ -728,14 +726,16 @@ def _planned(msgs, shapes, check):
     key = (tuple(entries), rows.shape[1], stride, str(rows.device))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _Plan(entries, rows.shape[1], stride, counts, rows.device)
+        try:
+            plan = _Plan(entries, rows.shape[1], stride, counts, rows.device)
+        except ValueError:  # FrameError included: the round is not the plan's, the host parses it
+            return None
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = plan
-    bad = ((rows != plan.want) & plan.mask).any()
     span = (rows.shape[0] - 1) * stride + rows.shape[1]
     whole = torch.as_strided(rows, (span,), (1,), rows.storage_offset())
-    bad = bad | check.planned_status(whole, plan.bodies)
+    bad = (whole.index_select(0, plan.at) != plan.want).any() | check.planned_status(whole, plan.bodies)
     return plan, bad, rows
 
 
