@@ -383,7 +383,7 @@ def headline() -> str:
             ad = f"{_pp(100 * p['delta_accuracy'])} with `precondition=True` ({_pp(100 * a['delta_accuracy'])} without)"
         lines.append(f"| `{m}` | {r['ratio']:.0f}× / {a['ratio']:.0f}× | {_pp(100 * r['delta_accuracy'])} | {ad} |")
 
-    lines += ["", *_lm_headline()]
+    lines += ["", *_lm_headline(), "", *_lm_peer_headline()]
     lines += ["", "| front end | method | result | file (machine) |", "|---|---|---|---|"]
     for name, text in _other_front_ends():
         doc = _load(name)
@@ -425,6 +425,49 @@ def _lm_headline() -> list[str]:
             gap += f" ± {r['gap_pct_std']:.1f}"
         lines.append(f"| `{r['method']}` | {r['ratio']:.1f}× | {gap} |")
     return lines
+
+
+#: gradzip's version of each peer's method beside the peer, run as it ships, on the same seeds.
+LM_PEERS_RUN = "lm_peers_4ranks_adamw_cpu.json"
+LM_PEER_PAIRS = (
+    ("DiLoCo(period=32)", "peer: torchft 0.2.0 DiLoCo(sync_every=32)"),
+    (
+        "DiLoCo(period=32, fragments=4, delay=2)",
+        "peer: torchft 0.2.0 streaming DiLoCo(4 fragments, sync_every=32, delay=2, alpha=0)",
+    ),
+    ("Hook(PowerSGD(rank=1), start_iter=100)", "peer: torch powerSGD_hook(rank=1, start_powerSGD_iter=100)"),
+)
+
+
+def _lm_peer_headline() -> list[str]:
+    """gradzip beside the peers' own code on the language model: link ratio and loss gap of each,
+    and the paired difference by seed."""
+    doc = _load(LM_PEERS_RUN)
+    rows = {r["method"]: r for r in doc["rows"]}
+    ddp = rows["Identity"]
+    lines = [
+        f"Beside the peers' own code on the same GPT, {len(doc['config']['seeds'])} seeds "
+        f"(`{LM_PEERS_RUN}`; paired: gradzip's loss minus the peer's on each seed, in % of DDP's):",
+        "",
+        "| gradzip | peer, as it ships | link bytes, fewer (gradzip / peer) | loss against DDP's (gradzip / peer) "
+        "| paired |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for ours, peer in LM_PEER_PAIRS:
+        a, b = rows[ours], rows[peer]
+        base = {r["seed"]: r["val_loss"] for r in ddp["per_seed"]}
+        diffs = [100 * (x["val_loss"] - y["val_loss"]) / base[x["seed"]] for x, y in _by_seed(a, b)]
+        paired = ", ".join(f"{d:+.1f}%" for d in diffs).replace("-", "−")
+        gaps = f"{a['gap_pct']:+.1f}% / {b['gap_pct']:+.1f}%".replace("-", "−")
+        ratios = f"{a['ratio']:.1f}× / {b['ratio']:.1f}×"
+        lines.append(f"| `{ours}` | {peer.removeprefix('peer: ')} | {ratios} | {gaps} | {paired} |")
+    return lines
+
+
+def _by_seed(a: dict, b: dict) -> list[tuple[dict, dict]]:
+    """The per-seed runs of two rows, paired by seed (the seeds both ran)."""
+    theirs = {r["seed"]: r for r in b["per_seed"]}
+    return [(r, theirs[r["seed"]]) for r in sorted(a["per_seed"], key=lambda r: r["seed"]) if r["seed"] in theirs]
 
 
 def _as_machine(doc: dict) -> dict:
