@@ -9,7 +9,8 @@ methods and seeds (else ``ValueError`` naming the option); their per-seed runs a
 aggregated as one bench run would (``gradzip.bench.report.aggregate``: the baseline, Identity,
 must have run on every seed a method ran on), so a table whose rows took hours each can be run
 a row or a seed at a time. The output records ``--command`` (the one command that reruns the
-whole table) and, under ``merged_from``, each input's own command. Writes
+whole table) and, under ``merged_from``, each input's own command (for an input that was
+merged itself, the commands it was merged from). Writes
 ``benchmarks/results/STEM.{json,csv,png}``.
 """
 
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
         paths = write_outputs(rows, cfg, tmp, command=a.command)
         with open(paths["json"]) as f:
             doc = json.load(f)
-        doc["merged_from"] = [d.get("command", "") for d in docs]
+        # each input's own command, or the commands it was merged from (a table merged again)
+        doc["merged_from"] = [c for d in docs for c in (d.get("merged_from") or [d.get("command", "")])]
         with open(paths["json"], "w") as f:
             json.dump(doc, f, indent=2, default=str)
         os.makedirs(a.out, exist_ok=True)

@@ -37,7 +37,7 @@ LM_PRESET_METHODS = (
     "Identity, Int8(), PowerSGD(rank=32), Hook(TopK(0.3), momentum_correction='off'), "
     "LocalSGD(period=8, compression=Int8()), "
     "SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2')), "
-    "LocalSGD(period=4, compression=Int4(block=256))"
+    "LocalSGD(period=4, compression=Int4(block=256)), Int4()"
 )
 #: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
 DEFAULT_SEEDS = (0, 1, 2)
@@ -364,7 +364,7 @@ def missing_bench_extras(dataset: str, plot: bool) -> list[str]:
 
 # -- gradzip plan -----------------------------------------------------------------------------
 PLAN_METHODS = (
-    "DDP, Int8(), Flat(Int8()), FP16, TopK(ratio=0.01), SignSGD, PowerSGD(rank=2), "
+    "DDP, Int8(), Flat(Int8()), Int4(), FP16, TopK(ratio=0.01), SignSGD, PowerSGD(rank=2), "
     "LocalSGD(period=4, compression=Int4(block=256)), "
     "SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2'))"
 )
