@@ -572,11 +572,9 @@ def _payloads(
     give each body that starts within them its :attr:`Payload.head`; ``bodies``: the bodies,
     cut already."""
     nbs = [e[2] for e in entries]
-    if bodies is not None:
-        pass
-    elif len(nbs) > 1:
+    if bodies is None and len(nbs) > 1:
         bodies = msg[pos : pos + sum(nbs)].split_with_sizes(nbs)  # back to back: one operation
-    else:
+    elif bodies is None:
         bodies = [msg[pos : pos + nb] for nb in nbs]
     out, off = [], pos
     for i, (fmt, vdtype, nb, scale) in enumerate(entries):
@@ -685,7 +683,7 @@ class _Plan:
                 table += _entry_bytes(*e)
             end = len(table) + sum(e[2] for e in es)
             if end > width:
-                raise FrameError("length", f"the plan's message of {end} bytes exceeds the round's {width}")
+                raise ValueError(f"the plan's message of {end} bytes exceeds the round's {width}")
             off = len(table)
             for (_, _, nb, _), n in zip(es, counts[j]):
                 self.bodies.append((j * stride + off, n))
@@ -706,10 +704,10 @@ _PLANS_MAX = 256
 
 
 def _planned(msgs, shapes, check):
-    """The frames of a round whose layout the receiver knows (:meth:`Codec.planned_entry`)
-    and their check left on the device: ``(payloads per message, a 0-d bool: some table,
-    padding byte or body is not what the plan and the codec allow)``; None where the round
-    cannot be planned (the messages not the rows of one view, a codec without a plan)."""
+    """The plan of a round whose layout the receiver knows (:meth:`Codec.planned_entry`) and
+    its check left on the device: ``(plan, a 0-d bool: some table, padding byte or body is not
+    what the plan and the codec allow, the messages as the rows of one view)``; None where the
+    round cannot be planned (the messages not the rows of one view, a codec without a plan)."""
     if not msgs:
         return None
     rows = row_view(msgs) if len(msgs) > 1 else (msgs[0].view(1, -1) if msgs[0].is_contiguous() else None)
@@ -728,7 +726,7 @@ def _planned(msgs, shapes, check):
     if plan is None:
         try:
             plan = _Plan(entries, rows.shape[1], stride, counts, rows.device)
-        except ValueError:  # FrameError included: the round is not the plan's, the host parses it
+        except ValueError:  # the round is not the plan's: the host parses it
             return None
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
@@ -743,7 +741,7 @@ def _cut_rows(rows: torch.Tensor, plan: _Plan):
     """Every message's bodies as views of the rows, a few operations for the round (not one a
     message), where every message holds the same entries; else None."""
     first = plan.entries[0]
-    if any(es != first for es in plan.entries) or not first:
+    if not first or any(es != first for es in plan.entries):
         return None
     nbs = [e[2] for e in first]
     block = rows[:, plan.pos : plan.pos + sum(nbs)]
@@ -751,6 +749,37 @@ def _cut_rows(rows: torch.Tensor, plan: _Plan):
         return [[b] for b in block.unbind(0)]
     frames = [f.unbind(0) for f in block.split_with_sizes(nbs, dim=1)]
     return [[f[j] for f in frames] for j in range(rows.shape[0])]
+
+
+def _unpack_planned(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step, defer):
+    """:func:`unpack_many`'s ``defer`` path: the payloads cut from the round's plan, and
+    ``(flag, refuse)`` appended to ``defer``; None where the round cannot be planned."""
+    got = _planned(msgs, shapes, check)
+    if got is None:
+        return None
+    plan, flag, rows = got
+    cut = _cut_rows(rows, plan)
+    outs = []
+    for j, m in enumerate(msgs):
+        grads = None if grad_dtypes is None else grad_dtypes[j]
+        out = _payloads(m, plan.pos, plan.entries[j], shapes[j], dtypes[j], grads, b"", step, cut and cut[j])
+        for p in out:
+            p.checked = True
+        outs.append(out)
+
+    def refuse() -> FrameError:  # the host path's parse of the kept messages
+        try:
+            unpack_many(msgs, shapes, dtypes, grad_dtypes=grad_dtypes, check=check, names=names, ranks=ranks, step=step)
+        except FrameError as e:
+            return e
+        return FrameError(
+            "layout",
+            "a message parses but differs from the round's plan (its table or padding): every rank "
+            "must run the same gradzip with the same set_checksum",
+        )
+
+    defer.append((flag, refuse))
+    return outs
 
 
 def unpack_many(
@@ -785,32 +814,8 @@ def unpack_many(
     expect, from a peer with the checksum on, say). The caller makes the result NaN where the
     flag is set and raises the error later (the engine: at the next step's first call)."""
     if defer is not None and check is not None and not _checksum:
-        got = _planned(msgs, shapes, check)
-        if got is not None:
-            plan, flag, rows = got
-            cut = _cut_rows(rows, plan)
-            outs = []
-            for j, m in enumerate(msgs):
-                grads = None if grad_dtypes is None else grad_dtypes[j]
-                body = None if cut is None else cut[j]
-                out = _payloads(m, plan.pos, plan.entries[j], shapes[j], dtypes[j], grads, b"", step, body)
-                for p in out:
-                    p.checked = True
-                outs.append(out)
-            kept = dict(grad_dtypes=grad_dtypes, check=check, names=names, ranks=ranks, step=step)
-
-            def refuse() -> FrameError:
-                try:
-                    unpack_many(msgs, shapes, dtypes, **kept)
-                except FrameError as e:
-                    return e
-                return FrameError(
-                    "layout",
-                    "a message parses but differs from the round's plan (its table or padding): every rank "
-                    "must run the same gradzip with the same set_checksum",
-                )
-
-            defer.append((flag, refuse))
+        outs = _unpack_planned(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step, defer)
+        if outs is not None:
             return outs
     k = len(msgs)
 
