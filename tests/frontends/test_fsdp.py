@@ -142,7 +142,6 @@ def _equal(a, b):
 COMBOS = [
     dict(),  # fp32, reshard_after_forward=True
     dict(mp=True, raf=False, accum=2),  # bf16 params, fp32 reduce, no reshard, 2 microbatches
-    dict(mp=True, raf=True),
     dict(raf=False, accum=3),
 ]
 

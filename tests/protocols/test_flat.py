@@ -74,12 +74,17 @@ def _against_concatenation(rank, world, codec, feedback, steps):
     return rows
 
 
+def _against_concatenation_both(rank, world, codec):
+    """Without error feedback for 3 steps, then with it for 1: one start of the ranks."""
+    return [(fb, _against_concatenation(rank, world, codec, fb, steps)) for fb, steps in ((False, 3), (True, 1))]
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
 def test_flat_is_the_codec_on_the_concatenation(codec):
     """Bit for bit: every step without error feedback; the first step with it (from the second,
     TwoPhase keeps its owner memory where Flat hands it back)."""
-    for feedback, steps in ((False, 3), (True, 1)):
-        for rows in run_ranks(_against_concatenation, 4, codec, feedback, steps):
+    for runs in run_ranks(_against_concatenation_both, 4, codec):
+        for feedback, rows in runs:
             for a, b in rows:
                 assert all(torch.equal(x, y) for x, y in zip(a, b)), (codec, feedback)
 
