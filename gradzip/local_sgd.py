@@ -850,8 +850,8 @@ class SparseLoCo(DiLoCo):
     ``SparseLoCo(opt, model, period=30)`` is ``DiLoCo(opt, model, period=30,
     compression=ChunkTopK(32, chunk=64, values="q2"), error_decay=0.95,
     outer_kwargs=SPARSELOCO_OUTER)``; every argument is :class:`DiLoCo`'s, with these defaults.
-    Receivers average the ranks' frames; the authors' code averages each coordinate over the
-    ranks that sent it (``docs/lm.md``).
+    Receivers average the ranks' frames; ``ChunkTopK(..., average="senders")`` averages each
+    coordinate over the ranks that sent it, as the authors' code does (``docs/lm.md``).
 
     Args:
         optimizer, model, period, process_group, outer, fragments, delay, alpha, error_feedback,

@@ -119,6 +119,10 @@ class Codec(Registered, register=False):
     #: ``"call"``: the codec chooses what to send over all tensors of a call at once
     #: (:meth:`allot`), and only ``AllGather`` carries it; ``"tensor"``: tensor by tensor.
     scope: str = "tensor"
+    #: How receivers average: ``"ranks"``, the sum of the ranks' frames over the world size;
+    #: ``"senders"`` (a sparse codec's option, carried by ``AllGather`` alone): each element
+    #: over the ranks whose frames sent it (:meth:`sent_mask`).
+    average: str = "ranks"
 
     def allot(self, xs, ctxs) -> list:
         """Per tensor, how many elements to send when the call's flat inputs ``xs`` are
@@ -199,6 +203,17 @@ class Codec(Registered, register=False):
         """``accumulate`` every peer's payload of one tensor, in order; override to fuse the peers."""
         for p in payloads:
             self.accumulate(p, out)
+
+    def average_senders(self, payloads, out: torch.Tensor) -> None:
+        """``out += `` the peers' payloads averaged element by element over the peers that sent
+        each element (:meth:`sent_mask`; an element none sent adds zero): ``average="senders"``."""
+        payloads = list(payloads)
+        acc = torch.zeros(out.numel(), dtype=accum_dtype(out.dtype), device=out.device)
+        self.accumulate_many(payloads, acc)
+        senders = torch.zeros_like(acc)
+        for p in payloads:
+            senders.add_(self.sent_mask(p, acc.numel()).reshape(-1).to(acc.dtype))
+        out.add_(acc.div_(senders.clamp_(min=1)).view(out.shape).to(out.dtype))
 
     def accumulate_segments(self, payloads, out: torch.Tensor, starts) -> None:
         """``accumulate`` payload ``i`` into ``out[starts[i] : starts[i] + payloads[i].numel]``

@@ -22,9 +22,12 @@ Wire (one frame a tensor):
   feedback keeps what the rounding drops.
 * ``DENSE``: a tensor whose sparse frame would be no smaller than itself.
 
-Receivers average the peers' frames (``sum / N``), as every gradzip protocol does; SparseLoCo's
-reference code averages each coordinate over the ranks that chose it. ``DeMo`` takes the sign
-of the average, where the two agree.
+Receivers average the peers' frames (``sum / N``), as every gradzip protocol does; with
+``average="senders"`` they average each element over the ranks that sent it, as SparseLoCo's
+reference code does (an element one rank of four sent moves by that rank's whole value, not a
+quarter of it; error feedback is the same: each rank keeps what it did not send). Under
+``DCT`` the coefficients are averaged so before the one inverse transform, as DeMo's reference
+code does.
 
 A decoder distrusts the frame: the count must be the shape's, every tile must hold its own
 number of positions, positions strictly ascending below ``n``, the 2-bit padding zero, the
@@ -51,6 +54,8 @@ FMT_CHUNK_Q2 = 25  # body: Elias-Fano positions, 2-bit codes (K/4 bytes, padded)
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _VALUES = (*_VALUE_DTYPES, "q2")
 _CENTROIDS = 4
+#: How receivers average a ChunkTopK's frames (:attr:`gradzip.codecs.base.Codec.average`).
+AVERAGES = ("ranks", "senders")
 
 
 def chunk_plan(shape, k: int, chunk: int) -> tuple[int, int, int, int, int]:
@@ -75,6 +80,9 @@ class ChunkTopK(Codec):
         chunk: the largest tile side, an integer >= 1 (default 64).
         values: ``None`` (the gradient's dtype), ``"fp16"``, ``"bf16"`` or ``"q2"`` (2 bits a
             value and four float32 centroids a frame).
+        average: ``"ranks"`` (the sum of the frames over the world size) or ``"senders"`` (each
+            element over the ranks that sent it, SparseLoCo's reference rule; ``AllGather``
+            only, which carries ChunkTopK).
     """
 
     formats = {"CHUNK": FMT_CHUNK, "CHUNK_Q2": FMT_CHUNK_Q2}
@@ -82,10 +90,11 @@ class ChunkTopK(Codec):
     fixed_frames = True
     protocol = "AllGather"  # one selection per tensor: owners re-selecting pieces would select twice
 
-    def __init__(self, k: int = 32, *, chunk: int = 64, values: str | None = None) -> None:
+    def __init__(self, k: int = 32, *, chunk: int = 64, values: str | None = None, average: str = "ranks") -> None:
         self.k = args.integer("k", k, 1)
         self.chunk = args.integer("chunk", chunk, 1)
         self.values = None if values is None else args.choice("values", values, _VALUES)
+        self.average = args.choice("average", average, AVERAGES)
 
     # -- layout ------------------------------------------------------------------------------
     def count(self, shape) -> int:

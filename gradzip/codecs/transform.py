@@ -130,6 +130,10 @@ class DCT(Codec):
     def protocol(self) -> str | None:  # type: ignore[override]
         return self.codec.protocol
 
+    @property
+    def average(self) -> str:  # type: ignore[override]
+        return self.codec.average
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The coefficients of ``x`` (in the accumulation dtype, ``x``'s shape)."""
         return _transform(x.to(accum_dtype(x.dtype)), x.shape, self.chunk, inverse=False)
@@ -161,6 +165,15 @@ class DCT(Codec):
         coef = torch.zeros(out.numel(), dtype=accum_dtype(out.dtype), device=out.device)
         self.codec.accumulate_many(payloads, coef)
         out.add_(self.inverse(coef, shape).reshape(-1).to(out.dtype))
+
+    def average_senders(self, payloads, out: torch.Tensor) -> None:
+        """Every coefficient averaged over the peers that sent it, then one inverse transform."""
+        payloads = list(payloads)
+        if not payloads:
+            return
+        coef = torch.zeros(out.numel(), dtype=accum_dtype(out.dtype), device=out.device)
+        self.codec.average_senders(payloads, coef)
+        out.add_(self.inverse(coef, payloads[0].shape).reshape(-1).to(out.dtype))
 
     def accumulate(self, payload: Payload, out: torch.Tensor) -> None:
         self.accumulate_many([payload], out)

@@ -85,8 +85,14 @@ class AllGather(Protocol):
                 step=call.step,
                 defer=call.frame_checks,
             )
+            senders = codec.average == "senders"
             for i in range(len(payloads)):
                 # Each tensor's peers in fixed rank order: every rank computes the same floats.
-                codec.accumulate_many([frames[r][i] for r in range(call.world_size)], acc[call.slice(i)])
-            acc.div_(call.world_size)
+                peers = [frames[r][i] for r in range(call.world_size)]
+                if senders:
+                    codec.average_senders(peers, acc[call.slice(i)])
+                else:
+                    codec.accumulate_many(peers, acc[call.slice(i)])
+            if not senders:
+                acc.div_(call.world_size)
         return narrow(acc, call.out_dtype)

@@ -57,6 +57,8 @@ class ReduceScatter(Protocol):
                 f"ReduceScatter needs a gradzip codec whose payloads travel in frames (Int8(), TopK(0.01), "
                 f"Identity(), ...), got {codec!r}"
             )
+        if codec.average != "ranks":
+            raise ValueError(f"ReduceScatter averages over the world size: {codec!r} needs AllGather")
         if codec.scope == "call":
             raise ValueError(
                 f"ReduceScatter cuts every tensor into pieces that their owners encode again, so {codec!r} cannot "

@@ -86,6 +86,8 @@ class TwoPhase(Protocol):
     def __init__(self, codec: Codec) -> None:
         if not isinstance(codec, Codec) or not codec.framable:
             raise ValueError(f"codec must be a gradzip codec whose payloads travel in frames, got {codec!r}")
+        if codec.average != "ranks":
+            raise ValueError(f"TwoPhase averages over the world size: {codec!r} needs AllGather")
         if codec.scope == "call":
             raise ValueError(
                 f"TwoPhase cuts every tensor into pieces that their owners encode again, so {codec!r} cannot choose "

@@ -10,6 +10,7 @@ from gradzip import wire
 from gradzip.codecs.base import TensorContext
 from gradzip.codecs.chunked import FMT_CHUNK_Q2, chunk_plan, quantize2
 from gradzip.feedback import ErrorFeedback
+from gradzip.protocols import ReduceScatter, as_protocol
 from gradzip.wire import FrameError
 
 SHAPES = [(128, 64), (130, 65), (100,), (3, 4, 64), (7, 13), (1,), (64, 4096)]
@@ -123,3 +124,26 @@ def test_decay_reads_the_residual_as_beta_r_and_keeps_what_is_not_sent():
     assert torch.equal(mem.check_shape("w", g), torch.full((4,), 1.0))
     assert torch.equal(mem.compensate("w", g), torch.full((4,), 2.0))
     assert torch.equal(mem.residual("w"), torch.full((4,), 2.0))  # the stored residual is left as it was
+
+
+def test_average_over_senders_is_allgathers_alone():
+    c = gz.ChunkTopK(8, chunk=16, average="senders")
+    assert repr(c) == "ChunkTopK(k=8, chunk=16, average='senders')" and gz.parse(repr(c)) == c
+    assert type(as_protocol(c, 8)).__name__ == "AllGather"
+    for wrap in (gz.TwoPhase, ReduceScatter):
+        with pytest.raises(ValueError, match="senders"):
+            wrap(c)
+    with pytest.raises(ValueError, match="average must be one of"):
+        gz.ChunkTopK(average="mean")
+    # DCT averages each coefficient over its senders, then transforms back once (DeMo's rule)
+    dct = gz.DCT(c)
+    assert dct.average == "senders"
+    xs = [torch.randn(32, 48, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    payloads = [dct.compress(x) for x in xs]
+    coefs = [c.decompress(p).reshape(-1) for p in payloads]
+    count = sum((v != 0).double() for v in coefs)
+    assert int((count == 1).sum()) and int((count > 1).sum())
+    want = dct.inverse(sum(coefs).double().div(count.clamp(min=1)).view(32, 48), (32, 48)).reshape(-1)
+    out = torch.zeros(32 * 48, dtype=torch.float64)
+    dct.average_senders(payloads, out)
+    assert torch.allclose(out, want, atol=1e-10)

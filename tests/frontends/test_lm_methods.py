@@ -61,7 +61,21 @@ def _demo(rank, world, steps):
     )
     moved = [((a - b) / 1e-3).abs() for a, b in zip(params(model), before)]
     sd = state.state_dict()
-    return params(model), moved, sd["error_decay"], state.stats()["ratio"]
+    return params(model), moved, sd["error_decay"], state.stats()["ratio"], _senders(rank)
+
+
+def _senders(rank):
+    """One call of ChunkTopK with each average: this rank's frame as sent, both results, both
+    residuals."""
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    out = {}
+    for average in ("ranks", "senders"):
+        eng = Engine(gz.ChunkTopK(4, chunk=8, values="q2", average=average), error_feedback=True)
+        got = eng.reduce(["w"], [x.clone()])
+        eng.flush()
+        eng.end_step()
+        out[average] = (got.wait().view(x.shape), eng.memory.residual("w"))
+    return x - out["ranks"][1], out  # what this rank sent: its input less its residual
 
 
 def test_demo_as_a_hook_on_four_ranks_with_many_buckets():
@@ -72,6 +86,15 @@ def test_demo_as_a_hook_on_four_ranks_with_many_buckets():
     # signum: every parameter moved by at most lr (plus the decoupled weight decay) a step
     assert all(float(m.max()) <= steps * 1.001 + 1e-3 for m in res[0][1])
     assert res[0][2] == 0.999 and res[0][3] > 20
+    # ChunkTopK(average="senders"): each element over the ranks that sent it; residuals as "ranks"
+    sent = [r[4][0] for r in res]
+    total, senders = sum(sent), sum((s != 0).to(torch.float32) for s in sent)
+    assert int((senders == 1).sum()) > 0 and int((senders > 1).sum()) > 0
+    for r in res:
+        ranks, by_senders = r[4][1]["ranks"], r[4][1]["senders"]
+        assert torch.allclose(ranks[0], total / 4, atol=1e-6)
+        assert torch.allclose(by_senders[0], total / senders.clamp(min=1), atol=1e-6)
+        assert torch.equal(by_senders[0], res[0][4][1]["senders"][0]) and torch.equal(ranks[1], by_senders[1])
 
 
 def _sparseloco(rank, world, period, steps):
