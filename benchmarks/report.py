@@ -436,6 +436,10 @@ LM_PEER_PAIRS = (
         "peer: torchft 0.2.0 streaming DiLoCo(4 fragments, sync_every=32, delay=2, alpha=0)",
     ),
     ("Hook(PowerSGD(rank=1), start_iter=100)", "peer: torch powerSGD_hook(rank=1, start_powerSGD_iter=100)"),
+    (
+        "SparseLoCo(period=30, compression=ChunkTopK(32, chunk=64, values='q2', average='senders'))",
+        "peer: SparseLoCo (CCLoco, H=30, top-32/64x64, 2-bit)",
+    ),
 )
 
 
