@@ -37,7 +37,8 @@ LM_PRESET_METHODS = (
     "Identity, Int8(), PowerSGD(rank=32), Hook(TopK(0.3), momentum_correction='off'), "
     "LocalSGD(period=8, compression=Int8()), "
     "SparseLoCo(period=4, compression=ChunkTopK(256, chunk=64, values='q2')), "
-    "LocalSGD(period=4, compression=Int4(block=256)), Int4()"
+    "LocalSGD(period=4, compression=Int4(block=256)), Int4(), "
+    "Adaptive(QSGD(levels=7), menu=[1, 7], period=50, budget=2.0)"
 )
 #: ``gradzip bench --seeds`` by default: a single seed moves about ±0.6 pp on 1,000 test digits.
 DEFAULT_SEEDS = (0, 1, 2)
