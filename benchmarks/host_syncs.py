@@ -18,7 +18,8 @@ Steps 0 and 1 warm up (the configuration check, the first residuals); step 2 is 
 bucket: ``host_syncs`` (the sentinel's events), ``launches`` (Triton kernel launches; under
 ``TRITON_INTERPRET=1`` each interpreted launch, whose own ATen operations are not counted)
 and ``aten_ops`` (the operations that reach torch's dispatcher outside a launch; on a GPU each
-that computes anything is a launch).
+that computes anything is a launch). A collective counts as one operation, as the one c10d
+operation it is on a device; the loopback's copies that stand in for the peers count as none.
 
 ``--gpu-branches`` takes the GPU's side of the device-type branches on the CPU
 (:func:`gradzip.kernels.gpu_side_on_cpu`). ``--sweep`` also counts synthetic buckets of
@@ -200,7 +201,20 @@ class SyncSentinel(TorchDispatchMode):
 
         return counted
 
+    @contextlib.contextmanager
+    def collective(self, issue: bool):
+        """A collective of :class:`EngineLoopback`: one operation where it is issued
+        (``issue``; on a device, one c10d operation that the communication library runs),
+        none for the loopback's copies that stand in for the peers' data."""
+        self.ops += 1 if issue else 0
+        self._in_launch += 1
+        try:
+            yield
+        finally:
+            self._in_launch -= 1
+
     def __enter__(self):
+        _ACTIVE.append(self)
         for name in SYNC_METHODS:
             self._patch(torch.Tensor, name, self._reader(name))
         for name in HOST_BUILDERS:
@@ -225,6 +239,15 @@ class SyncSentinel(TorchDispatchMode):
             for owner, name, orig in reversed(self._undo):
                 setattr(owner, name, orig)
             self._undo = []
+            _ACTIVE.remove(self)
+
+
+#: The sentinels open now (innermost last): :class:`EngineLoopback` books its collectives there.
+_ACTIVE: list[SyncSentinel] = []
+
+
+def _collective(issue: bool = True):
+    return _ACTIVE[-1].collective(issue) if _ACTIVE else contextlib.nullcontext()
 
 
 class EngineLoopback(Communicator):
@@ -242,20 +265,25 @@ class EngineLoopback(Communicator):
         raise NotImplementedError("EngineLoopback counts flat protocols; Hierarchical needs two")
 
     def allreduce(self, t, op=torch.distributed.ReduceOp.SUM, *, control: bool = False):
-        return self.loop.allreduce(t, op, control=control)
+        with _collective():
+            return self.loop.allreduce(t, op, control=control)
 
     def allgather(self, out, inp, *, control: bool = False):
-        return self.loop.allgather(out, inp, control=control)
+        with _collective():
+            return self.loop.allgather(out, inp, control=control)
 
     def alltoall(self, out, inp, out_splits=None, in_splits=None, *, control: bool = False):
-        return self.loop.alltoall(out, inp, out_splits, in_splits, control=control)
+        with _collective():
+            return self.loop.alltoall(out, inp, out_splits, in_splits, control=control)
 
     def _advance(self, job) -> None:
-        self.loop.complete()
+        with _collective(issue=False):
+            self.loop.complete()
         super()._advance(job)
 
     def _finish_when_done(self, job) -> None:
-        self.loop.complete()
+        with _collective(issue=False):
+            self.loop.complete()
         super()._finish_when_done(job)
 
 

@@ -528,9 +528,7 @@ class Int8(_Quantizer):
             v = x[lo:hi].to(acc).contiguous()
             bodies, offsets = K.int8_encode_segments(v, rel, block=self.block)
         payloads, dtype = [], v.dtype if feedback else x.dtype  # as encode frames what it compressed
-        for off, a, b in zip(offsets, rel, rel[1:]):
-            nb, _ = K.quant_layout(b - a, self.block)
-            body = bodies[off : off + 4 * nb + (b - a)]
+        for body, a, b in zip(_piece_bodies(bodies, offsets, rel, self.block), rel, rel[1:]):
             p = Payload(body=body, shape=torch.Size([b - a]), dtype=dtype, fmt=FMT_INT8, vdtype=torch.float32)
             p.checked = feedback  # as encode marks what it subtracted
             payloads.append(p)
@@ -549,6 +547,19 @@ class Int8(_Quantizer):
 
     def _bad_code(self, top: int) -> str | None:
         return "code -128" if top else None
+
+
+def _piece_bodies(buf: torch.Tensor, offsets: list, rel: list, block: int | None) -> list:
+    """The pieces' Int8 bodies in ``buf`` (``kernels.int8_encode_segments``' buffer and offsets):
+    pieces of one length at one stride as the rows of one view, by two operations whatever
+    their number; else a slice each."""
+    sizes = [4 * K.quant_layout(b - a, block)[0] + (b - a) for a, b in zip(rel, rel[1:])]
+    steps = {b - a for a, b in zip(offsets, offsets[1:])}
+    if len(sizes) > 1 and len(set(sizes)) == 1 and len(steps) == 1 and buf.is_contiguous():
+        (step,) = steps
+        shape, stride = (len(sizes), sizes[0]), (step, 1)
+        return list(torch.as_strided(buf, shape, stride, buf.storage_offset() + offsets[0]).unbind(0))
+    return [buf[off : off + n] for off, n in zip(offsets, sizes)]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
