@@ -457,9 +457,9 @@ def _lm_peer_headline() -> list[str]:
         "| paired |",
         "|---|---|---:|---:|---:|",
     ]
+    base = {r["seed"]: r["val_loss"] for r in ddp["per_seed"]}
     for ours, peer in LM_PEER_PAIRS:
         a, b = rows[ours], rows[peer]
-        base = {r["seed"]: r["val_loss"] for r in ddp["per_seed"]}
         diffs = [100 * (x["val_loss"] - y["val_loss"]) / base[x["seed"]] for x, y in _by_seed(a, b)]
         paired = ", ".join(f"{d:+.1f}%" for d in diffs).replace("-", "−")
         gaps = f"{a['gap_pct']:+.1f}% / {b['gap_pct']:+.1f}%".replace("-", "−")

@@ -39,8 +39,8 @@ def test_the_sentinel_flags_what_stops_a_gpus_host_and_nothing_read_on_the_host(
 def test_through_the_engine_the_gpu_path_of_flat_int8_reads_nothing(monkeypatch):
     """Flat(Int8()) on the GPU's side, Triton forced, loopback ranks: the engine's own checks
     are device flags and the frames are parsed from the round's plan and checked on the device
-    (``wire.unpack_many``'s ``defer``): no host sync and 7 launches, for 2 and 15 tensors and 4
-    and 8 ranks."""
+    (``wire.unpack_many``'s ``defer``): no host sync, 7 launches and one count of ATen
+    operations, for 2 and 15 tensors and 4 and 8 ranks."""
     monkeypatch.setenv("GRADZIP_KERNELS", "triton")
     got = {}
     with K.gpu_side_on_cpu():
@@ -51,6 +51,7 @@ def test_through_the_engine_the_gpu_path_of_flat_int8_reads_nothing(monkeypatch)
             got[(t, w)] = row
     for row in got.values():
         assert row["host_syncs"] == 0 and row["launches"] == 7, row
+    assert len({row["aten_ops"] for row in got.values()}) == 1, got  # Int8's pieces: rows of one view
 
 
 def test_the_loopback_communicator_gives_an_engine_the_average_of_identical_ranks():
@@ -65,6 +66,12 @@ def test_the_loopback_communicator_gives_an_engine_the_average_of_identical_rank
     e.end_step()
     assert out.shape == (32,) and float((out - x.reshape(-1)).abs().max()) < 0.05 * float(x.abs().max())
     assert e.stats()["collectives"] >= 1 and e.stats()["bytes_sent"] > 0
+    # a collective issued is one operation, whatever the loopback does to stand in for it
+    comm, out, row = EngineLoopback(4), torch.empty(4, 8), x[0]
+    with SyncSentinel() as s:
+        comm.allgather(out, row)
+    comm.loop.complete()
+    assert s.ops == 1 and torch.equal(out, row.expand(4, 8))
 
 
 @pytest.mark.gpu
