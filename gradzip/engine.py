@@ -81,6 +81,7 @@ from .comm import FLAG_DTYPE, Communicator, Round, allgather_bytes, future_devic
 from .feedback import ErrorFeedback
 from .momentum import Momentum, momentum_key
 from .protocols import Allreduce, Call, Protocol, as_protocol, codec_time, finite_flags
+from .protocols.planned import plan_for
 from .stats import Stats, log_line
 from .wire import accum_dtype, run_view
 
@@ -562,6 +563,11 @@ class Engine:
         into NaN on the device (no branch on the host), and the call's verdict joins
         the step's, read once when the step ends (:meth:`_finish_step_locked`)."""
         tensors, device = call.tensors, call.device
+        plan = None if plain or self.clip is not None or self.momentum is not None else plan_for(protocol, call)
+        if plan is not None:  # a planned Flat bucket: its own flags, checks and verdict
+            out, bad, frame, refuse = yield from plan.run(call)
+            with codec_time(self.stats_):
+                return self._nan_where(call, out, bad, [(frame, refuse)])
         bad_in = None
         call.frame_checks = checks = []
         with codec_time(self.stats_):
@@ -580,21 +586,27 @@ class Engine:
                 fb = torch.stack([f.reshape(()).bool() for f, _ in checks]).any().reshape(1)
                 bad = fb if bad is None else bad | fb
             if bad is not None:
-                # in place into the front end's destination; elsewhere the protocol may keep `out`
-                if call.dest is not None and (out.data_ptr(), out.numel()) == (call.dest.data_ptr(), call.dest.numel()):
-                    out.masked_fill_(bad, float("nan"))
-                else:
-                    out = torch.where(bad, float("nan"), out)
-                # On CUDA the call may have run on a side stream (the last round's decode): an
-                # event orders the step's read after it, on whatever stream reads.
-                done = None
-                if bad.is_cuda:
-                    done = torch.cuda.Event()
-                    done.record()
-                with self._lock:
-                    self._device_verdicts.append((bad, done, checks))
+                out = self._nan_where(call, out, bad, checks)
         if self.momentum is not None and self.momentum.takeover is not None:
             self.momentum.takeover.record(out)
+        return out
+
+    def _nan_where(self, call: Call, out: torch.Tensor, bad: torch.Tensor, checks: list) -> torch.Tensor:
+        """``out`` made NaN where the device verdict ``bad`` is set, the verdict and the call's
+        frame checks kept for the step's one host read (:meth:`_finish_step_locked`)."""
+        # in place into the front end's destination; elsewhere the protocol may keep `out`
+        if call.dest is not None and (out.data_ptr(), out.numel()) == (call.dest.data_ptr(), call.dest.numel()):
+            out.masked_fill_(bad, float("nan"))
+        else:
+            out = torch.where(bad, float("nan"), out)
+        # On CUDA the call may have run on a side stream (the last round's decode): an
+        # event orders the step's read after it, on whatever stream reads.
+        done = None
+        if bad.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        with self._lock:
+            self._device_verdicts.append((bad, done, checks))
         return out
 
     def _flagged(self, inner, call: Call, local: list, flag: bool, *, on_device: bool = False, bad_in=None):

@@ -768,18 +768,28 @@ def _unpack_planned(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step
         outs.append(out)
 
     def refuse() -> FrameError:  # the host path's parse of the kept messages
-        try:
-            unpack_many(msgs, shapes, dtypes, grad_dtypes=grad_dtypes, check=check, names=names, ranks=ranks, step=step)
-        except FrameError as e:
-            return e
-        return FrameError(
-            "layout",
-            "a message parses but differs from the round's plan (its table or padding): every rank "
-            "must run the same gradzip with the same set_checksum",
-        )
+        return host_refusal(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step)
 
     defer.append((flag, refuse))
     return outs
+
+
+def host_refusal(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step, *, layout: bool = True):
+    """The :class:`FrameError` the host path raises for a planned round whose device check
+    failed (:func:`unpack_many` of the kept messages, no ``defer``); where they parse, one of
+    field ``layout`` (a table or padding the plan did not expect), or None with
+    ``layout=False``."""
+    try:
+        unpack_many(msgs, shapes, dtypes, grad_dtypes=grad_dtypes, check=check, names=names, ranks=ranks, step=step)
+    except FrameError as e:
+        return e
+    if not layout:
+        return None
+    return FrameError(
+        "layout",
+        "a message parses but differs from the round's plan (its table or padding): every rank "
+        "must run the same gradzip with the same set_checksum",
+    )
 
 
 def unpack_many(

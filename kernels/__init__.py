@@ -55,6 +55,7 @@ from .dispatch import (
     host_to_device,
     register_kernel,
     reset_dispatch,
+    runs_triton,
     uses_kernel,
 )
 from .orth import orth_table, orthonormalize_rows_reference
@@ -151,6 +152,7 @@ __all__ = [
     "register_kernel",
     "reset_dispatch",
     "uses_kernel",
+    "runs_triton",
     "gpu_side",
     "host_to_device",
     "gpu_side_on_cpu",

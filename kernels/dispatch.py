@@ -43,6 +43,7 @@ __all__ = [
     "register_kernel",
     "backend_report",
     "uses_kernel",
+    "runs_triton",
     "reset_dispatch",
     "gpu_side",
     "gpu_side_on_cpu",
@@ -300,6 +301,24 @@ def _automatic(impls, device: torch.device) -> list | None:
         found = [b for b in impls if b in CPU_BACKENDS]
         return found or None
     return None
+
+
+def runs_triton(op: str, device) -> bool:
+    """Whether a call of ``op`` on ``device`` tensors would run its Triton kernel: forced by
+    ``GRADZIP_KERNELS=triton`` where it can run, or unforced where Triton is the first backend
+    that can (CUDA tensors). What a caller that launches the kernels itself, from tables it
+    keeps (:mod:`gradzip.kernels.triton.plan`), asks first."""
+    device = torch.device(device)
+    impls = _REGISTRY.get(op, {})
+    if "triton" not in impls or (op, "triton") in _broken or _unusable("triton", device) is not None:
+        return False
+    forced = _forced()
+    if forced is not None:
+        return forced == "triton"
+    for backend in _automatic(impls, device) or []:
+        if (op, backend) not in _broken and _unusable(backend, device) is None:
+            return backend == "triton"
+    return False
 
 
 def uses_kernel(op: str, device) -> bool:

@@ -440,14 +440,30 @@ _DEC_SIG = {
 
 @triton.jit
 def _body_stats_kernel(
-    w_ptr, codes_ptr, at_ptr, out_ptr, n, ns, nbp, KIND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+    w_ptr,
+    codes_ptr,
+    at_ptr,
+    out_ptr,
+    n,
+    ns,
+    nbp,
+    eq_at_ptr,
+    eq_want_ptr,
+    eq_slot_ptr,
+    neq,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The frame checks' pass (:func:`quant_body_stats_triton`): programs ``[0, nbp)`` read
     ``BLOCK`` bytes each against the per-byte layout ``codes`` (Int8: a code byte?; packed
     codes: how many codes the byte holds) into ``out[1]``; the rest read ``BLOCK`` scales each,
     ``at`` holding every scale byte's position (a scale's first byte at ``at[4 s]``), into
-    ``out[0]`` (1 where a scale is below zero: the sign bit set, not -0.0, not NaN)."""
+    ``out[0]`` (1 where a scale is below zero: the sign bit set, not -0.0, not NaN); the
+    programs after them compare ``neq`` bytes, byte ``w[eq_at[i]]`` against ``eq_want[i]``, a
+    difference setting ``out[eq_slot[i]]`` to 1 (a planned round's tables, padding and flags)."""
     pid = tl.program_id(0).to(tl.int64)
+    nsp = (ns + BLOCK - 1) // BLOCK
     if pid < nbp:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -461,7 +477,7 @@ def _body_stats_kernel(
                 code = (b >> (k * BITS)) & ((1 << BITS) - 1)
                 top = tl.maximum(top, tl.where(c > k, code, 0))
         tl.atomic_max(out_ptr + 1, tl.max(top, axis=0).to(tl.int64))
-    else:
+    elif pid < nbp + nsp:
         s = (pid - nbp) * BLOCK + tl.arange(0, BLOCK)
         m = s < ns
         p = tl.load(at_ptr + 4 * s, mask=m, other=0)
@@ -472,6 +488,14 @@ def _body_stats_kernel(
         mag = b0 | (b1 << 8) | (b2 << 16) | ((b3 & 0x7F) << 24)
         neg = ((b3 & 0x80) != 0) & (mag != 0) & (mag <= 0x7F800000)
         tl.atomic_max(out_ptr, tl.max(neg.to(tl.int32), axis=0).to(tl.int64))
+    else:
+        i = (pid - nbp - nsp) * BLOCK + tl.arange(0, BLOCK)
+        m = i < neq
+        p = tl.load(eq_at_ptr + i, mask=m, other=0)
+        got = tl.load(w_ptr + p, mask=m, other=0)
+        want = tl.load(eq_want_ptr + i, mask=m, other=0)
+        slot = tl.load(eq_slot_ptr + i, mask=m, other=0)
+        tl.atomic_max(out_ptr + slot, (got != want).to(tl.int64), mask=m)
 
 
 STATS_GPU = 4096  # bytes (or scales) per program of _body_stats_kernel
@@ -502,6 +526,10 @@ def quant_body_stats_triton(whole: torch.Tensor, frames, kind: str, bits: int, *
             n,
             ns,
             nbp,
+            at,
+            whole,
+            at,
+            0,
             KIND=KIND_CODE[kind],
             BITS=bits,
             BLOCK=B,
@@ -592,6 +620,10 @@ AOT_SPECS = (
                 "n": "i64",
                 "ns": "i64",
                 "nbp": "i64",
+                "eq_at_ptr": "*i64",
+                "eq_want_ptr": "*u8",
+                "eq_slot_ptr": "*i64",
+                "neq": "i64",
             },
             {"KIND": KIND_CODE[k], "BITS": bits, "BLOCK": STATS_GPU},
             num_warps=4,

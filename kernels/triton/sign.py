@@ -192,17 +192,24 @@ def _sign_seg_sums_kernel(
 
 
 @triton.jit
-def _sign_seg_scales_kernel(part_ptr, seg_ptr, body_ptr, CHUNK: tl.constexpr):
-    """Program ``sg``: segment ``sg``'s scale, ``mean |v|`` from its programs' sums as
-    :func:`_sign_scales_kernel` computes a block's, as float32 bits at its body's first word."""
-    row = seg_ptr + tl.program_id(0).to(tl.int64) * 5
-    n, p0, count, off = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+def _seg_scale(part_ptr, n, p0, count, CHUNK: tl.constexpr):
+    """A segment's scale, ``mean |v|`` from its programs' sums ``part[p0 .. p0 + count]`` as
+    :func:`_sign_scales_kernel` computes a block's (one order of additions, wherever it runs)."""
     acc = tl.zeros([CHUNK], dtype=tl.float64)
     for c in range(0, count, CHUNK):
         j = c + tl.arange(0, CHUNK)
         acc += tl.load(part_ptr + p0 + j, mask=j < count, other=0.0)
     total = tl.sum(acc, axis=0)
-    scale = _fit_f32(total / tl.maximum(n, 1).to(tl.float64), total)
+    return _fit_f32(total / tl.maximum(n, 1).to(tl.float64), total)
+
+
+@triton.jit
+def _sign_seg_scales_kernel(part_ptr, seg_ptr, body_ptr, CHUNK: tl.constexpr):
+    """Program ``sg``: segment ``sg``'s scale (:func:`_seg_scale`), as float32 bits at its body's
+    first word."""
+    row = seg_ptr + tl.program_id(0).to(tl.int64) * 5
+    n, p0, count, off = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    scale = _seg_scale(part_ptr, n, p0, count, CHUNK)
     tl.store(body_ptr + off, scale.to(tl.int32, bitcast=True), mask=n > 0)
 
 
@@ -239,7 +246,48 @@ def _sign_seg_encode_kernel(
         tl.store(rout_ptr + xs + offs, v - tl.where(neg, -s, s), mask=mask)
 
 
-SEG_CHUNK = 128  # programs' sums a step of _sign_seg_scales_kernel
+@triton.jit
+def _sign_seg_encode_into_kernel(
+    x_ptr,
+    r_ptr,
+    rout_ptr,
+    out_ptr,
+    part_ptr,
+    prog_seg_ptr,
+    prog_first_ptr,
+    seg_ptr,
+    WORDS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_R: tl.constexpr,
+):
+    """:func:`_sign_seg_scales_kernel` and :func:`_sign_seg_encode_kernel` in one launch, each
+    body written a byte at a time from byte ``off`` of ``out_ptr`` (a message's body, at any
+    alignment): every program computes its segment's scale from the programs' sums (the same
+    additions in the same order), the first one writes it, and the residual is written over
+    ``rout``. A segment's row: start in ``x``, length, first program, programs, body's byte."""
+    pid = tl.program_id(0)
+    row = seg_ptr + tl.load(prog_seg_ptr + pid).to(tl.int64) * 5
+    xs, n, p0, count, off = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    first = tl.load(prog_first_ptr + pid)
+    s = _seg_scale(part_ptr, n, p0, count, CHUNK)
+    sbits = s.to(tl.int32, bitcast=True)
+    k = tl.arange(0, 4)
+    tl.store(out_ptr + off + k, ((sbits >> (k * 8)) & 0xFF).to(tl.uint8), mask=(k + first) < 4)  # first == 0
+    w = tl.arange(0, WORDS)
+    cols = tl.arange(0, 32)
+    offs = first + w[:, None] * 32 + cols[None, :]
+    mask = offs < n
+    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, mask, HAS_R)
+    neg = (v < 0) & mask
+    word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)  # disjoint bits: sum == OR
+    widx = first // 32 + w
+    at = off + 4 + widx[:, None] * 4 + k[None, :]
+    byte = ((word[:, None] >> (k[None, :] * 8)) & 0xFF).to(tl.uint8)
+    tl.store(out_ptr + at, byte, mask=(widx < (n + 31) // 32)[:, None] & (k < 4)[None, :])
+    tl.store(rout_ptr + xs + offs, v - tl.where(neg, -s, s), mask=mask)
+
+
+SEG_CHUNK = 128  # programs' sums a step of _seg_scale
 
 
 def sign_ef_segments_triton(x: torch.Tensor, bounds, *, residual=None, out=None, tile: int | None = None):
@@ -335,6 +383,20 @@ AOT_SPECS = [
             divisible=(),
         )
         for xp, has in (("*fp32", False), ("*fp32", True), ("*bf16", True))
+    ),
+    spec(
+        _sign_seg_encode_into_kernel,
+        {
+            "x_ptr": "*fp32",
+            "r_ptr": "*fp32",
+            "rout_ptr": "*fp32",
+            "out_ptr": "*u8",
+            "part_ptr": "*fp64",
+            **_SEG_TABLES,
+        },
+        {"WORDS": TILE_GPU // 32, "CHUNK": SEG_CHUNK, "HAS_R": False},
+        num_warps=NUM_WARPS,
+        divisible=(),
     ),
     spec(
         _sign_scales_kernel,
