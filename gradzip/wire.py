@@ -703,7 +703,7 @@ _PLANS: dict = {}
 _PLANS_MAX = 256
 
 
-def _planned(msgs, shapes, check):
+def _planned(msgs, shapes, check, grad_dtypes=None):
     """The plan of a round whose layout the receiver knows (:meth:`Codec.planned_entry`) and
     its check left on the device: ``(plan, a 0-d bool: some table, padding byte or body is not
     what the plan and the codec allow, the messages as the rows of one view)``; None where the
@@ -715,8 +715,9 @@ def _planned(msgs, shapes, check):
         return None
     counts = tuple(tuple(s.numel() for s in sh) for sh in shapes)
     entries = []
-    for ns in counts:
-        es = tuple(check.planned_entry(n) for n in ns)
+    for j, ns in enumerate(counts):
+        gds = grad_dtypes[j] if grad_dtypes is not None else [None] * len(ns)
+        es = tuple(check.planned_entry(n, g) for n, g in zip(ns, gds))
         if any(e is None for e in es):
             return None
         entries.append(es)
@@ -754,7 +755,7 @@ def _cut_rows(rows: torch.Tensor, plan: _Plan):
 def _unpack_planned(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step, defer):
     """:func:`unpack_many`'s ``defer`` path: the payloads cut from the round's plan, and
     ``(flag, refuse)`` appended to ``defer``; None where the round cannot be planned."""
-    got = _planned(msgs, shapes, check)
+    got = _planned(msgs, shapes, check, grad_dtypes)
     if got is None:
         return None
     plan, flag, rows = got
@@ -766,6 +767,9 @@ def _unpack_planned(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step
         for p in out:
             p.checked = True
         outs.append(out)
+    parsed = check.planned_parse([p for out in outs for p in out])
+    if parsed is not None:
+        flag = flag | parsed
 
     def refuse() -> FrameError:  # the host path's parse of the kept messages
         return host_refusal(msgs, shapes, dtypes, grad_dtypes, check, names, ranks, step)

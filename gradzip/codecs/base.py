@@ -152,12 +152,25 @@ class Codec(Registered, register=False):
             except FrameError as e:
                 raise e.at(frame=i) from None
 
-    def planned_entry(self, n: int) -> tuple[int, torch.dtype, int, float] | None:
-        """The entry every encoder of this configuration writes for a tensor of ``n`` elements,
+    def planned_entry(self, n: int, dtype: torch.dtype | None = None) -> tuple[int, torch.dtype, int, float] | None:
+        """The entry every encoder of this configuration writes for a tensor of ``n`` elements
+        (``dtype``: its gradient's, where the values travel in it; None: not known),
         ``(format, value dtype, body bytes, scale)``, whatever its values; None where it
         depends on them. A codec that gives it also gives :meth:`planned_status`: a receiver
         on the GPU's side then checks a round's frames on the device against a plan
         (:func:`gradzip.wire.unpack_many`'s ``defer``), with no host read."""
+        return None
+
+    @property
+    def plans_frames(self) -> bool:
+        """Whether this configuration's rounds may be planned (:meth:`planned_entry` gives an
+        entry for some sizes): ``TwoPhase`` then relays each owner's verdict on its first round."""
+        return self.planned_entry(1) is not None
+
+    def planned_parse(self, payloads) -> torch.Tensor | None:
+        """For the frames of a planned round (checked by the plan, not parsed): what the decoder
+        needs, parsed on the device with no host read (``Payload.parsed``), and a 0-d bool set
+        where a body holds what no encoder writes; None where :meth:`planned_status` checked it all."""
         return None
 
     def planned_status(self, whole: torch.Tensor, frames) -> torch.Tensor:

@@ -309,12 +309,16 @@ def unpack_ef_many(
     return out if host_values(torch.stack(flags).all()) else None
 
 
-def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype | None = None) -> list | None:
+def _unpack_ef_rows(
+    rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype | None = None, *, read: bool = True
+) -> list | None | tuple[list, torch.Tensor]:
     """:func:`unpack_ef_many` of frames of one layout (``plan``, from :func:`_ef_layout`) that
     are the rows of one 2-D view: every step once for all of them, and one read of their flags.
     The bytes after the positions (the values; with ``vdtype``, those values, by one view of
     all rows) are views of the rows, or, where they are not 8-byte aligned, of one aligned copy
-    of all rows' values."""
+    of all rows' values. ``read=False`` (a planned round, :meth:`TopK.planned_parse`): nothing
+    is read; returns ``(the frames, a 0-d bool: all of them valid)``, the count's bytes
+    compared on the device too."""
     k, pos, low, upper, llen, ulen = plan
     f, dev = rows.shape[0], rows.device
     lows = K.unpack_uint(rows[:, pos : pos + llen], k, low) if low else torch.zeros(f, k, dtype=torch.int64, device=dev)
@@ -326,21 +330,28 @@ def _unpack_ef_rows(rows: torch.Tensor, n: int, plan: tuple, vdtype: torch.dtype
     where.scatter_(1, slot, torch.arange(upper, device=dev).expand(f, upper))
     idx = ((where[:, :k] - torch.arange(k, device=dev)) << low) | lows
     good = bits.sum(dim=1) == k
-    if (k * low) % 8:
-        good = good & ((rows[:, pos + llen - 1] >> ((k * low) % 8)) == 0)
-    if upper % 8:
-        good = good & ((ub[:, -1] >> (upper % 8)) == 0)
+    # the padding bits of the low bits' last byte and of the bitmap's last (none where a part
+    # fills its bytes): one test whatever the layout, so a round's operations do not vary
+    lpad, upad = (k * low) % 8, upper % 8
+    pad = (rows[:, pos + llen - 1] & (0xFF & -(1 << lpad) if lpad else 0)) | (
+        ub[:, -1] & (0xFF & -(1 << upad) if upad else 0)
+    )
+    good = good & (pad == 0)
     if k > 1:
         good = good & (idx[:, 1:] > idx[:, :-1]).all(dim=1)
     good = good & (idx[:, -1] < n)
-    if not host_values(good.all()):
+    if not read:
+        count = K.host_to_device(torch.frombuffer(bytearray(_leb128(k)), dtype=torch.uint8), dev)
+        good = good & (rows[:, :pos] == count).all(dim=1)
+    elif not host_values(good.all()):
         return None
     tail = rows[:, pos + llen + ulen :]
     if tail.shape[1] and (tail.storage_offset() % 8 or tail.stride(0) % 8):
         tail = tail.contiguous()  # the values aligned by one copy of all rows, not one a frame
     if vdtype is not None and vdtype != torch.uint8 and tail.shape[1]:
         tail = tail.view(vdtype)  # every row's values at once (rows and their starts 8-byte aligned)
-    return list(zip(idx.unbind(0), tail.unbind(0)))  # every row's, by two operations
+    got = list(zip(idx.unbind(0), tail.unbind(0)))  # every row's, by two operations
+    return got if read else (got, good.all())
 
 
 def _signs2(body: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

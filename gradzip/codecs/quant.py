@@ -183,7 +183,7 @@ class _Quantizer(MessageChecks, Codec):
     def _planned_scale(self) -> float:
         return 0.0
 
-    def planned_entry(self, n: int) -> tuple[int, torch.dtype, int, float]:
+    def planned_entry(self, n: int, dtype: torch.dtype | None = None) -> tuple[int, torch.dtype, int, float]:
         nb, _ = K.quant_layout(n, self.block)
         return self._fmt, torch.float32, 4 * nb + self._code_bytes(n), self._planned_scale()
 

@@ -22,6 +22,7 @@ from ..wire import (
     from_bytes,
     itemsize,
     narrow,
+    row_view,
 )
 from .base import (
     Codec,
@@ -43,6 +44,8 @@ from .positions import (
     _leb128,
     _pack_ef_rows,
     _signs2,
+    _unpack_ef_rows,
+    ef_low_bits,
     ef_nbytes,
     gaps_nbytes,
     pack_ef,
@@ -132,10 +135,12 @@ def topk_abs(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     among the candidates (the first zeros, where zeros are chosen). The candidates come from
     :func:`~gradzip.kernels.abs_select` (one compiled pass on the CPU, no ``|v|`` tensor); NaN
     is ruled out by one sum (a NaN makes it NaN). On one core, 16.8M elements at k = 1%: 0.065 s
-    for ``torch.topk``, about 0.01 s here."""
+    for ``torch.topk``, about 0.01 s here. On the GPU's side (:func:`gradzip.kernels.gpu_side`)
+    the prefilter's test and the sparse candidates would be host reads: ``torch.topk`` runs over
+    the whole tensor there."""
     flat = v.reshape(-1)
     n = flat.numel()
-    if n < _PREFILTER_FROM or 8 * k > n:
+    if n < _PREFILTER_FROM or 8 * k > n or K.gpu_side(flat.device):  # a GPU: no host read
         return _topk_abs_all(flat, k)
     sample = flat[:: n // _PREFILTER_SAMPLE].abs()
     s = sample.numel()
@@ -173,6 +178,25 @@ def _topk_abs_sparse(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     zeros = (flat == 0).nonzero().squeeze(1)[: k - nz.numel()]
     idx = torch.cat([nz, zeros])
     return idx, flat[idx].abs()
+
+
+#: Segment starts repeated per position, by layout (:func:`_shifts`).
+_SHIFTS: dict = {}
+_SHIFTS_MAX = 256
+
+
+def _shifts(runs, device) -> torch.Tensor:
+    """Each of ``runs``' ``(count, start)`` as ``count`` copies of ``start``, on ``device``:
+    what TwoPhase's owners' positions are offset by, one addition for any number of owners
+    (kept per layout, which recurs every step)."""
+    key = (tuple(runs), str(device))
+    got = _SHIFTS.get(key)
+    if got is None:
+        if len(_SHIFTS) >= _SHIFTS_MAX:
+            _SHIFTS.clear()
+        host = torch.cat([torch.full((c,), st, dtype=torch.int64) for c, st in runs])
+        got = _SHIFTS[key] = K.host_to_device(host, device)
+    return got
 
 
 def call_counts(xs, ratio: float) -> list:
@@ -289,6 +313,53 @@ class TopK(Codec):
         (whose length depends on ``n`` and ``k`` alone) or the mask, and values of one dtype.
         Protocols then skip the size exchange (one round for AllGather, two for TwoPhase)."""
         return self.mode == "exact" and self.scope == "tensor" and self.values != "sign"
+
+    @property
+    def plans_frames(self) -> bool:  # type: ignore[override]
+        return self.fixed_frames and not isinstance(self.ratio, warmup.Ramp)
+
+    def planned_entry(self, n: int, dtype: torch.dtype | None = None) -> tuple[int, torch.dtype, int, float] | None:
+        """The Elias-Fano frame :meth:`compress` writes for ``n`` float32 elements at a fixed
+        ratio (its length depends on ``n`` and ``k`` alone); None where it would write a mask,
+        a dense or an empty frame, for a warm-up schedule, and for other dtypes."""
+        if not self.plans_frames or dtype != torch.float32 or not n:
+            return None
+        k = _k_of(self.ratio, n)
+        vdtype = _VALUE_DTYPES[self.values] if self.values is not None else torch.float32
+        vsize, dense, ef = itemsize(vdtype), 4 * n, ef_nbytes(n, k)
+        if k * vsize >= dense or (n + 7) // 8 < ef or ef + k * vsize >= dense:
+            return None
+        return FMT_SPARSE_EF, vdtype, ef + k * vsize, 0.0
+
+    def planned_status(self, whole: torch.Tensor, frames) -> torch.Tensor:
+        """Nothing before the frames are parsed: :meth:`planned_parse` checks their positions."""
+        return torch.zeros((), dtype=torch.bool, device=whole.device)
+
+    def planned_parse(self, payloads) -> torch.Tensor | None:
+        """A planned round's Elias-Fano frames parsed on the device, a layout's rows at once
+        (:func:`~gradzip.codecs.positions._unpack_ef_rows`: the count, ascending positions in
+        range, clean padding), their positions and values kept for the decode; the flag set
+        where a frame holds what no encoder writes."""
+        groups: dict = {}
+        for p in payloads:
+            groups.setdefault((p.numel, p.body.numel(), p.vdtype), []).append(p)
+        bads = []
+        for (n, _, vdtype), ps in groups.items():
+            bodies = [p.body for p in ps]
+            rows = row_view(bodies) if len(bodies) > 1 else bodies[0].view(1, -1)
+            if rows is None:
+                rows = torch.stack(bodies)
+            k = _k_of(self.ratio, n)
+            low = ef_low_bits(n, k)
+            upper = k + ((n - 1) >> low) + 1
+            plan = (k, len(_leb128(k)), low, upper, (k * low + 7) // 8, (upper + 7) // 8)
+            got, good = _unpack_ef_rows(rows, n, plan, vdtype, read=False)
+            for p, (idx, r) in zip(ps, got):
+                p.parsed = (idx, r if r.dtype == p.vdtype else from_bytes(r, p.vdtype))
+            bads.append(~good)
+        if not bads:
+            return None
+        return bads[0] if len(bads) == 1 else torch.stack(bads).any()
 
     def allot(self, xs, ctxs) -> list:
         """``scope="call"``: each tensor's share of one top-k over the call (:func:`call_counts`)."""
@@ -747,7 +818,7 @@ class TopK(Codec):
             if p.fmt == FMT_DENSE:
                 self.accumulate(p, out[st : st + p.numel])
         parts = [(self._split(p, p.numel), st) for p, st in sparse]
-        idx = torch.cat([i if st == 0 else i + st for (i, _), st in parts])
+        idx = torch.cat([i for (i, _), _ in parts]).add_(_shifts([(i.numel(), st) for (i, _), st in parts], out.device))
         K.scatter_add_sparse(out, idx, torch.cat([v for (_, v), _ in parts]))
 
     def accumulate_many(self, payloads, out: torch.Tensor) -> None:

@@ -111,7 +111,7 @@ class TwoPhase(Protocol):
         # Planned frames (the engine's GPU side): the first round's checks stay on the device,
         # and each owner's verdict rides as one byte after its message to every rank.
         checks = call.frame_checks
-        relay = checks is not None and codec.fixed_frames and codec.planned_entry(1) is not None
+        relay = checks is not None and codec.fixed_frames and codec.plans_frames
         mark = len(checks) if checks is not None else 0
         owned = yield from reduce_scatter_pieces(call, codec, bounds, caps, defer=checks if relay else None)
         with call.codec():

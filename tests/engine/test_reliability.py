@@ -272,7 +272,7 @@ def test_on_the_gpu_side_the_engine_checks_on_the_device_and_every_carrier_still
         assert res[2][spec].get("restored", True), spec
 
 
-PLANNED = ["Flat(Int8())", "TwoPhase(SignSGD())", "Flat(QSGD())"]
+PLANNED = ["Flat(Int8())", "TwoPhase(SignSGD())", "Flat(QSGD())", "Flat(TopK(0.01))"]
 
 
 def _residuals(e) -> dict:
@@ -304,6 +304,8 @@ def _planned_frames(rank, world):
                         body = msgs[3][8 + 6 * len(kw["names"][3]) :]
                         if "Int8" in spec:
                             body[4] = 0x80  # the first code (after one block scale): -128
+                        elif "TopK" in spec:
+                            body[0] += 1  # the Elias-Fano count: one position more
                         else:  # the first block scale's sign bit (QSGD: its first entry's scale)
                             body[3] |= 0x80
                         corrupt[0] = False
@@ -354,7 +356,11 @@ def test_planned_frames_on_four_ranks_match_the_host_and_a_corrupt_one_is_nan_th
             assert log["syncs"] == [], (spec, log["syncs"])
             assert torch.isnan(log["bad"]).all() and log["nonfinite_steps"] == 1 and log["restored"], (spec, r)
             if r == 1:
-                why = {"Flat(Int8())": "code -128", "TwoPhase(SignSGD())": "a negative block scale"}.get(spec)
+                why = {
+                    "Flat(Int8())": "code -128",
+                    "TwoPhase(SignSGD())": "a negative block scale",
+                    "Flat(TopK(0.01))": "field length: corrupt Elias-Fano frame",
+                }.get(spec)
                 why = why or r"field scale: QSGD frame has levels=-7"  # its entries carry a scale: hit
                 assert re.search(rf"corrupt message from rank 3: frame \d .*{why}", log["error"]), log["error"]
             else:
