@@ -339,6 +339,7 @@ class Engine:
         # The GPU side's verdicts of this step's calls (a device flag, and on CUDA the event
         # after it): read once when the step ends.
         self._device_verdicts: list[tuple] = []
+        self._plans: dict = {}  # planned Flat buckets by layout (gradzip.protocols.planned)
         # A malformed frame found by a deferred check (``Call.frame_checks``) in a step that
         # ended: raised at the next call.
         self._frame_error: Exception | None = None
@@ -563,7 +564,9 @@ class Engine:
         into NaN on the device (no branch on the host), and the call's verdict joins
         the step's, read once when the step ends (:meth:`_finish_step_locked`)."""
         tensors, device = call.tensors, call.device
-        plan = None if plain or self.clip is not None or self.momentum is not None else plan_for(protocol, call)
+        plan = None
+        if not plain and self.clip is None and self.momentum is None:
+            plan = plan_for(protocol, call, self._plans)
         if plan is not None:  # a planned Flat bucket: its own flags, checks and verdict
             out, bad, frame, refuse = yield from plan.run(call)
             with codec_time(self.stats_):

@@ -61,13 +61,13 @@ from .twophase import TwoPhase, _peer_refusal, owner_key, piece_bounds, piece_ke
 
 __all__ = ["FlatPlan", "plan_for"]
 
-#: Plans by layout; a model's buckets recur every step.
-_PLANS: dict = {}
-_PLANS_MAX = 256
+#: The most plans an engine keeps (a model's buckets recur every step; past this, it starts afresh).
+PLANS_MAX = 256
 
 
-def plan_for(protocol, call: Call) -> FlatPlan | None:
-    """The plan of ``call`` under ``protocol`` (built once per layout), or None where the call
+def plan_for(protocol, call: Call, plans: dict) -> FlatPlan | None:
+    """The plan of ``call`` under ``protocol``, from ``plans`` (the engine's own: a plan's
+    buffers serve one call at a time) or built once per layout into it; None where the call
     takes the general path (module docstring)."""
     if type(protocol) is not Flat:
         return None
@@ -86,11 +86,11 @@ def plan_for(protocol, call: Call) -> FlatPlan | None:
         return None
     sizes = tuple(t.numel() for t in call.tensors)
     key = (tuple(call.names), sizes, world, call.rank, str(device), type(codec).__name__, codec.block)
-    plan = _PLANS.get(key)
+    plan = plans.get(key)
     if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = FlatPlan(codec, call)
+        if len(plans) >= PLANS_MAX:
+            plans.clear()
+        plan = plans[key] = FlatPlan(codec, call)
     return plan
 
 

@@ -15,7 +15,6 @@ import gradzip as gz
 import gradzip.engine as engine_mod
 import gradzip.kernels as K
 from gradzip.engine import Engine
-from gradzip.protocols import planned
 from gradzip.protocols.twophase import owner_key, piece_key
 from gradzip.wire import FrameError, host_refusal
 from tests.support import run_ranks
@@ -92,25 +91,23 @@ def _against_general(rank, world):
     runs = {}
     for spec in SPECS:
         for label, kernels, side, plan in (("planned", "triton", True, True), ("reference", "reference", False, False)):
-            engine_mod.plan_for = real if plan else (lambda protocol, call: None)
-            planned._PLANS.clear()
+            engine_mod.plan_for = real if plan else (lambda protocol, call, plans: None)
             try:
                 with _Kernels(kernels, side):
                     e = Engine(gz.parse(spec))
                     got = _steps(e, rank, 2)
                     stats = {k: v for k, v in e.stats().items() if k.startswith("bytes")}
-                    runs[spec, label] = (got, _residuals(e), stats, len(planned._PLANS))
+                    runs[spec, label] = (got, _residuals(e), stats, len(e._plans))
             finally:
                 engine_mod.plan_for = real
     out["runs"] = runs
 
     # Step 1: rank 1 finds rank 3's first-round message of bucket SIZES with a code -128.
-    planned._PLANS.clear()
 
     def corrupt(step, names):
         if step != 1 or rank != 1 or names != list(SIZES):
             return
-        (plan,) = [p for k, p in planned._PLANS.items() if k[0] == tuple(SIZES)]
+        (plan,) = [p for k, p in e._plans.items() if k[0] == tuple(SIZES)]
         check = plan.check1
 
         def bad(whole, status):
@@ -171,15 +168,14 @@ def test_the_plan_sends_the_general_paths_bytes_and_gets_its_results_and_stats()
                 fn = getattr(comm, op)
                 i = 0 if op == "allreduce" else 1  # the input
                 setattr(comm, op, lambda *a, fn=fn, name=op, i=i, **k: sent.append((name, a[i].clone())) or fn(*a, **k))
-            engine_mod.plan_for = real if plan else (lambda protocol, call: None)
-            planned._PLANS.clear()
+            engine_mod.plan_for = real if plan else (lambda protocol, call, plans: None)
             try:
                 with _Kernels("triton"):
                     e = Engine(gz.parse(spec), process_group=comm)
                     got = _steps(e, 0, 2, buckets=(SIZES, EVEN))
             finally:
                 engine_mod.plan_for = real
-            assert bool(planned._PLANS) == plan
+            assert bool(e._plans) == plan
             runs.append((got, _residuals(e), e.stats(), sent))
         (a, ra, sa, wa), (b, rb, sb, wb) = runs
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -192,10 +188,9 @@ def test_the_plan_sends_the_general_paths_bytes_and_gets_its_results_and_stats()
 def _fuzz_plan(spec):
     from benchmarks.host_syncs import EngineLoopback
 
-    planned._PLANS.clear()
     e = Engine(gz.parse(spec), process_group=EngineLoopback(4))
     _steps(e, 0, 1, buckets=(SIZES, EVEN))
-    (plan,) = [p for k, p in planned._PLANS.items() if k[0] == tuple(SIZES)]
+    (plan,) = [p for k, p in e._plans.items() if k[0] == tuple(SIZES)]
     return e, plan
 
 
@@ -319,11 +314,10 @@ def test_what_takes_the_general_path():
             ("Flat(SignSGD(block=64))", 4, False),
             ("Int8()", 4, False),
         ):
-            planned._PLANS.clear()
             e = Engine(gz.parse(spec), process_group=EngineLoopback(world))
             _steps(e, 0, 1, buckets=(SIZES, EVEN))
-            assert bool(planned._PLANS) == ok, spec
+            assert bool(e._plans) == ok, spec
     with _Kernels("numba"):
-        planned._PLANS.clear()
-        _steps(Engine(gz.parse("Flat(Int8())"), process_group=EngineLoopback(4)), 0, 1, buckets=(SIZES, EVEN))
-        assert not planned._PLANS  # the CPU's kernels: the general path
+        e = Engine(gz.parse("Flat(Int8())"), process_group=EngineLoopback(4))
+        _steps(e, 0, 1, buckets=(SIZES, EVEN))
+        assert not e._plans  # the CPU's kernels: the general path
