@@ -103,10 +103,11 @@ def test_on_cuda_the_engines_checks_read_nothing_and_a_nan_step_is_still_seen():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["Flat(Int8())", "Flat(SignSGD())", "PowerSGD(rank=4)"])
+@pytest.mark.parametrize("spec", ["Flat(Int8())", "Flat(SignSGD())", "PowerSGD(rank=4)", "Flat(TopK(0.01))"])
 def test_on_cuda_ten_steady_steps_read_nothing(spec):
     """On a device, 8 loopback ranks: after two steps (the configuration check, the first
-    draws), ten steps of a planned method read nothing on the host inside a call."""
+    draws), ten steps of a planned method read nothing on the host inside a call, and CUDA's
+    own sync check (``set_sync_debug_mode("error")``) passes over them."""
     import gradzip as gz
     from gradzip.engine import Engine
 
@@ -117,9 +118,13 @@ def test_on_cuda_ten_steady_steps_read_nothing(spec):
     views = [v.view(-1, 16) for v in flat.split([t.numel() for t in grads])]
     for step in range(12):
         flat.copy_(torch.cat([t.reshape(-1) for t in grads]))
-        with SyncSentinel(error=step >= 2):
-            fut = e.reduce(["a", "b", "c"], views, dest=flat)
-            e.flush()
-            out = fut.wait()
+        torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
+        try:
+            with SyncSentinel(error=step >= 2):
+                fut = e.reduce(["a", "b", "c"], views, dest=flat)
+                e.flush()
+                out = fut.wait()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         e.end_step()
         assert not e.last_step_nonfinite and bool(out.isfinite().all())
