@@ -1,24 +1,26 @@
-"""Planned ``Flat(Int8())`` buckets: a bucket's two ``TwoPhase`` rounds from a plan built once.
+"""Planned ``Flat(Int8())`` and ``Flat(SignSGD())`` buckets: a bucket's two ``TwoPhase`` rounds
+from a plan built once.
 
 On the engine's GPU side with ``on_nonfinite="skip"`` (``Engine._run_on_device``), a call of
-``Flat(Int8(block=b))`` that ``TwoPhase`` carries (4 ranks or more) with error feedback, float32
-tensors and Triton kernels takes this path. Everything a call of that bucket layout does is
+``Flat(Int8(block=b))`` (``b`` within a program's tile) or ``Flat(SignSGD())`` (a scale a piece)
+that ``TwoPhase`` carries (4 ranks or more) with error feedback, float32 tensors and Triton
+kernels takes this path. Everything a call of that bucket layout does is
 known before it starts: each piece's frame length, every message's header and entry table,
 the byte where every body, flag and padding lies in the rounds' send and receive buffers.
 :class:`FlatPlan` builds that once per (tensors' names and sizes, world size, rank, device,
-block), with the buffers, the kernels' launch tables (:mod:`gradzip.kernels.triton.plan`) and
+codec), with the buffers, the kernels' launch tables (:mod:`gradzip.kernels.triton.plan`) and
 the byte counts. A call is then a fixed sequence, whatever the number of tensors or ranks:
 
 1. ``g + r`` into the residual's spare buffer (one addition, as ``Flat`` compensates);
    this rank's non-finite flag (``(x * 0).sum()`` is NaN iff ``x`` holds a NaN or an
    infinity) into the flag byte after every message;
-2. one launch encodes every owner's piece straight into its message's body in the send
-   buffer (whose headers, tables and padding were written when the plan was built) and leaves
-   the new residual in place; the all-to-all;
+2. one launch (SignSGD: two, the tiles' sums and the encoder) encodes every owner's piece
+   straight into its message's body in the send buffer (whose headers, tables and padding were
+   written when the plan was built) and leaves the new residual in place; the all-to-all;
 3. one launch checks the received messages (tables, padding and flag bytes against the plan,
-   block scales and codes as ``Int8`` checks them) into a status tensor, one launch decodes
+   block scales and codes as the codec checks them) into a status tensor, one launch decodes
    every sender's piece into the owner's sum, divided by the world size;
-4. this rank's verdict byte; one launch re-encodes the owned piece into the second round's
+4. this rank's verdict byte; one (two) launch re-encodes the owned piece into the second round's
    message, its residual added ``N`` times to this rank's residual of the piece (``Flat``'s
    rule); the all-gather;
 5. one launch checks the owners' messages, one decodes them into the result.
