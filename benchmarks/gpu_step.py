@@ -11,12 +11,14 @@ For each model, at random initialization (seed 0), on one device:
    ``torch.cuda.synchronize()`` around each step).
 2. **Codec time per step**, for every method (``gz.parse`` specs): the gradients of one
    backward, cut into DDP's buckets (25 MiB, the first 1 MiB: ``costmodel.ddp_buckets``),
-   each bucket run through the method's protocol by ``costmodel.dry_run`` as one rank among
-   ``--world`` identical ranks: error feedback, encode, framing, and the decode of all
-   ``--world`` peers (the loopback communicator hands this rank's message back for every
-   peer). Timed as the wall time of all buckets with the device synchronized before and
-   after, the median over ``--steps`` steps (each step advances the codecs' state, as
-   training does). In steady state (:class:`Steps`): each bucket is one flat buffer that
+   each bucket run through ``Engine.reduce`` (``--through engine``, the default: the engine's
+   checks and flags, and on a GPU its planned buckets) or the method's protocol alone by
+   ``costmodel.dry_run`` (``--through protocol``) as one rank among ``--world`` identical
+   ranks: error feedback, encode, framing, and the decode of all ``--world`` peers (the
+   loopback communicator hands this rank's message back for every peer). Timed as the wall
+   time of all buckets with the device synchronized before and after, the median over
+   ``--steps`` steps (each step advances the codecs' state, as training does). In steady
+   state (:class:`Steps`): each bucket is one flat buffer that
    receives the result, as DDP's does, and the error-feedback memory is kept from step to step
    (the residual is added, its buffers reused). ``Identity()`` is plain DDP's cost (a
    pre-division of the bucket in place). ``benchmarks/results/gpu_step_nvidia-h200.json``
@@ -280,9 +282,36 @@ class Steps:
         return colls
 
 
-def measure_model(name, methods, device, world, steps, warmup, log=print, deadline=None) -> dict:
+class EngineSteps(Steps):
+    """:class:`Steps` through ``Engine.reduce`` (``--through engine``, the default): an engine
+    against :class:`benchmarks.host_syncs.EngineLoopback` (``world`` ranks that send what this
+    rank sends), so the engine's checks, flags and its planned buckets
+    (:mod:`gradzip.protocols.planned`) are timed with the codec, and ``end_step()``'s one host
+    read with each step. ``run(step)`` returns the collectives the loopback logged."""
+
+    def __init__(self, method, grads, names, buckets, world: int) -> None:
+        from benchmarks.host_syncs import EngineLoopback
+        from gradzip.engine import Engine
+
+        super().__init__(method, grads, names, buckets, world)
+        self.comm = EngineLoopback(world)
+        self.engine = Engine(method, process_group=self.comm)
+
+    def run(self, step: int) -> list:
+        log = self.comm.loop.log
+        start = len(log)
+        for views, names, flat in zip(self.views, self.names, self.flat):
+            fut = self.engine.reduce(names, views, dest=flat)
+            self.engine.flush()
+            fut.wait()
+        self.engine.end_step()
+        return log[start:]
+
+
+def measure_model(name, methods, device, world, steps, warmup, log=print, deadline=None, through="engine") -> dict:
     """One model's figures (above); ``deadline`` (a ``time.perf_counter()`` value): a method not
-    started by then is listed under ``skipped`` instead of timed."""
+    started by then is listed under ``skipped`` instead of timed. ``through``: ``"engine"``
+    (:class:`EngineSteps`) or ``"protocol"`` (:class:`Steps`, the protocol's dry runs)."""
     import gradzip as gz
     from gradzip.costmodel import Link, ddp_buckets, dry_run, wire_time
 
@@ -331,7 +360,7 @@ def measure_model(name, methods, device, world, steps, warmup, log=print, deadli
             continue
         times, colls = [], []
         try:
-            steps_of = Steps(gz.parse(spec), grads, names, buckets, world)
+            steps_of = (EngineSteps if through == "engine" else Steps)(gz.parse(spec), grads, names, buckets, world)
             for s in range(warmup + steps):
                 steps_of.reset()
 
@@ -420,6 +449,13 @@ def main(argv=None) -> int:
         default=0,
         help="measure the first N methods on every model before the others (the goals' first; default: no split)",
     )
+    ap.add_argument(
+        "--through",
+        choices=("engine", "protocol"),
+        default="engine",
+        help="time each bucket through Engine.reduce (default: checks, flags and planned buckets included) "
+        "or the protocol's dry run alone",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_step_<device>.json)")
     ap.add_argument(
@@ -474,6 +510,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "triton": triton_version,
             "world": args.world,
+            "through": args.through,
             "threads": torch.get_num_threads(),
             "steps": args.steps,
             "warmup": warmup,
@@ -509,7 +546,9 @@ def main(argv=None) -> int:
                 elif m not in skipped:
                     skipped.append(m)
                 continue
-            got = measure_model(m, chunk, device, args.world, args.steps, warmup, deadline=deadline)
+            got = measure_model(
+                m, chunk, device, args.world, args.steps, warmup, deadline=deadline, through=args.through
+            )
             if m in results:  # the second pass: its methods join the first's, as shares of the first's compute
                 first_ms = results[m]["compute_ms_per_step"]
                 for row in got["methods"].values():
