@@ -321,3 +321,28 @@ def test_what_takes_the_general_path():
         e = Engine(gz.parse("Flat(Int8())"), process_group=EngineLoopback(4))
         _steps(e, 0, 1, buckets=(SIZES, EVEN))
         assert not e._plans  # the CPU's kernels: the general path
+
+
+def _ddp_many_buckets(rank, world):
+    from tests.support.models import many_buckets_model, params, train_many_buckets
+
+    got = {}
+    for label, kernels, side in (("planned", "triton", True), ("reference", "reference", False)):
+        with _Kernels(kernels, side):
+            model = many_buckets_model()
+            state = train_many_buckets(model, gz.parse("Flat(Int8())"), rank, 8)
+            got[label] = (params(model), len(state.engine._plans))
+    return got
+
+
+@pytest.mark.long
+def test_ddp_with_one_megabyte_buckets_on_four_ranks_trains_as_the_reference():
+    """The collective-order check: DDP with ``bucket_cap_mb=1`` (several buckets), 4 ranks, 8
+    steps of each rank's own batch size, the planned buckets against the CPU's reference
+    kernels: the same parameters bit for bit on every rank, every bucket planned."""
+    res = run_ranks(_ddp_many_buckets, 4)
+    for r, got in enumerate(res):
+        (mine, plans), (ref, none) = got["planned"], got["reference"]
+        assert plans >= 2 and none == 0, (r, plans, none)
+        assert all(torch.equal(a, b) for a, b in zip(mine, ref)), r
+        assert all(torch.equal(a, b) for a, b in zip(mine, res[0]["planned"][0])), r
