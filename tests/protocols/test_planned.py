@@ -19,7 +19,8 @@ from gradzip.protocols.twophase import owner_key, piece_key
 from gradzip.wire import FrameError, host_refusal
 from tests.support import run_ranks
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+#: The CPU's tests run the Triton kernels interpreted (the GPU's test runs them compiled).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 
 SIZES = {"a": (37, 11), "b": (300,), "c": (5,)}  # 712 elements: pieces of 178 at 4 ranks, 142/143 at 5
 OTHER = {"d": (64, 9), "e": (3,)}  # a second bucket: 579 elements, pieces of 144 and 145 at 4 ranks
@@ -130,6 +131,7 @@ def _against_general(rank, world):
     return out
 
 
+@interpreted
 def test_four_ranks_match_the_general_path_and_the_reference_and_refuse_a_corrupt_frame():
     res = run_ranks(_against_general, 4)
     for r, log in enumerate(res):
@@ -153,6 +155,7 @@ def test_four_ranks_match_the_general_path_and_the_reference_and_refuse_a_corrup
             assert "field peer: rank(s) [1] refused a corrupt message" in log["error"], log["error"]
 
 
+@interpreted
 def test_the_plan_sends_the_general_paths_bytes_and_gets_its_results_and_stats():
     """Loopback ranks, the GPU's side, the plan on and off: every collective's input, byte for
     byte, the results, the residuals and ``stats()`` alike (Int8 at 4 and 8 ranks, SignSGD at 8)."""
@@ -234,6 +237,7 @@ FUZZ = {
 }
 
 
+@interpreted
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_corruption_the_host_refuses_sets_the_status_and_no_other_does(spec):
     """The frame fuzz on a plan's checks: a random byte of a received round set to a random
@@ -299,6 +303,7 @@ def test_every_corruption_the_host_refuses_sets_the_status_and_no_other_does(spe
             e.end_step()
 
 
+@interpreted
 def test_what_takes_the_general_path():
     """The plan is for Flat(Int8(block=...)) and Flat(SignSGD()) on TwoPhase's world sizes with
     error feedback and Triton; everything else is the general path's."""
@@ -335,6 +340,7 @@ def _ddp_many_buckets(rank, world):
     return got
 
 
+@interpreted
 @pytest.mark.long
 def test_ddp_with_one_megabyte_buckets_on_four_ranks_trains_as_the_reference():
     """The collective-order check: DDP with ``bucket_cap_mb=1`` (several buckets), 4 ranks, 8
@@ -346,3 +352,32 @@ def test_ddp_with_one_megabyte_buckets_on_four_ranks_trains_as_the_reference():
         assert plans >= 2 and none == 0, (r, plans, none)
         assert all(torch.equal(a, b) for a, b in zip(mine, ref)), r
         assert all(torch.equal(a, b) for a, b in zip(mine, res[0]["planned"][0])), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS)
+def test_on_cuda_a_planned_bucket_equals_the_cpu_reference(spec):
+    """On a device, 8 loopback ranks: the planned bucket's results and residuals over three
+    steps equal the CPU's reference kernels' (the general path on the CPU's side) bit for bit,
+    and the bucket was planned."""
+    from benchmarks.host_syncs import EngineLoopback
+
+    sizes = {"a": (256, 9), "b": (640,)}  # 2,944 elements: 368 a rank
+    runs = {}
+    for device, kernels in (("cuda", None), ("cpu", "reference")):
+        with _Kernels(kernels, gpu_side=False):
+            e = Engine(gz.parse(spec), process_group=EngineLoopback(8))
+            got = []
+            for s in range(3):
+                names, views, flat = _bucket(sizes, s, 0)
+                flat = flat.to(device)
+                views = [v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in views]), views)]
+                fut = e.reduce(names, views, dest=flat)
+                e.flush()
+                got.append(fut.wait().cpu())
+                e.end_step()
+            runs[device] = (got, {k: v.cpu() for k, v in e.memory.residuals.items()}, len(e._plans))
+    (a, ra, plans), (b, rb, _) = runs["cuda"], runs["cpu"]
+    assert plans == 1
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
