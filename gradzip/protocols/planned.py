@@ -90,6 +90,11 @@ def plan_for(protocol, call: Call, plans: dict) -> FlatPlan | None:
     key = (tuple(call.names), sizes, world, call.rank, str(device), type(codec).__name__, codec.block)
     plan = plans.get(key)
     if plan is None:
+        # A tensor lies in one bucket at a time: a plan that shares one with this layout is
+        # stale (DDP's rebuilt buckets, a new world size), and its buffers are let go.
+        names = set(call.names)
+        for old in [k for k in plans if names.intersection(k[0])]:
+            del plans[old]
         if len(plans) >= PLANS_MAX:
             plans.clear()
         plan = plans[key] = FlatPlan(codec, call)
