@@ -429,6 +429,14 @@ def _lm_headline() -> list[str]:
 
 #: gradzip's version of each peer's method beside the peer, run as it ships, on the same seeds.
 LM_PEERS_RUN = "lm_peers_4ranks_adamw_cpu.json"
+#: DeMo as gradzip's DDP hook, as the authors' optimizer steps (tests/frontends/test_demo_reference.py):
+#: a vector's 64-element tiles keep 32 coefficients, and the momentum gathers lr * g.
+DEMO_ROW = (
+    "Hook(Policy(DCT(ChunkTopK(32, chunk=64, average='senders')), per_layer={"
+    "'ln': DCT(ChunkTopK(2048, chunk=64, average='senders')), "
+    "'bias': DCT(ChunkTopK(2048, chunk=64, average='senders'))}), "
+    "update='sign', error_decay=0.999, momentum=0.0, lr_scale=0.3, lr_weighted=True)"
+)
 LM_PEER_PAIRS = (
     ("DiLoCo(period=32)", "peer: torchft 0.2.0 DiLoCo(sync_every=32)"),
     (
@@ -436,10 +444,12 @@ LM_PEER_PAIRS = (
         "peer: torchft 0.2.0 streaming DiLoCo(4 fragments, sync_every=32, delay=2, alpha=0)",
     ),
     ("Hook(PowerSGD(rank=1), start_iter=100)", "peer: torch powerSGD_hook(rank=1, start_powerSGD_iter=100)"),
+    ("Hook(PowerSGD(rank=4), start_iter=100)", "peer: torch powerSGD_hook(rank=4, start_powerSGD_iter=100)"),
     (
         "SparseLoCo(period=30, compression=ChunkTopK(32, chunk=64, values='q2', average='senders'))",
         "peer: SparseLoCo (CCLoco, H=30, top-32/64x64, 2-bit)",
     ),
+    (DEMO_ROW, "peer: DeMo (bloc97/DeMo, lr x0.3)"),
 )
 
 

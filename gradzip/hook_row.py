@@ -7,7 +7,7 @@ plan --methods`` and ``gradzip bench --methods`` read every row name the bench w
 runs, with options of two kinds:
 
 * the hook's own (:func:`gradzip.hooks.register_hook`'s keywords): ``error_feedback``,
-  ``update``, ``error_decay``, ``start_iter``, ``precondition``;
+  ``update``, ``error_decay``, ``start_iter``, ``precondition``, ``lr_weighted``;
 * the bench's, for that row's training: ``momentum_correction`` (``'on'``: the bench passes
   ``optimizer=`` to the hook; ``'off'``: it does not; ``'auto'``: for sparse codecs),
   ``momentum`` (SGD's momentum or AdamW's beta1) and ``lr_scale`` (a multiple of the bench's
@@ -47,6 +47,7 @@ class Hook:
     momentum: float | None = None  # the row's optimizer momentum (SGD) or beta1 (AdamW), else the bench's
     lr_scale: float | None = None  # the row's learning rate, a multiple of the bench's (DeMo's sign steps)
     start_iter: int | None = None  # register_hook(start_iter=...): plain allreduce before this step
+    lr_weighted: bool | None = None  # register_hook(lr_weighted=...): DeMo's momentum of lr * g
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, (Codec, Protocol)):
@@ -69,6 +70,8 @@ class Hook:
             self.lr_scale = args.number("lr_scale", self.lr_scale, 0.0, lo_open=True)
         if self.start_iter is not None:
             self.start_iter = args.integer("start_iter", self.start_iter, 0)
+        if self.lr_weighted is not None and not isinstance(self.lr_weighted, bool):
+            raise TypeError(f"lr_weighted must be True or False, got {self.lr_weighted!r}")
 
     def options(self) -> dict:
         """The options given (not None), in :data:`HOOK_OPTIONS` order."""
@@ -90,6 +93,7 @@ HOOK_OPTIONS = (
     "momentum",
     "lr_scale",
     "start_iter",
+    "lr_weighted",
 )
 
 register_value("Hook", Hook)

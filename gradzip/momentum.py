@@ -65,7 +65,11 @@ weight decay are added to the gradient in the hook). This is signum on the avera
 was sent (Bernstein et al. 2018), the update DeMo applies to its DCT-domain top-k (Peng et al.
 2024): every parameter moves by ``lr`` each step, whatever the codec left in the residual, so
 a sparse or low-rank average does not leave Adam's per-coordinate normalization facing
-bursts. The optimizer keeps no state for those parameters.
+bursts. The optimizer keeps no state for those parameters. With ``lr_weighted=True`` each
+step's gradient enters the momentum times the learning rate of that step (``u = m * u + lr * g``,
+Adam's ``u = m * u + (1 - m) * lr * g``), as DeMo's reference code accumulates its momentum
+(``delta = beta * delta + lr * g``): under a schedule the momentum then weighs each gradient by
+its step's rate. Without a schedule the two are the same up to a factor, which the sign drops.
 """
 
 from __future__ import annotations
@@ -126,9 +130,11 @@ class Hyper(NamedTuple):
 class Momentum:
     """Per tensor name, its :class:`Hyper`."""
 
-    def __init__(self, hyper: dict[str, Hyper | tuple]) -> None:
+    def __init__(self, hyper: dict[str, Hyper | tuple], lr_groups: dict | None = None) -> None:
         self.hyper = {k: Hyper(*v) for k, v in hyper.items()}
         self.takeover: _StepTakeover | None = None  # precondition=True: the optimizer's step hooks
+        #: ``lr_weighted=True``: each tensor's param group, whose ``lr`` scales the gradient
+        self.lr_groups: dict = dict(lr_groups or {})
 
     @staticmethod
     def adoptable(optimizer: torch.optim.Optimizer) -> bool:
@@ -140,7 +146,13 @@ class Momentum:
 
     @classmethod
     def adopt(
-        cls, optimizer: torch.optim.Optimizer, named_params, *, precondition: bool = False, update: str = "optimizer"
+        cls,
+        optimizer: torch.optim.Optimizer,
+        named_params,
+        *,
+        precondition: bool = False,
+        update: str = "optimizer",
+        lr_weighted: bool = False,
     ) -> tuple[Momentum, dict]:
         """Take over ``optimizer``'s momentum and weight decay for ``named_params``
         (``[(name, parameter)]``): returns the :class:`Momentum` and the buffers the optimizer
@@ -149,9 +161,24 @@ class Momentum:
         ``precondition``: an Adam's second moment too (see the module docstring).
         ``update="sign"``: the optimizer's step becomes ``p -= lr * sign(average)`` after its
         decoupled weight decay (signum on the average of what was sent; see the module
-        docstring); ``"optimizer"`` (default): the optimizer steps on the average."""
+        docstring); ``"optimizer"`` (default): the optimizer steps on the average.
+        ``lr_weighted`` (``update="sign"`` only): the gradient enters the momentum times the
+        group's learning rate at that step (DeMo's ``delta = beta * delta + lr * g``)."""
         args.flag("precondition", precondition)
+        args.flag("lr_weighted", lr_weighted)
         update = args.choice("update", update, UPDATES)
+        if lr_weighted and update != "sign":
+            raise ValueError(
+                f"lr_weighted=True weighs the momentum of update='sign' by the learning rate; got update={update!r}"
+            )
+        out, buffers = cls._adopt(optimizer, named_params, precondition, update)
+        if lr_weighted:
+            names = {id(p): n for n, p in named_params}
+            out.lr_groups = {names[id(p)]: g for g in optimizer.param_groups for p in g["params"] if id(p) in names}
+        return out, buffers
+
+    @classmethod
+    def _adopt(cls, optimizer, named_params, precondition: bool, update: str) -> tuple[Momentum, dict]:
         if precondition and type(optimizer) not in _ADAMS:
             raise ValueError(
                 f"precondition=True takes over the second moment of torch.optim.Adam or AdamW; "
@@ -277,7 +304,7 @@ class Momentum:
         """A summary the ranks compare in the configuration check."""
         hypers = repr(sorted({repr(tuple(h)) for h in self.hyper.values()}))
         if self.takeover is not None and self.takeover.sign:
-            return hypers + " update=sign"
+            return hypers + " update=sign" + (" lr_weighted" if self.lr_groups else "")
         return hypers
 
     def apply(self, memory, names, grads, params=None) -> list:
@@ -293,6 +320,9 @@ class Momentum:
                 if params is None:
                     raise ValueError("weight decay in the hook needs the parameters")
                 g = g.add(params[i].detach(), alpha=wd)
+            group = self.lr_groups.get(name)
+            if group is not None:  # lr_weighted=True: the step's rate, a number (no host sync)
+                g = g * float(group["lr"])
             key = momentum_key(name)
             old = memory.residual(key)
             u = memory.buffer(key, g)

@@ -166,6 +166,7 @@ def comm_hook(
     precondition: bool = False,
     update: str = "optimizer",
     error_decay: float = 1.0,
+    lr_weighted: bool = False,
 ) -> tuple[HookState, Hook]:
     """The ``(state, hook)`` pair of torch's ``DistributedDataParallel.register_comm_hook``::
 
@@ -197,7 +198,7 @@ def comm_hook(
     trained = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
     check_real(trained)
     momentum, buffers = (
-        Momentum.adopt(optimizer, trained, precondition=precondition, update=update)
+        Momentum.adopt(optimizer, trained, precondition=precondition, update=update, lr_weighted=lr_weighted)
         if optimizer is not None
         else (None, {})
     )
@@ -235,6 +236,7 @@ def register_hook(
     precondition: bool = False,
     update: str = "optimizer",
     error_decay: float = 1.0,
+    lr_weighted: bool = False,
 ) -> HookState:
     """Register gradzip as ``ddp_model``'s communication hook.
 
@@ -278,6 +280,9 @@ def register_hook(
             (:mod:`gradzip.feedback`). DeMo is ``update="sign"`` with an SGD ``optimizer``
             without momentum, ``error_decay=0.999`` and a chunked top-k of the DCT:
             its residual is then DeMo's momentum (``docs/lm.md``).
+        lr_weighted: with ``update="sign"``, each step's gradient enters the momentum times
+            that step's learning rate (DeMo's reference code: ``delta = beta * delta + lr * g``),
+            so that under a schedule the momentum weighs each gradient by its step's rate.
 
     With ``find_unused_parameters=True``, a parameter unused on a rank is sent as zeros
     and keeps its residual (``Engine.reduce(zero_is_unused=True)``).
@@ -302,6 +307,7 @@ def register_hook(
         precondition=precondition,
         update=update,
         error_decay=error_decay,
+        lr_weighted=lr_weighted,
     )
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -52,6 +52,7 @@ class Method:
     momentum: float | None = None
     lr_scale: float | None = None
     start_iter: int | None = None
+    lr_weighted: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.method, Hook):
@@ -320,6 +321,8 @@ def hook_options(method: Method, opt: torch.optim.Optimizer, cfg: BenchConfig | 
             kw["precondition"] = True
         if method.update is not None:
             kw["update"] = method.update
+        if method.lr_weighted is not None:
+            kw["lr_weighted"] = method.lr_weighted
     if cfg is not None and cfg.clip is not None and cfg.clip_mode == "local":
         kw["clip"] = cfg.clip
     return kw

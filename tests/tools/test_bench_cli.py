@@ -508,7 +508,10 @@ def test_preset_lm_sets_the_tables_options_and_the_command_line_wins():
 def test_a_rows_own_hook_and_optimizer_options_reach_register_hook_and_the_optimizer():
     from gradzip.bench.config import hook_options, make_optimizer
 
-    spec = "Hook(DCT(ChunkTopK(32, chunk=64)), update='sign', error_decay=0.999, momentum=0.0, lr_scale=0.3)"
+    spec = (
+        "Hook(DCT(ChunkTopK(32, chunk=64)), update='sign', error_decay=0.999, momentum=0.0, lr_scale=0.3, "
+        "lr_weighted=True)"
+    )
     cfg = bench.BenchConfig(dataset="shakespeare", optimizer="adamw", lr=6e-3)
     demo = bench.parse_methods(f"{spec}, Hook(PowerSGD(rank=4), start_iter=100)")
     m = demo[spec]
@@ -516,8 +519,11 @@ def test_a_rows_own_hook_and_optimizer_options_reach_register_hook_and_the_optim
     assert opt.param_groups[0]["betas"][0] == 0.0 and opt.param_groups[0]["lr"] == pytest.approx(1.8e-3)
     kw = hook_options(m, opt, cfg)
     assert kw["error_decay"] == 0.999 and kw["update"] == "sign" and kw["optimizer"] is opt
+    assert kw["lr_weighted"] is True and "lr_weighted=True" in m.describe()
     p4 = demo["Hook(PowerSGD(rank=4), start_iter=100)"]
     assert hook_options(p4, opt, cfg)["start_iter"] == 100 and "start_iter=100" in p4.describe()
     for bad in ("Hook(Int8(), start_iter=-1)", "Hook(Int8(), error_decay=0)", "Hook(Int8(), lr_scale=0)"):
         with pytest.raises(ValueError):
             bench.parse_methods(bad)
+    with pytest.raises(TypeError, match="lr_weighted"):
+        bench.parse_methods("Hook(Int8(), lr_weighted=1)")
