@@ -130,11 +130,11 @@ class Hyper(NamedTuple):
 class Momentum:
     """Per tensor name, its :class:`Hyper`."""
 
-    def __init__(self, hyper: dict[str, Hyper | tuple], lr_groups: dict | None = None) -> None:
+    def __init__(self, hyper: dict[str, Hyper | tuple]) -> None:
         self.hyper = {k: Hyper(*v) for k, v in hyper.items()}
         self.takeover: _StepTakeover | None = None  # precondition=True: the optimizer's step hooks
-        #: ``lr_weighted=True``: each tensor's param group, whose ``lr`` scales the gradient
-        self.lr_groups: dict = dict(lr_groups or {})
+        #: ``lr_weighted=True`` (set by :meth:`adopt`): each tensor's param group, whose ``lr`` scales the gradient
+        self.lr_groups: dict = {}
 
     @staticmethod
     def adoptable(optimizer: torch.optim.Optimizer) -> bool:

@@ -317,6 +317,21 @@ def _entry_bytes(fmt: int, vdtype: torch.dtype | None, nb: int, scale: float) ->
     return ENTRY.pack(fmt, vcode, nb)
 
 
+def entries_table(entries) -> bytearray:
+    """The header and entry table (no checksum) of a message whose frames have ``entries``,
+    ``(format, value dtype, body bytes, scale)`` each (:meth:`Codec.planned_entry`'s)."""
+    table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(entries)))
+    for e in entries:
+        table += _entry_bytes(*e)
+    return table
+
+
+def entries_nbytes(entries, crc: bool) -> int:
+    """Bytes of a message whose frames have ``entries``, with the checksum's 4 where ``crc``
+    (:func:`message_capacity`'s room for it)."""
+    return HEADER_BYTES + (CRC.size if crc else 0) + sum(frame_nbytes(e[2], bool(e[3])) for e in entries)
+
+
 def message_nbytes(payloads: list[Payload]) -> int:
     """Bytes of the message :func:`pack_frames` writes for ``payloads`` (with the checksum's
     4 bytes when it is on)."""
@@ -678,9 +693,7 @@ class _Plan:
         self.entries, self.bodies = entries, []
         at, want, pos = [], bytearray(), set()
         for j, es in enumerate(entries):
-            table = bytearray(HEADER.pack(WIRE_VERSION, 0, 0, len(es)))
-            for e in es:
-                table += _entry_bytes(*e)
+            table = entries_table(es)
             end = len(table) + sum(e[2] for e in es)
             if end > width:
                 raise ValueError(f"the plan's message of {end} bytes exceeds the round's {width}")

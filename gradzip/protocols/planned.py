@@ -46,17 +46,7 @@ import gradzip.kernels as K
 from ..codecs.quant import Int8, SignSGD
 from ..comm import Round
 from ..feedback import ErrorFeedback
-from ..wire import (
-    CRC,
-    HEADER,
-    HEADER_BYTES,
-    WIRE_VERSION,
-    _entry_bytes,
-    checksum_enabled,
-    frame_nbytes,
-    host_refusal,
-    run_view,
-)
+from ..wire import checksum_enabled, entries_nbytes, entries_table, host_refusal, run_view
 from .base import Call, as_protocol
 from .flat import Flat, _Spread, flat_key
 from .twophase import TwoPhase, _peer_refusal, owner_key, piece_bounds, piece_key
@@ -116,11 +106,6 @@ def _encoder(codec, segs, device):
     return Int8EncodeInto(segs, codec.block, device) if type(codec) is Int8 else SignEncodeInto(segs, device)
 
 
-def _table(entry) -> bytes:
-    """A one-frame message's header and entry: what the general path's ``pack_frames`` writes."""
-    return HEADER.pack(WIRE_VERSION, 0, 0, 1) + _entry_bytes(*entry)
-
-
 class FlatPlan:
     """One bucket layout's buffers, tables and launches (module docstring)."""
 
@@ -133,11 +118,11 @@ class FlatPlan:
         b = self.bounds = piece_bounds(n, world)
         self.lens = lens = [b[j + 1] - b[j] for j in range(world)]
         entries = [codec.planned_entry(m) for m in lens]
-        tables = [_table(e) for e in entries]
+        tables = [bytes(entries_table([e])) for e in entries]  # what the general path's pack_frames writes
         # Each message padded to its capacity (room for a checksum), as fixed frames are.
-        caps = [HEADER_BYTES + CRC.size + frame_nbytes(e[2], bool(e[3])) for e in entries]
-        self.payload1 = sum(HEADER_BYTES + frame_nbytes(e[2], bool(e[3])) for e in entries)
-        self.payload2 = HEADER_BYTES + frame_nbytes(entries[me][2], bool(entries[me][3]))
+        caps = [entries_nbytes([e], crc=True) for e in entries]
+        self.payload1 = sum(entries_nbytes([e], crc=False) for e in entries)
+        self.payload2 = entries_nbytes([entries[me]], crc=False)
         kind, block = codec._kind, codec.block
         bits, levels = codec._bits, 0.0  # the check's bits a code; the decoders read Int8's bytes, sign's bits
         nbs = [K.quant_layout(m, block)[0] for m in lens]  # block scales a piece

@@ -326,6 +326,20 @@ def decode_add_quant_triton(
     )
 
 
+def decode_segment_tables(segs, block, B: int, device):
+    """:func:`_decode_segments_kernel`'s launch tables (kept per layout) for segments ``(first
+    element of out, elements, body's byte)``: a program per ``B`` elements."""
+
+    def build():
+        rows = []
+        for st, n, at in segs:
+            nb, b = quant_layout(n, block)
+            rows.append([st, n, max(b, 1), at, at + 4 * nb])
+        return rows, [n for _, n, _ in segs], B
+
+    return segment_tables(("decode", tuple(segs), block, B), device, build)
+
+
 def decode_add_quant_segments_triton(
     out: torch.Tensor,
     bodies: Sequence[torch.Tensor],
@@ -348,16 +362,7 @@ def decode_add_quant_segments_triton(
         return
     B = size("tile", tile, TILE_GPU, TILE_INTERPRETER, minimum=32)
     base, offs = _bodies_in_one(bodies, 1)  # scales are read bytewise: no alignment needed
-
-    def build():
-        rows = []
-        for st, n, off in zip(starts, numels, offs):
-            nb, b = quant_layout(n, block)
-            rows.append([st, n, max(b, 1), off, off + 4 * nb])
-        return rows, list(numels), B
-
-    tables = segment_tables(("decode", tuple(starts), tuple(numels), tuple(offs), block, B), out.device, build)
-    prog_seg, prog_first, seg = tables
+    prog_seg, prog_first, seg = decode_segment_tables(list(zip(starts, numels, offs)), block, B, out.device)
     if prog_seg.numel():
         _decode_segments_kernel[(prog_seg.numel(),)](
             out,

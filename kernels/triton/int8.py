@@ -130,6 +130,21 @@ def _int8_segments_kernel(
         tl.store(res_ptr + xs + offs, v - q.to(tl.float32) * s[:, None], mask=mask)
 
 
+def int8_segment_tables(segs, block: int, rows: int, device):
+    """:func:`_int8_segments_kernel`'s launch tables (kept per layout) for segments ``(first
+    element, elements, body's byte)``: ``rows`` blocks a program, a body's scales then codes."""
+
+    def build():
+        table, spans = [], []
+        for xs, n, at in segs:
+            nb, bl = quant_layout(n, block)
+            table.append([xs, n, bl, at, at + 4 * nb])
+            spans.append(nb)
+        return table, spans, rows
+
+    return segment_tables(("int8", tuple(segs), int(block), rows), device, build)
+
+
 def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 1024, residual=None, tile=None):
     """Triton version of :func:`~gradzip.kernels.quant.int8_encode_segments_reference` (float32
     ``x``): one launch where every piece's block fits a program's tile (``block`` given, at
@@ -154,17 +169,8 @@ def int8_encode_segments_triton(x: torch.Tensor, bounds, *, block: int | None = 
     rows = T // width
     offsets, total = int8_segments_layout(bounds, block)
     out = torch.zeros(total, dtype=torch.uint8, device=x.device)
-
-    def build():
-        table, spans = [], []
-        for off, a, b in zip(offsets, bounds, bounds[1:]):
-            nb, bl = quant_layout(b - a, block)
-            table.append([a, b - a, bl, off, off + 4 * nb])
-            spans.append(nb)
-        return table, spans, rows
-
-    tables = segment_tables(("int8", tuple(bounds), int(block), rows), x.device, build)
-    prog_seg, prog_first, seg = tables
+    segs = [(a, b - a, off) for off, a, b in zip(offsets, bounds, bounds[1:])]
+    prog_seg, prog_first, seg = int8_segment_tables(segs, block, rows, x.device)
     if prog_seg.numel():
         _int8_segments_kernel[(prog_seg.numel(),)](
             x,

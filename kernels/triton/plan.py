@@ -15,7 +15,7 @@ import triton
 
 from ..dispatch import _guard
 from ..quant import _body_layout, quant_layout
-from . import LAUNCH, segment_tables, size
+from . import LAUNCH, size
 from .blocks import NUM_WARPS, tile_size
 from .decode import (
     KIND_CODE,
@@ -26,12 +26,13 @@ from .decode import (
     _body_stats_kernel,
     _decode_add_quant_kernel,
     _decode_segments_kernel,
+    decode_segment_tables,
 )
 from .decode import (
     NUM_WARPS as DECODE_WARPS,
 )
-from .int8 import _int8_segments_kernel
-from .sign import SEG_CHUNK, _sign_seg_encode_into_kernel, _sign_seg_sums_kernel
+from .int8 import _int8_segments_kernel, int8_segment_tables
+from .sign import SEG_CHUNK, _sign_seg_encode_into_kernel, _sign_seg_sums_kernel, sign_segment_tables
 
 __all__ = ["Int8EncodeInto", "SignEncodeInto", "DecodePeers", "DecodeSegments", "RoundCheck", "fits"]
 
@@ -49,17 +50,7 @@ class Int8EncodeInto:
     def __init__(self, segs, block: int, device) -> None:
         width = triton.next_power_of_2(int(block))
         self.rows, self.width = tile_size(None) // width, width
-
-        def build():
-            table, spans = [], []
-            for xs, n, at in segs:
-                nb, bl = quant_layout(n, block)
-                table.append([xs, n, bl, at, at + 4 * nb])
-                spans.append(nb)
-            return table, spans, self.rows
-
-        key = ("int8-into", tuple(segs), int(block), self.rows)
-        self.prog_seg, self.prog_first, self.seg = segment_tables(key, device, build)
+        self.prog_seg, self.prog_first, self.seg = int8_segment_tables(segs, block, self.rows, device)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
         with _guard("triton", x.device):
@@ -85,18 +76,8 @@ class SignEncodeInto:
     buffer kept). ``segs``: ``(first element, elements, body's byte)``."""
 
     def __init__(self, segs, device) -> None:
-        self.T = T = tile_size(None)
-
-        def build():
-            table, spans, p0 = [], [], 0
-            for xs, n, at in segs:
-                count = -(-n // T)
-                table.append([xs, n, p0, count, at])
-                spans.append(n)
-                p0 += count
-            return table, spans, T
-
-        self.prog_seg, self.prog_first, self.seg = segment_tables(("sign-into", tuple(segs), T), device, build)
+        self.T = tile_size(None)
+        self.prog_seg, self.prog_first, self.seg = sign_segment_tables(segs, self.T, device)
         self.part = torch.empty(self.prog_seg.numel(), dtype=torch.float64, device=device)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
@@ -159,18 +140,9 @@ class DecodeSegments:
     of a base buffer: ``_decode_segments_kernel``, one launch."""
 
     def __init__(self, segs, kind: str, block, levels: float, bits: int, device) -> None:
-        B = size("tile", None, TILE_GPU, TILE_INTERPRETER, minimum=32)
-        self.B, self.levels, self.kind, self.bits = B, float(levels), KIND_CODE[kind], int(bits or 8)
-
-        def build():
-            rows = []
-            for st, n, at in segs:
-                nb, b = quant_layout(n, block)
-                rows.append([st, n, max(b, 1), at, at + 4 * nb])
-            return rows, [n for _, n, _ in segs], B
-
-        key = ("decode-plan", tuple(segs), block, B)
-        self.prog_seg, self.prog_first, self.seg = segment_tables(key, device, build)
+        self.B = size("tile", None, TILE_GPU, TILE_INTERPRETER, minimum=32)
+        self.levels, self.kind, self.bits = float(levels), KIND_CODE[kind], int(bits or 8)
+        self.prog_seg, self.prog_first, self.seg = decode_segment_tables(segs, block, self.B, device)
 
     def __call__(self, out: torch.Tensor, base: torch.Tensor) -> None:
         with _guard("triton", out.device):
@@ -197,18 +169,17 @@ class RoundCheck:
     before the launch (its slots are maxima)."""
 
     def __init__(self, frames, size_: int, kind: str, bits: int, at, want: bytes, slots, device) -> None:
+        if len(at) != len(want) or len(at) != len(slots):
+            raise ValueError("one wanted byte and one slot per compared position")
         frames = tuple((int(o), int(nb), int(k)) for o, nb, k in frames)
-        self.scale_at, codes = _body_layout(frames, size_, kind, bits, device)
-        self.codes = codes
+        self.scale_at, self.codes = _body_layout(frames, size_, kind, bits, device)
         self.n, self.kind, self.bits = size_, KIND_CODE[kind], bits
         self.B = size("block", None, STATS_GPU, STATS_INTERPRETER)
         self.ns = self.scale_at.numel() // 4
-        self.nbp = 0 if codes is None else triton.cdiv(size_, self.B)
+        self.nbp = 0 if self.codes is None else triton.cdiv(size_, self.B)
         self.eq_at = torch.tensor(list(at), dtype=torch.int64).to(device)
         self.eq_want = torch.frombuffer(bytearray(want), dtype=torch.uint8).to(device) if want else None
         self.eq_slot = torch.tensor(list(slots), dtype=torch.int64).to(device)
-        if len(at) != len(want) or len(at) != len(slots):
-            raise ValueError("one wanted byte and one slot per compared position")
         self.grid = self.nbp + triton.cdiv(self.ns, self.B) + triton.cdiv(len(at), self.B)
 
     def __call__(self, whole: torch.Tensor, status: torch.Tensor) -> None:

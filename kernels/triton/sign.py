@@ -214,6 +214,20 @@ def _sign_seg_scales_kernel(part_ptr, seg_ptr, body_ptr, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _seg_words(x_ptr, r_ptr, xs, n, first, WORDS: tl.constexpr, HAS_R: tl.constexpr):
+    """``WORDS * 32`` elements of a segment from ``first`` (a multiple of 32): their offsets,
+    mask, compensated values ``v`` and signs, each row's sign word and the words' indices."""
+    w = tl.arange(0, WORDS)
+    cols = tl.arange(0, 32)
+    offs = first + w[:, None] * 32 + cols[None, :]
+    mask = offs < n
+    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, mask, HAS_R)
+    neg = (v < 0) & mask
+    word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)  # disjoint bits: sum == OR
+    return offs, mask, v, neg, word, first // 32 + w
+
+
+@triton.jit
 def _sign_seg_encode_kernel(
     x_ptr,
     r_ptr,
@@ -232,14 +246,7 @@ def _sign_seg_encode_kernel(
     row = seg_ptr + tl.load(prog_seg_ptr + pid).to(tl.int64) * 5
     xs, n, off = tl.load(row), tl.load(row + 1), tl.load(row + 4)
     first = tl.load(prog_first_ptr + pid)
-    w = tl.arange(0, WORDS)
-    cols = tl.arange(0, 32)
-    offs = first + w[:, None] * 32 + cols[None, :]
-    mask = offs < n
-    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, mask, HAS_R)
-    neg = (v < 0) & mask
-    word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)  # disjoint bits: sum == OR
-    widx = first // 32 + w
+    offs, mask, v, neg, word, widx = _seg_words(x_ptr, r_ptr, xs, n, first, WORDS, HAS_R)
     tl.store(body_ptr + off + 1 + widx, word, mask=widx < (n + 31) // 32)
     if WRITE_R:
         s = tl.load(body_ptr + off).to(tl.float32, bitcast=True)
@@ -273,14 +280,7 @@ def _sign_seg_encode_into_kernel(
     sbits = s.to(tl.int32, bitcast=True)
     k = tl.arange(0, 4)
     tl.store(out_ptr + off + k, ((sbits >> (k * 8)) & 0xFF).to(tl.uint8), mask=(k + first) < 4)  # first == 0
-    w = tl.arange(0, WORDS)
-    cols = tl.arange(0, 32)
-    offs = first + w[:, None] * 32 + cols[None, :]
-    mask = offs < n
-    v = load_compensated(x_ptr + xs, r_ptr + xs, offs, mask, HAS_R)
-    neg = (v < 0) & mask
-    word = tl.sum(neg.to(tl.int32) << cols[None, :], axis=1)  # disjoint bits: sum == OR
-    widx = first // 32 + w
+    offs, mask, v, neg, word, widx = _seg_words(x_ptr, r_ptr, xs, n, first, WORDS, HAS_R)
     at = off + 4 + widx[:, None] * 4 + k[None, :]
     byte = ((word[:, None] >> (k[None, :] * 8)) & 0xFF).to(tl.uint8)
     tl.store(out_ptr + at, byte, mask=(widx < (n + 31) // 32)[:, None] & (k < 4)[None, :])
@@ -288,6 +288,22 @@ def _sign_seg_encode_into_kernel(
 
 
 SEG_CHUNK = 128  # programs' sums a step of _seg_scale
+
+
+def sign_segment_tables(segs, T: int, device):
+    """The segmented sign kernels' launch tables (kept per layout) for segments ``(first
+    element, elements, body's place in the kernel's unit)``: a program per ``T`` elements."""
+
+    def build():
+        table, spans, p0 = [], [], 0
+        for xs, n, at in segs:
+            count = -(-n // T)
+            table.append([xs, n, p0, count, at])
+            spans.append(n)
+            p0 += count
+        return table, spans, T
+
+    return segment_tables(("sign", tuple(segs), T), device, build)
 
 
 def sign_ef_segments_triton(x: torch.Tensor, bounds, *, residual=None, out=None, tile: int | None = None):
@@ -303,16 +319,8 @@ def sign_ef_segments_triton(x: torch.Tensor, bounds, *, residual=None, out=None,
     offsets, total = sign_segments_layout(bounds)
     body = torch.zeros(total // 4, dtype=torch.int32, device=x.device)
 
-    def build():
-        table, spans, p0 = [], [], 0
-        for off, a, b in zip(offsets, bounds, bounds[1:]):
-            count = -(-(b - a) // T)
-            table.append([a, b - a, p0, count, off // 4])
-            spans.append(b - a)
-            p0 += count
-        return table, spans, T
-
-    prog_seg, prog_first, seg = segment_tables(("sign", tuple(bounds), T), x.device, build)
+    segs = [(a, b - a, off // 4) for off, a, b in zip(offsets, bounds, bounds[1:])]  # the body's word
+    prog_seg, prog_first, seg = sign_segment_tables(segs, T, x.device)
     if prog_seg.numel():
         xf = x.reshape(-1)
         r = xf if residual is None else residual.reshape(-1)
